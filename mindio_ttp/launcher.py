@@ -1,0 +1,286 @@
+"""`ttprun`: torchrun with a grace period for the dying checkpoint.
+
+Stock torchrun kills every surviving worker as soon as one fails (SIGTERM inside the same poll,
+SIGKILL 30 s later) and gives a preempted launcher the same 30 s. A dying checkpoint needs the
+survivors alive until the TTP runtime has chosen a step, saved it and renamed it. `ttprun` takes
+torchrun's arguments unchanged (torch's own parser) and runs torch's own launch code; the only
+difference is the agent, a `LocalElasticAgent` subclass that:
+
+* on a worker failure keeps the survivors running for up to ``TTP_OT`` seconds, and stops waiting
+  as soon as ``$TTP_RUN_DIR/flow-finished.json`` exists and every live worker has exited
+  (a stopped, i.e. SIGSTOPped, worker never exits: it is killed once the flow has finished);
+* on SIGTERM to the launcher (preemption) forwards SIGTERM to the workers (the runtime runs the
+  flow without a dead rank) and waits the same way;
+* kills whatever is still running when the wait ends, then lets torch report the failure, so the
+  launcher exits non-zero and a scheduler restarts the job.
+
+``--max-restarts`` keeps torchrun's meaning and default (0): after the grace period, when restarts
+remain, the worker group is restarted in place (the workers resume from the dying checkpoint);
+otherwise the launcher exits. A fresh ``TTP_RUN_DIR`` is made per launch; before a restart the
+previous attempt's ``flow-finished.json`` is moved aside so it cannot end the next wait early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.utils.process_state import read_proc_state
+
+logger = logging.getLogger("ttprun")
+
+# Env names from the runtime contract (kept equal to mindio_ttp.framework_ttp.config; repeated here
+# so the launcher does not import the runtime, which may not be importable in the launcher's env).
+ENV_OT = "TTP_OT"
+ENV_AUTH_KEY = "TTP_AUTH_KEY"
+ENV_RUN_DIR = "TTP_RUN_DIR"
+DEFAULT_OT_S = 120.0
+FLOW_FINISHED = "flow-finished.json"
+
+# Once the flow has finished, the runtime makes every worker exit on its own; a worker that has not
+# exited this many seconds later is killed (it may be wedged in a collective with a dead peer).
+POST_FLOW_EXIT_S = 15.0
+POLL_S = 0.05
+
+
+def overtime_s(environ: Optional[dict] = None) -> float:
+    """``TTP_OT`` in seconds: how long survivors may run after a fault (default 120)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_OT, "")
+    if not raw.strip():
+        return DEFAULT_OT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"{ENV_OT}={raw!r} is not a number of seconds; set e.g. {ENV_OT}=120"
+        ) from None
+    if value < 0:
+        raise ValueError(f"{ENV_OT}={raw!r} is negative; set a number of seconds >= 0")
+    return value
+
+
+def _is_stopped(pid: int) -> bool:
+    """True for a process in the stopped/traced state: it will not exit by itself."""
+    return read_proc_state(pid) in ("T", "t")
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal the worker's process group (torch starts each worker in its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+@contextlib.contextmanager
+def _close_deferred(pcontext: SubprocessContext) -> Iterator[None]:
+    """Make ``pcontext.close`` a no-op while torch polls, so a failure does not kill siblings."""
+    pcontext.close = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pcontext.close
+
+
+class TTPElasticAgent(LocalElasticAgent):
+    """LocalElasticAgent that holds survivors for the dying checkpoint instead of killing them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ot_s = overtime_s()
+        self._run_dir = Path(os.environ[ENV_RUN_DIR])
+        self._attempt = 0
+
+    # -- worker lifecycle -------------------------------------------------------------------
+    def _start_workers(self, worker_group: WorkerGroup):  # noqa: D401 - torch's signature
+        marker = self._run_dir / FLOW_FINISHED
+        if marker.exists():
+            marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
+        self._attempt += 1
+        return super()._start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        pcontext = self._pcontext
+        if not isinstance(pcontext, SubprocessContext):
+            return super()._monitor_workers(worker_group)  # function entry points: stock policy
+        with _close_deferred(pcontext):
+            result = super()._monitor_workers(worker_group)
+        if result.state != WorkerState.FAILED:
+            return result
+        failed = sorted(result.failures)
+        logger.warning(
+            "ttprun: worker rank(s) %s failed; keeping survivors up to %.0f s (TTP_OT) for the "
+            "dying checkpoint",
+            failed,
+            self._ot_s,
+        )
+        self._hold_survivors(pcontext)
+        with _close_deferred(pcontext):
+            final = super()._monitor_workers(worker_group)
+        return final if final.state == WorkerState.FAILED else result
+
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        try:
+            return super()._invoke_run(role)
+        except SignalException as exc:
+            pcontext = self._pcontext
+            if exc.sigval == signal.SIGTERM and isinstance(pcontext, SubprocessContext):
+                logger.warning(
+                    "ttprun: SIGTERM (preemption): forwarding it to the workers and waiting up to "
+                    "%.0f s (TTP_OT) for the dying checkpoint",
+                    self._ot_s,
+                )
+                for pid in pcontext.pids().values():
+                    _signal_group(pid, signal.SIGTERM)
+                self._hold_survivors(pcontext)
+            raise
+
+    # -- the grace period -------------------------------------------------------------------
+    def _hold_survivors(self, pcontext: SubprocessContext) -> None:
+        """Wait for the flow to finish and the workers to exit; kill whatever is left after."""
+        start = time.monotonic()
+        deadline = start + self._ot_s
+        marker = self._run_dir / FLOW_FINISHED
+        flow_done_at: Optional[float] = None
+        reason = f"TTP_OT ({self._ot_s:.0f} s) ran out before the flow finished"
+        try:
+            while True:
+                alive = {
+                    rank: h.proc.pid
+                    for rank, h in pcontext.subprocess_handlers.items()
+                    if h.proc.poll() is None
+                }
+                now = time.monotonic()
+                if flow_done_at is None and marker.exists():
+                    flow_done_at = now
+                    logger.warning(
+                        "ttprun: dying-checkpoint flow finished after %.2f s: %s",
+                        now - start,
+                        _read_marker(marker),
+                    )
+                if not alive:
+                    logger.warning("ttprun: every worker exited after %.2f s", now - start)
+                    return
+                if flow_done_at is not None:
+                    for rank, pid in alive.items():
+                        if _is_stopped(pid):
+                            logger.warning("ttprun: killing stopped worker %s (pid %s)", rank, pid)
+                            _signal_group(pid, signal.SIGKILL)
+                    if now - flow_done_at > POST_FLOW_EXIT_S:
+                        reason = f"still running {POST_FLOW_EXIT_S:.0f} s after the flow finished"
+                        break
+                if now >= deadline:
+                    break
+                time.sleep(POLL_S)
+        except SignalException as exc:
+            reason = f"second signal {exc.sigval.name} during the grace period"
+        for rank, handler in pcontext.subprocess_handlers.items():
+            if handler.proc.poll() is None:
+                logger.warning(
+                    "ttprun: killing worker %s (pid %s): %s", rank, handler.proc.pid, reason
+                )
+                _signal_group(handler.proc.pid, signal.SIGKILL)
+        for handler in pcontext.subprocess_handlers.values():
+            with contextlib.suppress(Exception):
+                handler.proc.wait(timeout=10)
+
+
+def _read_marker(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError as exc:  # the file is written atomically, but report rather than crash
+        return f"(unreadable: {exc})"
+
+
+@contextlib.contextmanager
+def ttp_environment() -> Iterator[Path]:
+    """Export a fresh TTP_RUN_DIR and a TTP_AUTH_KEY (generated when unset) to the workers.
+
+    When ``TTP_RUN_DIR`` is already set it is taken as the parent of the per-launch directory,
+    which is then kept (so a caller can read ``flow-finished.json``); otherwise a temporary one is
+    made and removed at exit.
+    """
+    saved = {name: os.environ.get(name) for name in (ENV_RUN_DIR, ENV_AUTH_KEY)}
+    parent = saved[ENV_RUN_DIR]
+    if parent:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"ttprun-{os.getpid()}-", dir=parent or None))
+    os.environ[ENV_RUN_DIR] = str(run_dir)
+    if not saved[ENV_AUTH_KEY]:
+        os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)
+    try:
+        yield run_dir
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if not parent:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _agent_installed() -> Iterator[None]:
+    """Have torch's own ``launch_agent`` build our agent (it names LocalElasticAgent globally)."""
+    import torch.distributed.launcher.api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = TTPElasticAgent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original
+
+
+def build_parser():
+    """torch's torchrun parser, renamed; ``ttprun --help`` lists exactly torchrun's options."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "ttprun"
+    parser.description = (
+        "torchrun with a dying-checkpoint grace period: when a worker fails or the launcher gets "
+        "SIGTERM, surviving workers get up to TTP_OT seconds (default 120) to write the "
+        "checkpoint before they are stopped. Same arguments as torchrun."
+    )
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``ttprun``; returns the exit code (1 when a worker failed)."""
+    from torch.distributed.run import run
+
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        overtime_s()
+    except ValueError as exc:
+        print(f"ttprun: error: {exc}", file=sys.stderr)
+        return 2
+    with ttp_environment() as run_dir, _agent_installed():
+        logger.info("ttprun: TTP_RUN_DIR=%s", run_dir)
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
+        except SignalException as exc:
+            return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""ttprun against small worker scripts that play the runtime's part of the contract (write
+``$TTP_RUN_DIR/flow-finished.json``, then exit non-zero), so the launcher's grace period is tested
+on its own: survivors are not killed at once, the wait ends early when the flow has finished,
+stragglers and stopped workers are killed, and SIGTERM to the launcher is forwarded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mindio_ttp.launcher import DEFAULT_OT_S, build_parser, overtime_s
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from pathlib import Path
+
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    run_dir = Path(os.environ["TTP_RUN_DIR"])
+    (out / f"env-{rank}").write_text(os.environ["TTP_RUN_DIR"] + "\\n" + os.environ["TTP_AUTH_KEY"])
+
+    def finish_flow(code=2):
+        if rank == 0:
+            tmp = run_dir / "flow-finished.json.tmp"
+            tmp.write_text(json.dumps({"outcome": "saved", "step": 3, "ranks": [0, 2, 3]}))
+            os.replace(tmp, run_dir / "flow-finished.json")
+        os._exit(code)
+
+    def on_term(signum, frame):
+        (out / f"term-{rank}").write_text("x")
+        if mode != "preempt":
+            os._exit(143)
+        time.sleep(0.5)
+        (out / f"saved-{rank}").write_text("x")
+        finish_flow()
+
+    signal.signal(signal.SIGTERM, on_term)
+    (out / f"started-{rank}").write_text("x")
+    if mode == "preempt":
+        while True:
+            time.sleep(0.05)
+    if rank == 1:
+        time.sleep(0.3)
+        if mode == "stopped":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(3)
+    if mode == "hang":
+        while True:
+            time.sleep(0.05)
+    if mode == "ok":
+        os._exit(0)
+    time.sleep(1.5)  # the dying checkpoint: stock torchrun would have killed us by now
+    (out / f"saved-{rank}").write_text("x")
+    finish_flow()
+    """
+)
+
+
+def _launch(tmp_path: Path, mode: str, port: int, ot: str = "30", **env_extra: str):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    env = dict(os.environ, TTP_OT=ot, TTP_RUN_DIR=str(tmp_path / "runs"), **env_extra)
+    env.pop("TTP_AUTH_KEY", None)
+    cmd = [
+        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", "--nproc-per-node=4",
+        "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+        "--node-rank=0", "--monitor-interval=0.05", str(script), mode, str(out),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return proc, out
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 60) -> str:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"ttprun did not exit within {timeout} s:\n{output}")
+    return output
+
+
+def test_help_lists_torchrun_options() -> None:
+    text = build_parser().format_help()
+    assert text.startswith("usage: ttprun")
+    for option in ("--nproc-per-node", "--max-restarts", "--rdzv-backend", "--monitor-interval"):
+        assert option in text
+
+
+def test_overtime_parses_env_and_refuses_garbage() -> None:
+    assert overtime_s({}) == DEFAULT_OT_S
+    assert overtime_s({"TTP_OT": "7.5"}) == 7.5
+    with pytest.raises(ValueError, match="TTP_OT='soon' is not a number"):
+        overtime_s({"TTP_OT": "soon"})
+    with pytest.raises(ValueError, match="negative"):
+        overtime_s({"TTP_OT": "-1"})
+
+
+@pytest.mark.slow
+def test_survivors_finish_the_flow_and_launcher_exits_early(tmp_path: Path, free_port: int) -> None:
+    start = time.monotonic()
+    proc, out = _launch(tmp_path, "crash", free_port)
+    output = _finish(proc)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, output
+    # the survivors were allowed to finish their 1.5 s "save" (stock torchrun SIGTERMs at once)
+    assert sorted(p.name for p in out.glob("saved-*")) == ["saved-0", "saved-2", "saved-3"], output
+    assert not list(out.glob("term-*")), "survivors got SIGTERM during the grace period"
+    assert "dying-checkpoint flow finished" in output
+    assert elapsed < 20, f"launcher waited {elapsed:.1f} s although the flow finished"
+    envs = {p.read_text() for p in out.glob("env-*")}
+    assert len(envs) == 1, "all workers must see the same TTP_RUN_DIR and TTP_AUTH_KEY"
+    run_dir, key = envs.pop().split("\n")
+    assert Path(run_dir).parent == tmp_path / "runs"
+    assert len(key) == 64 and int(key, 16) >= 0
+    assert (Path(run_dir) / "flow-finished.json").is_file()
+
+
+@pytest.mark.slow
+def test_stragglers_are_killed_when_overtime_runs_out(tmp_path: Path, free_port: int) -> None:
+    start = time.monotonic()
+    proc, out = _launch(tmp_path, "hang", free_port, ot="2")
+    output = _finish(proc)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, output
+    assert "TTP_OT (2 s) ran out" in output
+    assert 2 <= elapsed < 20, elapsed
+
+
+@pytest.mark.slow
+def test_stopped_worker_is_killed_once_flow_finished(tmp_path: Path, free_port: int) -> None:
+    start = time.monotonic()
+    proc, out = _launch(tmp_path, "stopped", free_port, ot="60")
+    # rank 1 is stopped, so the launcher sees no failure until the survivors exit after the flow
+    output = _finish(proc)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, output
+    assert "killing stopped worker 1" in output
+    assert elapsed < 30, f"a stopped worker held the launcher for {elapsed:.1f} s"
+
+
+@pytest.mark.slow
+def test_sigterm_to_launcher_is_forwarded_with_grace(tmp_path: Path, free_port: int) -> None:
+    proc, out = _launch(tmp_path, "preempt", free_port, ot="60")
+    deadline = time.monotonic() + 30
+    while len(list(out.glob("started-*"))) < 4:
+        assert time.monotonic() < deadline and proc.poll() is None, "workers did not start"
+        time.sleep(0.05)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    output = _finish(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert len(list(out.glob("term-*"))) == 4, output
+    assert len(list(out.glob("saved-*"))) == 4, "workers were killed before their 0.5 s save"
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.slow
+def test_clean_run_exits_zero_and_removes_its_run_dir(tmp_path: Path, free_port: int) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("import os, pathlib; pathlib.Path(os.environ['TTP_RUN_DIR'], 'seen').touch()")
+    env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY")}
+    cmd = [
+        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", "--nproc-per-node=2",
+        "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port}",
+        "--node-rank=0", str(script),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
