@@ -1,0 +1,88 @@
+"""`load_checkpoint`: Megatron's loader, after refusing checkpoints that are not whole.
+
+A dying checkpoint is written while the job is failing; if the writers died too, or a file was
+damaged later, Megatron would crash in torch.load or (worse) `sys.exit()` with status 0. So the
+ranks first agree on the newest checkpoint that passes `manifest.verify` (each rank re-hashes a
+share of the files), then let Megatron load exactly that one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import torch
+from megatron import checkpointing, get_args, print_rank_0
+
+from . import manifest
+from .replicated_optimizer import ReplicatedOptimizer
+from .save import parallel_layout
+
+NEEDS_REPLICATED = (
+    "mindio_ttp: the dying checkpoint needs Megatron's --use-distributed-optimizer (the patched "
+    "tree then builds ReplicatedOptimizer, which keeps every optimizer shard on two DP ranks); "
+    "got {kind}. Add --use-distributed-optimizer, or run the unpatched tree (`ttp-patch revert`)."
+)
+
+
+def require_replicated(optimizer) -> None:
+    if not isinstance(optimizer, ReplicatedOptimizer):
+        raise RuntimeError(NEEDS_REPLICATED.format(kind=type(optimizer).__name__))
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load",
+                    strict: bool = True) -> int:
+    """Drop-in for megatron.checkpointing.load_checkpoint with validation and fallback."""
+    require_replicated(optimizer)
+    args = get_args()
+    load_dir = Path(getattr(args, load_arg))
+    step = choose_checkpoint(load_dir)
+    with _pinned_iteration(step):
+        iteration = checkpointing.load_checkpoint(model, optimizer, opt_param_scheduler,
+                                                  load_arg=load_arg, strict=strict)
+    optimizer.record_loaded_step(iteration, opt_param_scheduler)
+    return iteration
+
+
+def choose_checkpoint(load_dir: Path) -> Optional[int]:
+    """The newest usable iteration at or below the tracker's, agreed by all ranks; None when
+    there is no tracker (Megatron then starts from scratch, as it always did)."""
+    newest, _reason = manifest.read_tracker(load_dir)
+    if newest is None:
+        return None
+    par = parallel_layout()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    share = par.expected_files()[rank::world]
+    candidates: List[int] = [newest] + [
+        s for s in manifest.candidate_steps(load_dir, newest) if s != newest]
+    for step in candidates:
+        iter_dir = load_dir / manifest.iter_dir_name(step)
+        reason = manifest.verify(iter_dir, par, hash_files=share)
+        ok = torch.tensor([0 if reason else 1], dtype=torch.int64)
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        if reason:
+            print(f"mindio_ttp: rank {rank} refuses checkpoint {iter_dir}: {reason}", flush=True)
+        if ok.item() == 1:
+            if step != newest:
+                print_rank_0(f"mindio_ttp: {manifest.TRACKER} names iteration {newest}, which is "
+                             f"not usable; loading the previous complete checkpoint, iteration "
+                             f"{step}")
+            return step
+        print_rank_0(f"mindio_ttp: checkpoint {iter_dir} refused (see the rank messages above)")
+    raise RuntimeError(f"mindio_ttp: no usable checkpoint in {load_dir} (tracker says {newest}); "
+                       "remove the tracker file to start from scratch")
+
+
+@contextlib.contextmanager
+def _pinned_iteration(step: Optional[int]) -> Iterator[None]:
+    """Make Megatron's loader read `step` instead of the tracker's (possibly refused) value."""
+    if step is None:
+        yield
+        return
+    original = checkpointing.read_metadata
+    checkpointing.read_metadata = lambda _tracker: (step, False)
+    try:
+        yield
+    finally:
+        checkpointing.read_metadata = original
