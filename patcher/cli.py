@@ -1,0 +1,123 @@
+"""`ttp-patch`: parse arguments, call one operation, print, return the exit code.
+
+stdout carries only the payload (diffs, the status table or JSON) so it can be redirected;
+messages and errors go to stderr. Exit codes: 0 done / nothing to do / verified,
+1 the tree is not in the state the command needs (verify failed, drift, modified files,
+anchors not found), 2 usage or environment errors (not a git repo, wrong commit, unreadable
+or read-only files, corrupt record, failed write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from . import __version__
+from .apply import apply, diff
+from .errors import EXIT_ENVIRONMENT, EXIT_OK, PatchError
+from .options import DEFAULT_PORT, Device, Options
+from .revert import revert
+from .status import status
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 too; keep our prefix and hint
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_ENVIRONMENT, f"ttp-patch: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="ttp-patch",
+        description="Insert the MindIO TTP guide's edits into Megatron-LM 285068c (and take "
+        "them out again), byte-exact and all-or-nothing.",
+        epilog="exit codes: 0 ok, 1 not applied / drifted / refused by content, "
+        "2 usage or environment error",
+    )
+    p.add_argument("--version", action="version", version=f"ttp-patch {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    devices = [d.value for d in Device]
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("dir", nargs="?", default=".", metavar="DIR",
+                        help="the Megatron-LM checkout (default: .)")
+        return sp
+
+    sp = add("apply", "apply the 14 edits and write pretrain_gpt_ttp.sh")
+    sp.add_argument("--device", choices=devices, default="npu",
+                    help="adaptor import in pretrain_gpt.py: npu (megatron_npu, the guide's), "
+                    "cuda (none), cpu (mindio_ttp.cpu_adaptor)")
+    sp.add_argument("--port", type=int, default=DEFAULT_PORT,
+                    help="controller port written into the start-up block (default 8000)")
+    sp.add_argument("--dry-run", action="store_true", help="print the diff, change nothing")
+
+    sp = add("revert", "restore the patched files to their HEAD bytes, remove the script")
+    sp.add_argument("--force", action="store_true",
+                    help="also when files changed after apply (those changes are lost)")
+
+    for name, help_ in (("status", "show the state of every edit"),
+                        ("verify", "CI gate: exit 0 only when every edit is applied")):
+        sp = add(name, help_)
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--device", choices=devices, default=None,
+                        help="the device to expect (default: recorded by apply, else read "
+                        "from pretrain_gpt.py)")
+
+    sp = add("diff", "print the diff apply makes (or made)")
+    sp.add_argument("--device", choices=devices, default="npu")
+    sp.add_argument("--port", type=int, default=DEFAULT_PORT)
+    return p
+
+
+def _say(message: str) -> None:
+    print(f"ttp-patch: {message}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "apply":
+        opts = Options.build(args.device, args.port)
+        out = apply(args.dir, opts, dry_run=args.dry_run)
+        if args.dry_run:
+            sys.stdout.write(out.diff)
+            _say("dry run: nothing written" + ("" if out.written else "; nothing to do"))
+        elif out.noop:
+            _say(f"already applied ({opts.describe()}): nothing to do")
+        else:
+            _say(f"applied {out.edits_applied} edits ({opts.describe()}); wrote "
+                 + ", ".join(out.written))
+        return EXIT_OK
+    if args.command == "revert":
+        res = revert(args.dir, force=args.force)
+        if res.nothing_to_do:
+            _say("nothing to revert: the tree has no ttp-patch edits")
+        else:
+            done = res.restored + [f"removed {p}" for p in res.removed]
+            _say("reverted: " + (", ".join(done) or "only the record"))
+        if res.drifted_forced:
+            _say("--force discarded changes in: " + ", ".join(res.drifted_forced))
+        for path in res.kept:
+            _say(f"left {path} alone: it was not written by ttp-patch")
+        return EXIT_OK
+    if args.command in ("status", "verify"):
+        report = status(args.dir, device=args.device)
+        sys.stdout.write(report.to_json() + "\n" if args.json else report.to_text())
+        return report.verify_exit_code if args.command == "verify" else EXIT_OK
+    if args.command == "diff":
+        sys.stdout.write(diff(args.dir, Options.build(args.device, args.port)))
+        return EXIT_OK
+    raise AssertionError(args.command)  # pragma: no cover - argparse restricts commands
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        return _run(args)
+    except PatchError as exc:
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

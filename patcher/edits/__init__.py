@@ -1,0 +1,28 @@
+"""The guide's 14 edits in EDITS.md order, grouped by the file they change."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from . import optimizer_init, parallel_state, pretrain_gpt, training
+from .base import Assessment, Edit, FileIndex, State
+
+ALL_EDITS: List[Edit] = [
+    *pretrain_gpt.EDITS,
+    *training.EDITS,
+    *optimizer_init.EDITS,
+    *parallel_state.EDITS,
+]
+
+TARGET_FILES: List[str] = [pretrain_gpt.FILE, training.FILE, optimizer_init.FILE, parallel_state.FILE]
+
+
+def edits_for(path: str) -> List[Edit]:
+    return [e for e in ALL_EDITS if e.file == path]
+
+
+def by_id() -> Dict[str, Edit]:
+    return {e.id: e for e in ALL_EDITS}
+
+
+__all__ = ["ALL_EDITS", "TARGET_FILES", "Assessment", "Edit", "FileIndex", "State", "edits_for"]

@@ -1,0 +1,55 @@
+"""The choices `apply` takes, resolved once into one frozen value that every later step reads."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import UsageError
+
+DEFAULT_PORT = 8000  # the guide's literal in the start-up block
+
+
+class Device(str, enum.Enum):
+    """Which accelerator adaptor pretrain_gpt.py imports right after `import torch`."""
+
+    NPU = "npu"
+    CUDA = "cuda"
+    CPU = "cpu"
+
+    @property
+    def adaptor_import(self) -> Optional[str]:
+        """The import statement the device needs, or None (CUDA needs no adaptor)."""
+        return _ADAPTOR_IMPORTS[self]
+
+
+_ADAPTOR_IMPORTS = {
+    Device.NPU: "import megatron_npu",
+    Device.CUDA: None,
+    Device.CPU: "import mindio_ttp.cpu_adaptor",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to insert. For detection, None means "accept whatever the file shows"."""
+
+    device: Optional[Device] = Device.NPU
+    port: Optional[int] = DEFAULT_PORT
+
+    @classmethod
+    def build(cls, device: str = "npu", port: int = DEFAULT_PORT) -> Options:
+        try:
+            dev = Device(device)
+        except ValueError:
+            raise UsageError(
+                f"unknown device {device!r}", "use one of: npu, cuda, cpu"
+            ) from None
+        if not 1 <= port <= 65535:
+            raise UsageError(f"port {port} is out of range", "give a TCP port in 1..65535")
+        return cls(device=dev, port=port)
+
+    def describe(self) -> str:
+        dev = self.device.value if self.device else "any"
+        return f"--device {dev} --port {self.port if self.port is not None else 'any'}"

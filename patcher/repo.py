@@ -1,0 +1,115 @@
+"""Read-only questions to the Megatron checkout, through GitPython: where, which commit, HEAD bytes.
+
+Blob bytes come from the object store (`data_stream`), never from `git show`, which strips the
+final newline and would make byte comparisons lie.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import git
+
+from .errors import MissingTarget, NotAGitRepo, UsageError, WrongCommit
+
+PINNED_COMMIT = "285068c8108e0e8e6538f54fe27c3ee86c5217a2"
+# Only for testing the tool itself on small fixture repositories; documented as such.
+COMMIT_OVERRIDE_ENV = "TTP_PATCH_COMMIT"
+
+
+def expected_commit() -> str:
+    return os.environ.get(COMMIT_OVERRIDE_ENV) or PINNED_COMMIT
+
+
+@dataclass
+class Checkout:
+    root: Path
+    repo: git.Repo
+    commit: str
+
+    @property
+    def git_dir(self) -> Path:
+        """The per-work-tree git directory (a linked worktree has its own under .git/worktrees)."""
+        return Path(self.repo.git_dir)
+
+    def head_blob(self, path: str) -> Optional[bytes]:
+        try:
+            blob = self.repo.commit(self.commit).tree / path
+        except KeyError:
+            return None
+        return blob.data_stream.read()
+
+    def require_head_blob(self, path: str) -> bytes:
+        data = self.head_blob(path)
+        if data is None:
+            raise MissingTarget(
+                f"{path} is not in commit {self.commit[:12]}", "is this a Megatron-LM checkout?"
+            )
+        return data
+
+    def close(self) -> None:
+        self.repo.close()
+
+
+def open_checkout(directory: str) -> Checkout:
+    """The work tree at `directory`, which must be its root and sit at the pinned commit."""
+    root = Path(directory)
+    if not root.exists():
+        raise UsageError(f"{directory}: no such directory", "give the Megatron-LM checkout")
+    if not root.is_dir():
+        raise UsageError(f"{directory}: not a directory", "give the Megatron-LM checkout")
+    root = root.resolve()
+    try:
+        repo = git.Repo(root)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise NotAGitRepo(
+            f"{directory}: not a git repository",
+            f"clone Megatron-LM and `git checkout {PINNED_COMMIT}` there",
+        ) from None
+    if repo.bare or repo.working_tree_dir is None:
+        repo.close()
+        raise NotAGitRepo(f"{directory}: a bare repository has no files to patch")
+    if Path(repo.working_tree_dir).resolve() != root:
+        top = repo.working_tree_dir
+        repo.close()
+        raise NotAGitRepo(
+            f"{directory}: inside a git work tree but not its root ({top})",
+            f"run on the Megatron-LM root: ttp-patch ... {top}",
+        )
+    want = expected_commit()
+    try:
+        found = repo.head.commit.hexsha
+    except ValueError:
+        repo.close()
+        raise WrongCommit(f"{directory}: the repository has no commits", _checkout_hint(root, want))
+    if found != want:
+        where = _relation(repo, want, found)
+        repo.close()
+        raise WrongCommit(
+            f"{directory}: HEAD is {found}{where}; the edits are for {want} only",
+            _checkout_hint(root, want),
+        )
+    return Checkout(root, repo, found)
+
+
+def _checkout_hint(root: Path, want: str) -> str:
+    return f"git -C {root} checkout {want}   (then run ttp-patch again)"
+
+
+def _relation(repo: git.Repo, want: str, found: str) -> str:
+    """Older or newer than the pin, when the pinned commit is known here."""
+    try:
+        repo.commit(want)
+    except (ValueError, git.BadName):
+        return " (the pinned commit is not in this repository: fetch it first)"
+    try:
+        if repo.is_ancestor(want, found):
+            return " (newer than the pinned commit)"
+        if repo.is_ancestor(found, want):
+            return " (older than the pinned commit)"
+    except git.GitCommandError:
+        pass
+    return " (not on the pinned commit's line)"
