@@ -1,0 +1,50 @@
+"""A private, patchable copy of a Megatron-LM checkout.
+
+``git clone --shared`` of ``TTP_MEGATRON_DIR`` at the pinned commit: the copy reads objects
+from the source repository but never writes to it (a ``git worktree add`` would register itself
+in the source's ``.git``, which may be read-only and leaks an entry if a test dies), and
+removing it is a plain ``rmtree``. The copy is a real git repository at a detached HEAD, which
+is what ``ttp-patch`` checks before it edits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+MEGATRON_COMMIT = "285068c8108e0e8e6538f54fe27c3ee86c5217a2"
+GIT_TIMEOUT_S = 180
+
+
+def _git(args: Sequence[str], cwd: Path | None = None) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=GIT_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def copy_megatron_tree(source: Path, dest: Path, commit: str = MEGATRON_COMMIT) -> Path:
+    """Clone ``source`` into the new folder ``dest`` at ``commit`` (detached); return ``dest``."""
+    source, dest = Path(source).resolve(), Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise FileExistsError(f"{dest} exists and is not empty: pick a fresh folder")
+    _git(["clone", "--quiet", "--shared", "--no-checkout", str(source), str(dest)])
+    _git(["-c", "advice.detachedHead=false", "checkout", "--quiet", "--detach", commit],
+         cwd=dest)
+    if not (dest / "pretrain_gpt.py").is_file():
+        raise RuntimeError(f"{source} at {commit[:7]} has no pretrain_gpt.py")
+    return dest
+
+
+def apply_ttp_patch(tree: Path, device: str = "cpu", timeout_s: float = 120) -> str:
+    """``ttp-patch apply TREE --device DEVICE``; returns its output, raises with it on failure."""
+    cmd = [sys.executable, "-c", "import sys; from patcher.cli import main; sys.exit(main())",
+           "apply", str(tree), "--device", device]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"ttp-patch apply {tree} --device {device} failed "
+                           f"(exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout + done.stderr
