@@ -1,0 +1,5 @@
+import sys
+
+from mindio_ttp.demo import main
+
+sys.exit(main())

@@ -1,0 +1,225 @@
+"""The demo's dying checkpoint on disk: atomic, checksummed, refused when incomplete.
+
+Layout under the checkpoint root::
+
+    step_0000005.tmp/shard_0.pt, shard_0.json   written by the save handler (one rank per shard)
+    step_0000005/                               the rename handler's atomic move of the tmp dir
+        shard_0.pt, shard_1.pt, manifest.json   manifest: step, layout, sha256 + size per file
+    latest                                      {"step": 5, "dir": "step_0000005"}, replaced last
+
+Each shard file is written to a ``.part`` name, fsynced and renamed, so a rank killed mid-write
+leaves no file that looks complete. The rename handler checks every shard's checksum before the
+move, and ``latest`` only changes after the move, so a failed or partial save is never "latest".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from mindio_ttp.demo.model import FullState, ShardLayout, ShardState
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+FORMAT = "ttp-demo-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be loaded or finalised; the message says what is wrong."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes, midway: Optional[Callable[[], None]] = None) -> None:
+    """Write ``data`` to ``path`` via a fsynced ``.part`` file; ``midway`` runs half-way through
+    (fault injection: a rank that dies there leaves only the ``.part`` file)."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        half = len(data) // 2
+        f.write(data[:half])
+        if midway is not None:
+            f.flush()
+            midway()
+        f.write(data[half:])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def save_shard(
+    root: Path, step: int, rank: int, state: ShardState, midway: Optional[Callable[[], None]] = None
+) -> Dict[str, object]:
+    """Write this rank's optimizer shard (and its parameter slice) of ``step`` into the tmp dir."""
+    if state.step != step:
+        raise CheckpointError(
+            f"rank {rank} was asked to save step {step} but its shard {state.shard} is at step "
+            f"{state.step}: refusing to write a mixed-step checkpoint"
+        )
+    started = time.perf_counter()
+    tmp = root / (step_dir_name(step) + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    layout = state.layout
+    payload = {
+        "format": FORMAT,
+        "step": step,
+        "shard": state.shard,
+        "rank": rank,
+        "world": layout.world,
+        "replica": layout.replica,
+        "numel": layout.numel,
+        "params": state.params.detach()[layout.bounds(state.shard)].clone(),
+        "exp_avg": state.exp_avg.clone(),
+        "exp_avg_sq": state.exp_avg_sq.clone(),
+    }
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = buf.getvalue()
+    name = f"shard_{state.shard}.pt"
+    _write_atomic(tmp / name, data, midway)
+    entry = {
+        "file": name,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
+        "rank": rank,
+        "seconds": time.perf_counter() - started,
+        "finished_at": time.time(),
+    }
+    _write_atomic(tmp / f"shard_{state.shard}.json", json.dumps(entry).encode())
+    return entry
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def finalize(root: Path, step: int, layout: ShardLayout) -> Path:
+    """The rename handler: verify every shard, write the manifest, move into place, mark latest."""
+    tmp = root / (step_dir_name(step) + ".tmp")
+    if not tmp.is_dir():
+        raise CheckpointError(f"no saved shards for step {step}: {tmp} does not exist")
+    files: Dict[str, dict] = {}
+    for shard in range(layout.replica):
+        meta_path = tmp / f"shard_{shard}.json"
+        if not meta_path.is_file():
+            raise CheckpointError(f"step {step}: shard {shard} was not saved ({meta_path} missing)")
+        entry = json.loads(meta_path.read_text(encoding="utf-8"))
+        actual = _sha256_file(tmp / entry["file"])
+        if actual != entry["sha256"]:
+            raise CheckpointError(f"step {step}: {entry['file']} does not match its checksum")
+        files[entry.pop("file")] = entry
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "world": layout.world,
+        "replica": layout.replica,
+        "numel": layout.numel,
+        "files": files,
+        "renamed_at": time.time(),
+    }
+    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    for shard in range(layout.replica):
+        (tmp / f"shard_{shard}.json").unlink()
+    final = root / step_dir_name(step)
+    suffix = 1
+    while final.exists():  # never replace a checkpoint that `latest` may point to
+        suffix += 1
+        final = root / f"{step_dir_name(step)}-{suffix}"
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    marker = {"step": step, "dir": final.name}
+    _write_atomic(root / LATEST, json.dumps(marker).encode())
+    _fsync_dir(root)
+    return final
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    manifest: dict
+    state: FullState
+
+    @property
+    def ranks(self) -> List[int]:
+        return sorted(int(e["rank"]) for e in self.manifest["files"].values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(e["bytes"]) for e in self.manifest["files"].values())
+
+
+def latest_step(root: Path) -> Optional[int]:
+    """The step ``latest`` names, or None when there is no marker (nothing was ever finalised)."""
+    marker = root / LATEST
+    if not marker.is_file():
+        return None
+    return int(json.loads(marker.read_text(encoding="utf-8"))["step"])
+
+
+def load(root: Path, layout: ShardLayout) -> Optional[LoadedCheckpoint]:
+    """Load the checkpoint ``latest`` names after checking it completely; None when none exists.
+
+    Raises CheckpointError for anything incomplete, corrupt, or from another job layout.
+    """
+    marker = root / LATEST
+    if not marker.is_file():
+        return None
+    try:
+        pointer = json.loads(marker.read_text(encoding="utf-8"))
+        path = root / pointer["dir"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{marker} is unreadable ({exc}): delete it to start fresh") from None
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} has no {MANIFEST}: incomplete checkpoint, refusing it")
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    if manifest.get("format") != FORMAT or manifest.get("step") != pointer.get("step"):
+        raise CheckpointError(f"{manifest_path}: format or step does not match {marker}")
+    if (manifest["world"], manifest["replica"]) != (layout.world, layout.replica):
+        raise CheckpointError(
+            f"{path} was written by {manifest['world']} ranks with {manifest['replica']} shards; "
+            f"this job has {layout.world} and {layout.replica}: relaunch with the same layout"
+        )
+    parts: Dict[int, dict] = {}
+    for shard in range(layout.replica):
+        name = f"shard_{shard}.pt"
+        entry = manifest["files"].get(name)
+        file = path / name
+        if entry is None or not file.is_file():
+            raise CheckpointError(f"{path}: {name} is missing: incomplete checkpoint, refusing it")
+        data = file.read_bytes()
+        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{file} is corrupt (size or sha256 differs from the manifest)")
+        part = torch.load(io.BytesIO(data), weights_only=True)
+        if part["step"] != manifest["step"] or part["shard"] != shard:
+            raise CheckpointError(f"{file} holds step {part['step']} shard {part['shard']}")
+        parts[shard] = part
+    params = torch.cat([parts[s]["params"] for s in range(layout.replica)])
+    state = FullState(
+        manifest["step"],
+        params,
+        [parts[s]["exp_avg"] for s in range(layout.replica)],
+        [parts[s]["exp_avg_sq"] for s in range(layout.replica)],
+    )
+    return LoadedCheckpoint(path, manifest, state)

@@ -1,0 +1,187 @@
+"""Launch the demo job under ttprun and collect what it left behind.
+
+Shared by `ttp-demo`, the fault-matrix tests and the benchmarks, so all of them run the very same
+command line. Everything a launch writes stays under its own work directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from mindio_ttp.demo import checkpoint
+from mindio_ttp.demo.model import FullState, ShardLayout
+from mindio_ttp.testing.faults import FaultPlan
+
+WORLD = 4
+
+# Short timings so a fault case takes seconds; a real job keeps the runtime's defaults.
+FAST_ENV: Dict[str, str] = {
+    "TTP_OT": "40",
+    "TTP_HEARTBEAT_INTERVAL": "0.2",
+    "TTP_HEARTBEAT_TIMEOUT": "1.0",
+    "TTP_SAVE_TIME_LIMIT": "15",
+    "TTP_RENAME_TIME_LIMIT": "5",
+    "TTP_COLLECT_TIMEOUT": "3",
+    "TTP_UPDATE_GRACE": "0.5",
+    "TTP_LOG_LEVEL": "WARNING",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LaunchResult:
+    """One ttprun launch: exit code, merged output, wall time and what it wrote."""
+
+    returncode: int
+    output: str
+    seconds: float
+    ckpt_dir: Path
+    out_dir: Path
+    run_dir: Path
+    lines: List[str] = field(default_factory=list)
+
+    @property
+    def flow(self) -> Optional[dict]:
+        """``flow-finished.json`` written by the runtime (outcome, step, ranks), if any."""
+        for path in sorted(self.run_dir.glob("*/flow-finished.json")):
+            return json.loads(path.read_text(encoding="utf-8"))
+        return None
+
+    def final_state(self) -> FullState:
+        path = self.out_dir / "final.pt"
+        if not path.is_file():
+            raise RuntimeError(f"the job wrote no final state ({path}); its output:\n{self.output}")
+        return FullState.from_dict(torch.load(path, weights_only=True))
+
+    def snapshots(self) -> Dict[int, FullState]:
+        data = torch.load(self.out_dir / "snapshots.pt", weights_only=True)
+        return {int(k): FullState.from_dict(v) for k, v in data.items()}
+
+    def fault_times(self) -> Dict[int, float]:
+        return {
+            int(json.loads(p.read_text())["rank"]): float(json.loads(p.read_text())["time"])
+            for p in self.out_dir.glob("fault-*.json")
+        }
+
+    def latest_step(self) -> Optional[int]:
+        return checkpoint.latest_step(self.ckpt_dir)
+
+    def load_checkpoint(self) -> Optional[checkpoint.LoadedCheckpoint]:
+        return checkpoint.load(self.ckpt_dir, ShardLayout.for_world(WORLD))
+
+
+def launch(
+    work: Path,
+    steps: int,
+    plan: Optional[FaultPlan] = None,
+    *,
+    resume: bool = False,
+    snapshots: bool = False,
+    ckpt_dir: Optional[Path] = None,
+    env: Optional[Dict[str, str]] = None,
+    echo: Optional[Callable[[str], None]] = None,
+    timeout: float = 120.0,
+) -> LaunchResult:
+    """Run the 4-rank demo job under ttprun to completion (or its dying checkpoint)."""
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = ckpt_dir or work / "ckpt"
+    out = work / "out"
+    runs = work / "runs"
+    for d in (ckpt, out, runs):
+        d.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ, **FAST_ENV)
+    full_env.pop("TTP_AUTH_KEY", None)  # ttprun generates one per launch
+    full_env.update(TTP_CONTROLLER_PORT=str(free_port()), TTP_RUN_DIR=str(runs))
+    full_env.update(env or {})
+    cmd = [
+        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", f"--nproc-per-node={WORLD}",
+        "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        "--node-rank=0", "--monitor-interval=0.05", "-m", "mindio_ttp.demo.job",
+        f"--steps={steps}", f"--ckpt-dir={ckpt}", f"--out={out}",
+        f"--faults={(plan or FaultPlan()).to_text()}",
+    ]  # fmt: skip
+    if resume:
+        cmd.append("--resume")
+    if snapshots:
+        cmd.append("--snapshots")
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    lines: List[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if echo is not None:
+                echo(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        reader.join(5)
+        raise RuntimeError(
+            f"ttprun did not finish within {timeout:.0f} s; output:\n" + "\n".join(lines)
+        ) from None
+    finally:
+        if proc.poll() is None:
+            _kill_session(proc)
+    reader.join(10)
+    return LaunchResult(
+        proc.returncode, "\n".join(lines), time.monotonic() - start, ckpt, out, runs, lines
+    )
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Kill ttprun; its workers run in their own sessions, so find them through /proc."""
+    import signal
+
+    children = _descendants(proc.pid)
+    for pid in [proc.pid, *children]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
+
+
+def _descendants(root: int) -> List[int]:
+    parents: Dict[int, List[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -1,0 +1,148 @@
+"""Deterministic fault plans keyed by (rank, step, phase).
+
+A training loop calls ``plan.check(rank, step, phase)`` at fixed points; the plan fires the fault
+registered for exactly that key and nothing else, so a test knows in advance which step the dying
+checkpoint must hold. Plans travel to worker processes as a short text
+(``"1:5:sigkill:inside,3:4:exception:save"``) via a command-line flag or env variable.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Tuple, Union
+
+
+class Fault(str, enum.Enum):
+    """What happens to the rank: it dies, throws, or hangs (stopped, so heartbeats stop too)."""
+
+    SIGKILL = "sigkill"
+    EXCEPTION = "exception"
+    SIGSTOP = "sigstop"
+
+
+class Phase(str, enum.Enum):
+    """Where in step ``k`` the fault fires.
+
+    BEFORE: after forward/backward, before the gradient exchange (survivors last finished k-1).
+    INSIDE: inside the update window, after this rank's shard is updated but before
+    ``ttp_end_updating_os(k)`` (the replica partner finishes k).
+    AFTER: right after ``ttp_end_updating_os(k)``, before the parameter all-gather (k).
+    SAVE: inside the save handler while writing the checkpoint of step ``k``.
+    """
+
+    BEFORE = "before"
+    INSIDE = "inside"
+    AFTER = "after"
+    SAVE = "save"
+
+
+class InjectedFault(RuntimeError):
+    """The exception a ``Fault.EXCEPTION`` raises; its message names rank, step and phase."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    rank: int
+    step: int
+    fault: Fault
+    phase: Phase
+
+    def describe(self) -> str:
+        where = {
+            Phase.BEFORE: "before the update of",
+            Phase.INSIDE: "inside the update window of",
+            Phase.AFTER: "after the update of",
+            Phase.SAVE: "while saving the checkpoint of",
+        }[self.phase]
+        return f"{self.fault.name} rank {self.rank} {where} step {self.step}"
+
+
+class FaultPlan:
+    """An immutable-by-convention registry of faults; ``fail_at`` chains."""
+
+    def __init__(self) -> None:
+        self._faults: Dict[Tuple[int, int, Phase], FaultSpec] = {}
+
+    def fail_at(
+        self,
+        rank: int,
+        step: int,
+        fault: Union[Fault, str] = Fault.SIGKILL,
+        phase: Union[Phase, str] = Phase.INSIDE,
+    ) -> FaultPlan:
+        if rank < 0 or step < 1:
+            raise ValueError(f"fault at rank {rank}, step {step}: rank must be >= 0, step >= 1")
+        spec = FaultSpec(rank, step, Fault(fault), Phase(phase))
+        key = (rank, step, spec.phase)
+        if key in self._faults:
+            raise ValueError(
+                f"two faults registered at rank {rank}, step {step}, phase {spec.phase.value}"
+            )
+        self._faults[key] = spec
+        return self
+
+    @property
+    def faults(self) -> Tuple[FaultSpec, ...]:
+        return tuple(sorted(self._faults.values(), key=lambda f: (f.step, f.rank, f.phase.value)))
+
+    def __bool__(self) -> bool:
+        return bool(self._faults)
+
+    def describe(self) -> str:
+        return "; ".join(f.describe() for f in self.faults) or "no fault"
+
+    # -- text form ---------------------------------------------------------------------------
+    def to_text(self) -> str:
+        return ",".join(f"{f.rank}:{f.step}:{f.fault.value}:{f.phase.value}" for f in self.faults)
+
+    @classmethod
+    def from_text(cls, text: str) -> FaultPlan:
+        plan = cls()
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            fields = item.split(":")
+            if len(fields) != 4:
+                raise ValueError(
+                    f"fault {item!r}: expected rank:step:fault:phase, e.g. 1:5:sigkill:inside"
+                )
+            rank, step, fault, phase = fields
+            try:
+                plan.fail_at(int(rank), int(step), Fault(fault), Phase(phase))
+            except ValueError as exc:
+                raise ValueError(
+                    f"fault {item!r}: {exc} (faults: {[f.value for f in Fault]}, "
+                    f"phases: {[p.value for p in Phase]})"
+                ) from None
+        return plan
+
+    # -- firing ------------------------------------------------------------------------------
+    def check(self, rank: int, step: int, phase: Phase, record_dir: Optional[Path] = None) -> None:
+        """Fire the fault registered at (rank, step, phase), if any; otherwise return at once.
+
+        Before firing it writes ``fault-<rank>.json`` (wall time) into ``record_dir`` so a
+        benchmark or the demo can time detection and the flow from the moment of the fault.
+        """
+        spec = self._faults.get((rank, step, phase))
+        if spec is None:
+            return
+        print(f"rank {rank} | FAULT: {spec.describe()}", flush=True)
+        if record_dir is not None:
+            record = {"rank": rank, "step": step, "fault": spec.fault.value,
+                      "phase": spec.phase.value, "time": time.time()}  # fmt: skip
+            tmp = record_dir / f".fault-{rank}.json.tmp"
+            tmp.write_text(json.dumps(record), encoding="utf-8")
+            os.replace(tmp, record_dir / f"fault-{rank}.json")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if spec.fault is Fault.SIGKILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.fault is Fault.SIGSTOP:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            raise InjectedFault(f"injected fault: {spec.describe()}")
