@@ -70,7 +70,8 @@ class ReplicatedOptimizer(DistributedOptimizer):
         self.current_step = 0
         self._pending: Optional[Tuple[bool, Optional[float], Optional[float]]] = None
         self._step_meta: Dict[int, dict] = {}
-        self._scheduler = None
+        self._sched_base = 0  # scheduler num_steps when training started
+        self._sched_increments = 0
         self._last_found_inf = False
 
     # ---- layout -------------------------------------------------------------------------
@@ -324,41 +325,36 @@ class ReplicatedOptimizer(DistributedOptimizer):
 
     # ---- TTP hooks ----------------------------------------------------------------------
 
-    def bind_scheduler(self, scheduler) -> None:
-        self._scheduler = scheduler
-
     def increase_step(self) -> None:
-        """Called by the patched train_step right after step(); records what a checkpoint of
-        the new step needs but the live objects will only reach later (scheduler, samples)."""
+        """Called by the patched train_step right after step(). Records what a checkpoint of
+        the new step needs but the live objects reach only later in the iteration: consumed
+        samples, the scheduler's step count, and the RNG state (unused until the next step)."""
         self.current_step += 1
         args = get_args()
         from megatron import get_num_microbatches
         increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
-        meta = {"consumed_train_samples": args.consumed_train_samples + increment,
-                "consumed_valid_samples": args.consumed_valid_samples,
-                "rng_state": local_rng_state()}
-        if self._scheduler is not None:
-            sched = dict(self._scheduler.state_dict())
-            if self.last_update_successful():
-                sched["num_steps"] = sched["num_steps"] + increment
-            meta["opt_param_scheduler"] = sched
-        self._step_meta[self.current_step] = meta
+        if not self._last_found_inf:
+            self._sched_increments += increment
+        self._step_meta[self.current_step] = {
+            "consumed_train_samples": args.consumed_train_samples + increment,
+            "consumed_valid_samples": args.consumed_valid_samples,
+            "scheduler_num_steps": self._sched_base + self._sched_increments,
+            "rng_state": local_rng_state(),
+        }
         for old in [s for s in self._step_meta if s < self.current_step - 1]:
             del self._step_meta[old]
-
-    def last_update_successful(self) -> bool:
-        return not self._last_found_inf
 
     def record_loaded_step(self, iteration: int, scheduler) -> None:
         """After a load: the loaded iteration is the current step and can be re-saved."""
         args = get_args()
         self.current_step = iteration
-        self._scheduler = scheduler
+        self._sched_base = scheduler.num_steps if scheduler is not None else 0
+        self._sched_increments = 0
         self._step_meta = {iteration: {
             "consumed_train_samples": args.consumed_train_samples,
             "consumed_valid_samples": args.consumed_valid_samples,
+            "scheduler_num_steps": self._sched_base,
             "rng_state": local_rng_state(),
-            "opt_param_scheduler": dict(scheduler.state_dict()) if scheduler else None,
         }}
 
     def step_meta(self, step: int) -> dict:

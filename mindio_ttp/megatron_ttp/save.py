@@ -43,7 +43,10 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     args = get_args()
     if not args.save:
         raise RuntimeError("dying checkpoint: Megatron has no --save directory to write into")
-    _, model, optimizer, _scheduler = ckpt_args
+    if not ckpt_args:
+        raise RuntimeError(f"no training state registered yet (ttp_set_ckpt_args): cannot save "
+                           f"step {step}")
+    _, model, optimizer, scheduler = ckpt_args
     if not isinstance(optimizer, ReplicatedOptimizer):
         raise RuntimeError("dying checkpoint needs ReplicatedOptimizer "
                            "(--use-distributed-optimizer)")
@@ -66,11 +69,13 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
         state = _model_state(step, model, optimizer, flat, meta, args)
         rel = par.model_file(tp_rank, pp_rank)
         written[rel] = _save(iter_dir, rel, state)
+    sched = dict(scheduler.state_dict())
+    sched["num_steps"] = meta["scheduler_num_steps"]  # the live one may be one step ahead
     for position in range(par.dp):
         if position % optimizer.num_shards != optimizer.shard_index:
             continue
         state = {"optimizer": optimizer.stock_state_dict(flat, scalars, position),
-                 "opt_param_scheduler": meta.get("opt_param_scheduler")}
+                 "opt_param_scheduler": sched}
         rel = par.optim_file(tp_rank, pp_rank, position)
         written[rel] = _save(iter_dir, rel, state)
     manifest.write_part(iter_dir, torch.distributed.get_rank(), written)
