@@ -1,0 +1,281 @@
+"""Open replacement for MindIO TTP's `mindio_ttp.framework_ttp` (the RC2 `ttp_*` API).
+
+Only the public functions the guide calls live here, each validating its arguments with a
+ValueError that says what to pass; the work is in controller.py / processor.py / hooks.py.
+Handler contract: the save handler is `fn(step, save_ranks, ckpt_args)`, run in a
+processor-owned thread on exactly the chosen ranks (concurrently); the rename handler is
+`fn(step, ckpt_args)`, run on one rank after every save succeeded. Raise on failure.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import logging
+import operator
+import os
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+from . import hooks as _hooks
+from .config import ENV_LOG_LEVEL, ENV_LOG_PATH, ExitCode, Outcome, TTPConfig, _port_env
+from .controller import Controller
+from .hooks import TTPError, TTPForceStop
+from .processor import HANDLERS, Processor
+
+__all__ = [
+    "ttp_init_controller", "ttp_start_controller", "ttp_init_processor", "ttp_start_processor",
+    "ttp_register_save_ckpt_handler", "ttp_register_rename_handler", "ttp_set_ckpt_args",
+    "ttp_start_updating_os", "ttp_end_updating_os", "ttp_to_persist", "ttp_shutdown",
+    "TTPForceStop", "TTPError", "ExitCode", "Outcome",
+]
+
+log = logging.getLogger("mindio_ttp")
+MAX_WORLD = 100_000
+
+_lock = threading.Lock()
+_controller_args: Optional[tuple] = None
+_controller: Optional[Controller] = None
+_processor_args: Optional[tuple] = None
+_processor: Optional[Processor] = None
+
+
+# -- validation helpers ---------------------------------------------------------------------------
+def _int(name: str, value: Any, lo: int, hi: int, hint: str = "") -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got bool {value!r}{hint}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}"
+                         f"{hint}") from None
+    if not lo <= v <= hi:
+        raise ValueError(f"{name}={v} is out of range: pass {lo} <= {name} <= {hi}{hint}")
+    return v
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    if value:
+        raise ValueError(f"{name}=True (keep a local copy of the optimizer state) is not "
+                         "supported by this runtime: pass False, as the guide does")
+    return value
+
+
+def _ip(ip: Any) -> str:
+    if not isinstance(ip, str) or not ip.strip():
+        raise ValueError(f"ip must be a non-empty string (the controller's address, e.g. "
+                         f"os.getenv('MASTER_ADDR')), got {ip!r}")
+    ip = ip.strip()
+    try:
+        if ipaddress.ip_address(ip).is_unspecified:
+            raise ValueError(f"ip={ip!r} is the unspecified address: pass the address "
+                             "processors can reach (MASTER_ADDR)")
+    except ValueError as exc:
+        if "unspecified" in str(exc):
+            raise
+        # a host name: fine, resolution errors surface on connect with the name in them
+    return ip
+
+
+def _port(port: Any) -> int:
+    override = _port_env(os.environ)
+    if override is not None:
+        return override
+    return _int("port", port, 1024, 65535, " (or set TTP_CONTROLLER_PORT)")
+
+
+def _handler(name: str, fn: Any, nargs: int, shape: str) -> Callable[..., Any]:
+    if not callable(fn):
+        raise ValueError(f"{name} needs a callable {shape}, got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(*range(nargs))
+    except TypeError:
+        raise ValueError(f"{name}: {getattr(fn, '__name__', fn)!r} cannot be called as "
+                         f"{shape}") from None
+    except ValueError:
+        pass  # builtins without a signature: trust them
+    return fn
+
+
+def _setup_logging(rank: int) -> None:
+    level_name = os.environ.get(ENV_LOG_LEVEL, "INFO").upper()
+    level = logging.getLevelName(level_name)
+    if not isinstance(level, int):
+        raise ValueError(f"{ENV_LOG_LEVEL}={level_name!r}: use DEBUG, INFO, WARNING or ERROR")
+    log.setLevel(level)
+    for h in list(log.handlers):
+        if getattr(h, "_ttp", False):
+            log.removeHandler(h)
+            h.close()
+    path = os.environ.get(ENV_LOG_PATH)
+    if path:
+        os.makedirs(path, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(os.path.join(path, f"ttp-rank{rank}.log"))
+    else:
+        handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s [ttp rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    handler._ttp = True  # type: ignore[attr-defined]
+    log.addHandler(handler)
+    log.propagate = False
+
+
+# -- controller -----------------------------------------------------------------------------------
+def ttp_init_controller(rank: int, world_size: int, replica: int,
+                        enable_local_copy: bool) -> None:
+    """Prepare the controller on this rank (the guide: rank 0)."""
+    global _controller_args
+    world_size = _int("world_size", world_size, 1, MAX_WORLD)
+    rank = _int("rank", rank, 0, world_size - 1)
+    replica = _int("replica", replica, 1, world_size,
+                   " (number of distinct optimizer shards per DP group: len(dp_ranks)//2; "
+                   "a DP size of 1 has no replica to save from, use DP >= 2)")
+    _bool("enable_local_copy", enable_local_copy)
+    _controller_args = (rank, world_size, replica)
+
+
+def ttp_start_controller(ip: str, port: int) -> None:
+    """Listen for processors on ip:port (TTP_CONTROLLER_PORT overrides port)."""
+    global _controller
+    ip, port = _ip(ip), _port(port)
+    if _controller_args is None:
+        raise TTPError("call ttp_init_controller(rank, world_size, replica, False) before "
+                       "ttp_start_controller")
+    with _lock:
+        if _controller is not None:
+            raise TTPError("ttp_start_controller was already called in this process")
+        rank, world_size, replica = _controller_args
+        _setup_logging(rank)
+        ctl = Controller(TTPConfig.from_env(), world_size, replica, rank)
+        ctl.listen(ip, port)
+        ctl.start()
+        _controller = ctl
+    log.info("controller for %d rank(s) listening on %s:%d", world_size, ip, port)
+
+
+# -- processor ------------------------------------------------------------------------------------
+def ttp_init_processor(rank: int, dp_ranks: Sequence[int], dp_size: int, world_size: int,
+                       replica: int, enable_local_copy: bool) -> None:
+    """Describe this rank: its data-parallel group (global ranks in DP order) and replica."""
+    global _processor_args
+    world_size = _int("world_size", world_size, 1, MAX_WORLD)
+    rank = _int("rank", rank, 0, world_size - 1)
+    if isinstance(dp_ranks, (str, bytes)) or not hasattr(dp_ranks, "__iter__"):
+        raise ValueError(f"dp_ranks must be a list of global ranks, got {dp_ranks!r}")
+    ranks: List[int] = [_int("dp_ranks[]", r, 0, world_size - 1) for r in dp_ranks]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"dp_ranks {ranks} has duplicates: pass each rank of the DP group once")
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not in its dp_ranks {ranks}: pass this rank's own DP "
+                         "group (mpu.get_data_parallel_all_rank())")
+    dp_size = _int("dp_size", dp_size, 1, MAX_WORLD)
+    if dp_size != len(ranks):
+        raise ValueError(f"dp_size={dp_size} but dp_ranks has {len(ranks)} ranks: pass "
+                         "len(dp_ranks)")
+    replica = _int("replica", replica, 1, len(ranks),
+                   f" (shards per DP group; for DP={len(ranks)} pass len(dp_ranks)//2; DP 1 has "
+                   "no replica to save from, use DP >= 2)")
+    _bool("enable_local_copy", enable_local_copy)
+    _processor_args = (rank, ranks, world_size, replica)
+
+
+def ttp_start_processor(ip: str, port: int) -> None:
+    """Connect this rank to the controller and start its background thread (blocks until
+    registered, at most TTP_CONNECT_TIMEOUT)."""
+    global _processor
+    ip, port = _ip(ip), _port(port)
+    if _processor_args is None:
+        raise TTPError("call ttp_init_processor(rank, dp_ranks, dp_size, world_size, replica, "
+                       "False) before ttp_start_processor")
+    with _lock:
+        if _processor is not None:
+            raise TTPError("ttp_start_processor was already called in this process")
+        rank, ranks, world_size, replica = _processor_args
+        _setup_logging(rank)
+        proc = Processor(TTPConfig.from_env(), rank, ranks, world_size, replica)
+        proc.start(ip, port)
+        _processor = proc
+        _hooks.RUNTIME = _RUNTIME
+        if threading.current_thread() is threading.main_thread():
+            proc.install_sigterm()
+
+
+def ttp_register_save_ckpt_handler(fn: Callable[[int, List[int], tuple], None]) -> None:
+    HANDLERS["save"] = _handler("ttp_register_save_ckpt_handler", fn, 3,
+                                "fn(step, save_ranks, ckpt_args)")
+
+
+def ttp_register_rename_handler(fn: Callable[[int, tuple], None]) -> None:
+    HANDLERS["rename"] = _handler("ttp_register_rename_handler", fn, 2, "fn(step, ckpt_args)")
+
+
+# -- hot path -------------------------------------------------------------------------------------
+def ttp_set_ckpt_args(args: Any) -> None:
+    if type(args) is not tuple:
+        if not isinstance(args, (tuple, list)):
+            raise ValueError(f"ttp_set_ckpt_args takes a tuple (e.g. (iteration, model, "
+                             f"optimizer, opt_param_scheduler)), got {type(args).__name__}")
+        args = tuple(args)
+    _hooks.STATE.ckpt_args = args
+
+
+def ttp_start_updating_os(backup_step: int) -> None:
+    if type(backup_step) is not int or backup_step < -1:
+        _int("backup_step", backup_step, -1, 2**63 - 1, " (pass -1: no local copy)")
+    _hooks.start_updating_os(backup_step)
+
+
+def ttp_end_updating_os(step: int) -> None:
+    if type(step) is not int or step < 1:
+        step = _int("step", step, 1, 2**63 - 1,
+                    " (the optimizer step just finished, counted from 1)")
+    _hooks.end_updating_os(step)
+
+
+ttp_to_persist = _hooks.to_persist
+
+
+def ttp_shutdown() -> None:
+    """Clean stop (also run when the decorated train returns normally)."""
+    global _processor, _controller
+    with _lock:
+        proc, ctl = _processor, _controller
+        _processor = _controller = None
+        _hooks.RUNTIME = None
+    if proc is not None:
+        proc.shutdown()
+    if ctl is not None:
+        ctl.stop(wait_goodbyes=2 * ctl.cfg.heartbeat_timeout + 1.0)
+    _hooks.STATE.reset()
+
+
+class _Runtime:
+    """What the decorator needs from the started runtime."""
+
+    @property
+    def running(self) -> bool:
+        return _processor is not None and _processor.running
+
+    @property
+    def fault_seen(self) -> bool:
+        return _processor is not None and _processor.fault_seen
+
+    @property
+    def ot(self) -> float:
+        return _processor.ot if _processor is not None else 0.0
+
+    def report_exception(self, exc: BaseException) -> None:
+        if _processor is not None:
+            _processor.report_exception(exc)
+
+    def wait_for_exit(self, timeout: float) -> None:
+        if _processor is not None:
+            _processor.wait_for_exit(timeout)
+
+    def shutdown(self) -> None:
+        ttp_shutdown()
+
+
+_RUNTIME = _Runtime()

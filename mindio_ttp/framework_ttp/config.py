@@ -1,0 +1,159 @@
+"""Every knob of the runtime in one place: env-variable names, their defaults, exit codes.
+
+Other modules (and `ttprun`) import the names from here so a spelling lives once. All times are
+seconds as floats; `TTPConfig.from_env()` reads and validates them once at start-up so a typo in
+an env variable fails loudly before training starts, not in the middle of a fault.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+log = logging.getLogger("mindio_ttp")
+
+# -- env variable names (the MindIO ones plus ours) -------------------------------------------
+ENV_OT = "TTP_OT"
+ENV_AUTH_KEY = "TTP_AUTH_KEY"
+ENV_RUN_DIR = "TTP_RUN_DIR"
+ENV_LOG_LEVEL = "TTP_LOG_LEVEL"
+ENV_LOG_PATH = "TTP_LOG_PATH"
+ENV_HEARTBEAT_INTERVAL = "TTP_HEARTBEAT_INTERVAL"
+ENV_HEARTBEAT_TIMEOUT = "TTP_HEARTBEAT_TIMEOUT"
+ENV_SAVE_TIME_LIMIT = "TTP_SAVE_TIME_LIMIT"
+ENV_RENAME_TIME_LIMIT = "TTP_RENAME_TIME_LIMIT"
+ENV_COLLECT_TIMEOUT = "TTP_COLLECT_TIMEOUT"
+ENV_UPDATE_GRACE = "TTP_UPDATE_GRACE"
+ENV_CONNECT_TIMEOUT = "TTP_CONNECT_TIMEOUT"
+ENV_CONTROLLER_PORT = "TTP_CONTROLLER_PORT"
+
+FLOW_FINISHED_FILE = "flow-finished.json"
+
+DEFAULTS: dict[str, float] = {
+    ENV_OT: 120.0,
+    ENV_HEARTBEAT_INTERVAL: 2.0,
+    ENV_HEARTBEAT_TIMEOUT: 6.0,
+    ENV_SAVE_TIME_LIMIT: 90.0,
+    ENV_RENAME_TIME_LIMIT: 15.0,
+    ENV_COLLECT_TIMEOUT: 10.0,
+    ENV_UPDATE_GRACE: 5.0,
+    ENV_CONNECT_TIMEOUT: 60.0,
+}
+
+
+class ExitCode(enum.IntEnum):
+    """Exit status of every process after a dying-checkpoint flow (all non-zero: the job failed
+    and a scheduler should restart it). Kept distinct so a launcher can say what happened."""
+
+    SAVED = 83  # a dying checkpoint was written and renamed into place: resume from it
+    NO_CONSISTENT_STEP = 84  # no step had a clean replica of every shard: nothing saved
+    SAVE_FAILED = 85  # a save or the rename failed / timed out: nothing marked latest
+    NO_VERDICT = 86  # no exit order within TTP_OT, or no controller reachable
+
+
+class Outcome(str, enum.Enum):
+    SAVED = "saved"
+    NO_CONSISTENT_STEP = "no_consistent_step"
+    SAVE_FAILED = "save_failed"
+    NO_VERDICT = "no_verdict"
+
+    @property
+    def exit_code(self) -> int:
+        return int(ExitCode[self.name])
+
+
+def _float_env(env: Mapping[str, str], name: str) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return DEFAULTS[name]
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number: set it to seconds, e.g. "
+                         f"{name}={DEFAULTS[name]:g}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def _port_env(env: Mapping[str, str]) -> Optional[int]:
+    raw = env.get(ENV_CONTROLLER_PORT)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is not an integer port") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is out of range: use 1024..65535")
+    return port
+
+
+def auth_key_from_env(env: Mapping[str, str]) -> bytes:
+    """The per-job HMAC secret. `ttprun` exports TTP_AUTH_KEY; without it every process of the
+    job must still agree on a key, so we derive one from values all ranks share. That key is
+    guessable by anyone who can read the job's environment: it only stops accidents."""
+    raw = env.get(ENV_AUTH_KEY)
+    if raw:
+        try:
+            key = bytes.fromhex(raw.strip())
+        except ValueError:
+            raise ValueError(f"{ENV_AUTH_KEY} must be hex (e.g. from `python -c \"import "
+                             f"secrets; print(secrets.token_hex(32))\"`)") from None
+        if len(key) < 16:
+            raise ValueError(f"{ENV_AUTH_KEY} is {len(key)} bytes: use at least 16 (32 hex chars)")
+        return key
+    seed = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
+    log.warning("%s is not set (launch with ttprun, or export a random hex secret): using a WEAK "
+                "key derived from MASTER_ADDR/MASTER_PORT/TORCHELASTIC_RUN_ID; anyone who knows "
+                "these can forge control messages", ENV_AUTH_KEY)
+    return hashlib.sha256(b"mindio-ttp-weak-key|" + seed.encode()).digest()
+
+
+@dataclass(frozen=True)
+class TTPConfig:
+    ot: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    save_time_limit: float
+    rename_time_limit: float
+    collect_timeout: float
+    update_grace: float
+    connect_timeout: float
+    controller_port: Optional[int]
+    run_dir: Optional[str]
+    auth_key: bytes
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> TTPConfig:
+        env = os.environ if env is None else env
+        cfg = cls(
+            ot=_float_env(env, ENV_OT),
+            heartbeat_interval=_float_env(env, ENV_HEARTBEAT_INTERVAL),
+            heartbeat_timeout=_float_env(env, ENV_HEARTBEAT_TIMEOUT),
+            save_time_limit=_float_env(env, ENV_SAVE_TIME_LIMIT),
+            rename_time_limit=_float_env(env, ENV_RENAME_TIME_LIMIT),
+            collect_timeout=_float_env(env, ENV_COLLECT_TIMEOUT),
+            update_grace=_float_env(env, ENV_UPDATE_GRACE),
+            connect_timeout=_float_env(env, ENV_CONNECT_TIMEOUT),
+            controller_port=_port_env(env),
+            run_dir=env.get(ENV_RUN_DIR) or None,
+            auth_key=auth_key_from_env(env),
+        )
+        if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
+            raise ValueError(
+                f"{ENV_HEARTBEAT_TIMEOUT}={cfg.heartbeat_timeout:g} must be larger than "
+                f"{ENV_HEARTBEAT_INTERVAL}={cfg.heartbeat_interval:g} (3 intervals is typical)")
+        if cfg.collect_timeout <= cfg.update_grace:
+            raise ValueError(f"{ENV_COLLECT_TIMEOUT} must exceed {ENV_UPDATE_GRACE}: a rank "
+                             "inside its update window needs the grace to answer the collect")
+        budget = cfg.collect_timeout + cfg.save_time_limit + cfg.rename_time_limit
+        if budget >= cfg.ot:
+            log.warning("%s=%g is shorter than collect + save + rename limits (%g s): processes "
+                        "may exit before the dying checkpoint is renamed", ENV_OT, cfg.ot, budget)
+        return cfg

@@ -1,0 +1,535 @@
+"""The controller: one selector thread serving every processor, one flow thread per fault.
+
+The I/O thread turns socket events into facts (registered, heartbeat, dropped, silent, bad
+frame, report) and never blocks on policy. The first fault starts the flow thread, which runs
+the dying-checkpoint sequence with bounded waits: collect+lock -> choose_step -> save orders
+-> rename on one rank -> exit orders. A standby controller (hosted by a backup rank's
+processor) runs the same code in STANDBY until at least half of the world has failed over to
+it, then runs the flow itself; ranks that never reached it count as dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from . import protocol as P
+from .config import Outcome, TTPConfig
+from .selection import Layout, choose_step, savers_for, states_from
+from .state import ControllerState as S
+from .state import StateMachine
+from .transport import Conn, ConnClosed, Mailbox
+
+log = logging.getLogger("mindio_ttp.controller")
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    dp_ranks: Tuple[int, ...]
+    host: str
+    standby_port: int
+    conn: Optional[Conn]
+    last_seen: float
+    step: Optional[int] = None
+    updating: bool = False
+    status: str = "alive"  # alive | dead | hung | gone (said goodbye)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    step: Optional[int]
+    ranks: List[int]
+    reason: str
+    seconds: float  # from the first fault to the exit orders
+
+
+class Controller:
+    def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int,
+                 standby: bool = False) -> None:
+        self.cfg = cfg
+        self.world_size = world_size
+        self.replica = replica
+        self.host_rank = host_rank
+        self.standby = standby
+        self.name = f"{'standby ' if standby else ''}controller@rank{host_rank}"
+        self.sm = StateMachine(self.name)
+        self.address: Optional[Tuple[str, int]] = None
+        self.rejected_frames = 0
+        self.decision: Optional[Decision] = None
+        self.decided = threading.Event()
+        self.fault_at: Optional[float] = None
+        self.faults: List[str] = []
+        self._ranks: Dict[int, RankInfo] = {}
+        self._cond = threading.Condition(threading.RLock())
+        self._mail = Mailbox()
+        self._sel = selectors.DefaultSelector()
+        self._listener: Optional[socket.socket] = None
+        self._pending: Dict[Conn, float] = {}  # accepted, not registered yet
+        self._conns: Dict[int, Conn] = {}  # fileno -> conn
+        self._flush_waiters: List[threading.Event] = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._flow_thread: Optional[threading.Thread] = None
+        self._promoted = False
+        self._flow_id = 0
+        self._lock_msgs: List[P.Message] = []  # also sent to ranks registering mid-flow
+        self._reports: Dict[int, Dict[int, Tuple[Optional[int], bool]]] = {1: {}, 2: {}}
+        self._results: Dict[int, P.Message] = {}
+        self._backups: List[List[object]] = []
+
+    # -- life cycle --------------------------------------------------------------------------
+    def listen(self, ip: str, port: int) -> Tuple[str, int]:
+        sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((ip, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(exc.errno, f"TTP controller cannot listen on {ip}:{port}: {exc.strerror}"
+                          f" (another job on this port? set TTP_CONTROLLER_PORT)") from None
+        sock.listen(4096)
+        sock.setblocking(False)
+        self._listener = sock
+        self.address = sock.getsockname()[:2]
+        return self.address
+
+    def start(self) -> None:
+        assert self._listener is not None, "listen() first"
+        self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
+        self.sm.transition_to(S.STANDBY if self.standby else S.SERVING,
+                              f"listening on {self.address[0]}:{self.address[1]}")
+        self._thread = threading.Thread(target=self._loop, name=f"ttp-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, wait_goodbyes: float = 0.0) -> None:
+        """Normal end of training: wait (bounded) for every rank's goodbye, tell the rest the
+        controller is closing on purpose, then stop. Refuses to cut a running flow short."""
+        if self.sm.is_in(S.COLLECTING, S.SAVING, S.RENAMING):
+            log.warning("%s: a dying-checkpoint flow is running; not stopping", self.name)
+            return
+        if self.sm.is_in(S.SERVING) and wait_goodbyes > 0:
+            deadline = time.monotonic() + wait_goodbyes
+            with self._cond:
+                while any(i.status == "alive" for i in self._ranks.values()):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        busy = sorted(r for r, i in self._ranks.items() if i.status == "alive")
+                        log.warning("%s: stopping while rank(s) %s still train: they are no "
+                                    "longer protected", self.name, busy[:16])
+                        break
+                    self._cond.wait(min(left, 0.2))
+            self._send_alive(P.Closing("training finished on the controller's rank"))
+            self.flush(1.0)
+        if not self.sm.is_in(S.STOPPED):
+            self.sm.transition_to(S.STOPPED, "stop requested")
+        self._stop.set()
+        self._mail.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        self._close_all()
+
+    def flush(self, timeout: float) -> bool:
+        ev = threading.Event()
+        self._mail.put("flush", ev)
+        return ev.wait(timeout)
+
+    @property
+    def registered(self) -> List[int]:
+        with self._cond:
+            return sorted(r for r, i in self._ranks.items() if i.status == "alive")
+
+    # -- I/O thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        tick = min(self.cfg.heartbeat_interval / 2, self.cfg.heartbeat_timeout / 4)
+        next_check = time.monotonic() + tick
+        while not self._stop.is_set():
+            try:
+                events = self._sel.select(max(0.0, next_check - time.monotonic()))
+            except OSError:
+                if self._stop.is_set():
+                    break
+                raise
+            for key, mask in events:
+                if key.data == "listen":
+                    self._accept()
+                elif key.data == "wake":
+                    self._on_mail()
+                else:
+                    conn: Conn = key.data
+                    if mask & selectors.EVENT_READ:
+                        self._on_readable(conn)
+                    if mask & selectors.EVENT_WRITE and not conn.closed:
+                        self._flush(conn)
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_silence(now)
+                next_check = now + tick
+            if self._flush_waiters and all(not c.out for c in self._conns.values()):
+                for ev in self._flush_waiters:
+                    ev.set()
+                self._flush_waiters.clear()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: log and keep serving the others
+                log.error("%s: accept failed: %s (raise `ulimit -n`?)", self.name, exc)
+                return
+            conn = Conn(sock, self.cfg.auth_key, f"{addr[0]}:{addr[1]}")
+            self._conns[sock.fileno()] = conn
+            self._pending[conn] = time.monotonic()
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _on_mail(self) -> None:
+        for item in self._mail.drain():
+            kind = item[0]
+            if kind == "send":
+                info = self._ranks.get(item[1])
+                if info is not None and info.conn is not None:
+                    info.conn.queue(item[2])
+                    self._flush(info.conn)
+            elif kind == "send_alive":
+                self._send_alive_now(item[1], item[2])
+            elif kind == "flush":
+                self._flush_waiters.append(item[1])
+
+    def _send_alive_now(self, msg: P.Message, exclude: Optional[int] = None) -> None:
+        data = None
+        for info in list(self._ranks.values()):
+            if info.status == "alive" and info.conn is not None and info.rank != exclude:
+                data = data or P.encode(msg, self.cfg.auth_key)
+                info.conn.queue_raw(data)
+                self._flush(info.conn)
+
+    def _flush(self, conn: Conn) -> None:
+        if conn.closed:
+            return
+        try:
+            done = conn.flush()
+        except ConnClosed as exc:
+            self._drop(conn, f"connection dropped: {exc}")
+            return
+        self._sel.modify(conn.sock, selectors.EVENT_READ if done
+                         else selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _on_readable(self, conn: Conn) -> None:
+        try:
+            msgs = conn.read()
+        except ConnClosed as exc:
+            self._drop(conn, f"connection dropped: {exc}")
+            return
+        except P.ProtocolError as exc:
+            self.rejected_frames += 1
+            log.warning("%s: rejected frame from %s (rank %s): %s; closing that connection",
+                        self.name, conn.peer, conn.rank, exc)
+            self._drop(conn, f"sent a bad frame: {exc}")
+            return
+        for msg in msgs:
+            if conn.closed:
+                return
+            self._dispatch(conn, msg)
+
+    def _drop(self, conn: Conn, why: str) -> None:
+        if conn.closed:
+            return
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        self._conns.pop(conn.sock.fileno(), None)
+        self._pending.pop(conn, None)
+        conn.close()
+        with self._cond:
+            info = self._ranks.get(conn.rank) if conn.rank is not None else None
+            if info is not None and info.conn is conn:
+                info.conn = None
+                if info.status == "alive":
+                    info.status, info.note = "dead", f"dead ({why})"
+                    self._fault(f"rank {info.rank} {info.note}")
+            self._cond.notify_all()
+
+    def _check_silence(self, now: float) -> None:
+        for conn, since in list(self._pending.items()):
+            if now - since > max(self.cfg.heartbeat_timeout, 5.0):
+                log.warning("%s: %s sent no registration in time; closing", self.name, conn.peer)
+                self._drop(conn, "no registration")
+        if not self.sm.is_in(S.SERVING, S.COLLECTING, S.SAVING, S.RENAMING):
+            return
+        limit = self.cfg.heartbeat_timeout
+        for info in list(self._ranks.values()):
+            if info.status == "alive" and now - info.last_seen > limit:
+                with self._cond:
+                    info.status = "hung"
+                    info.note = f"hung (no heartbeat for {now - info.last_seen:.1f} s)"
+                    self._fault(f"rank {info.rank} {info.note}")
+                    self._cond.notify_all()
+                if info.conn is not None:
+                    conn, info.conn = info.conn, None
+                    self._drop(conn, "hung")
+
+    # -- messages ------------------------------------------------------------------------------
+    def _dispatch(self, conn: Conn, msg: P.Message) -> None:
+        if isinstance(msg, P.Register):
+            self._on_register(conn, msg)
+            return
+        info = self._ranks.get(conn.rank) if conn.rank is not None else None
+        if info is None or info.conn is not conn:
+            self.rejected_frames += 1
+            log.warning("%s: %s from unregistered peer %s; closing", self.name,
+                        type(msg).__name__, conn.peer)
+            self._drop(conn, "not registered")
+            return
+        info.last_seen = time.monotonic()
+        if isinstance(msg, P.Heartbeat):
+            info.step, info.updating = msg.step, msg.updating
+            conn.queue(P.HeartbeatAck(msg.seq))
+            self._flush(conn)
+        elif isinstance(msg, P.FaultReport):
+            with self._cond:
+                self._fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}")
+        elif isinstance(msg, P.StateReport):
+            with self._cond:
+                if msg.flow_id == self._flow_id and msg.phase in self._reports:
+                    self._reports[msg.phase][info.rank] = (msg.step, msg.updating)
+                    self._cond.notify_all()
+        elif isinstance(msg, (P.SaveResult, P.RenameResult)):
+            with self._cond:
+                if msg.flow_id == self._flow_id:
+                    self._results[info.rank] = msg
+                    self._cond.notify_all()
+        elif isinstance(msg, P.Goodbye):
+            with self._cond:
+                info.status, info.note = "gone", "finished training"
+                self._cond.notify_all()
+        else:
+            log.warning("%s: unexpected %s from rank %s", self.name, type(msg).__name__, info.rank)
+
+    def _refuse(self, conn: Conn, reason: str) -> None:
+        log.warning("%s: refusing registration from %s: %s", self.name, conn.peer, reason)
+        conn.queue(P.Reject(reason))
+        try:
+            conn.flush()
+        except ConnClosed:
+            pass
+        self._drop(conn, reason)
+
+    def _on_register(self, conn: Conn, m: P.Register) -> None:
+        if conn.rank is not None:
+            return self._refuse(conn, "registered twice on one connection")
+        if m.world_size != self.world_size or not 0 <= m.rank < self.world_size:
+            return self._refuse(conn, f"rank {m.rank} / world_size {m.world_size} do not match "
+                                f"this job's world_size {self.world_size}")
+        if m.rank not in m.dp_ranks or m.replica != self.replica:
+            return self._refuse(conn, f"rank {m.rank}: dp_ranks {m.dp_ranks[:8]} / replica "
+                                f"{m.replica} do not match (controller replica {self.replica})")
+        if self.sm.is_in(S.EXITING, S.STOPPED):
+            return self._refuse(conn, "controller is exiting")
+        now = time.monotonic()
+        with self._cond:
+            old = self._ranks.get(m.rank)
+            if old is not None and old.status in ("dead", "hung"):
+                return self._refuse(conn, f"rank {m.rank} was already declared {old.note}")
+            if old is not None and old.conn is not None and old.conn is not conn:
+                stale, old.conn = old.conn, None
+                self._drop(stale, "replaced by a new connection")
+            self._pending.pop(conn, None)
+            conn.rank = m.rank
+            self._ranks[m.rank] = RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port,
+                                           conn, now, m.step, m.updating)
+            self._cond.notify_all()
+        conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
+                                 self._backups))
+        for lock_msg in self._lock_msgs:
+            conn.queue(lock_msg)
+        self._flush(conn)
+        if m.failover or m.locked:
+            log.info("%s: rank %d registered (failover=%s)", self.name, m.rank, m.failover)
+        if self.sm.is_in(S.SERVING) and m.standby_port > 0 and m.rank != self.host_rank:
+            self._consider_backup(m.rank, m.host, m.standby_port)
+        if self.sm.is_in(S.STANDBY):
+            alive = sum(1 for i in self._ranks.values() if i.status == "alive")
+            if 2 * alive >= self.world_size:
+                self._promoted = True
+                self.sm.transition_to(S.SERVING, f"{alive} of {self.world_size} ranks failed over")
+                with self._cond:
+                    self._fault(f"primary controller lost ({alive} ranks failed over to "
+                                f"rank {self.host_rank})")
+
+    def _consider_backup(self, rank: int, host: str, port: int) -> None:
+        """Keep the two best standby candidates: other hosts first, then lowest rank."""
+        my_host = self.address[0] if self.address else ""
+
+        def key(b: List[object]) -> Tuple[bool, int]:
+            return (b[1] == my_host, int(b[0]))  # type: ignore[arg-type]
+
+        cands = [b for b in self._backups if b[0] != rank] + [[rank, host, port]]
+        new = sorted(cands, key=key)[:2]
+        if new != self._backups:
+            self._backups = new
+            self._send_alive_now(P.Backups(new))
+
+    def _send_alive(self, msg: P.Message, exclude: Optional[int] = None) -> None:
+        self._mail.put("send_alive", msg, exclude)
+
+    # -- the flow ------------------------------------------------------------------------------
+    def _fault(self, desc: str) -> None:
+        """Record a fault (caller holds _cond); the first one starts the flow thread."""
+        self.faults.append(desc)
+        if self._flow_thread is not None:
+            log.warning("%s: further fault during the flow: %s", self.name, desc)
+            return
+        if not self.sm.is_in(S.SERVING):
+            return
+        log.error("%s: FAULT %s; starting the dying-checkpoint flow", self.name, desc)
+        self.fault_at = time.monotonic()
+        self.sm.transition_to(S.COLLECTING, desc)
+        self._flow_thread = threading.Thread(target=self._flow, name="ttp-flow", daemon=True)
+        self._flow_thread.start()
+
+    def _flow(self) -> None:
+        try:
+            outcome, step, ranks, reason = self._run_flow()
+        except Exception as exc:  # a bug must still end the job, not leave it hanging
+            log.exception("%s: flow failed", self.name)
+            outcome, step, ranks, reason = (Outcome.SAVE_FAILED, None, [],
+                                            f"controller error: {exc!r}")
+        self._finish(outcome, step, ranks, reason)
+
+    def _wait(self, pending: Callable[[], List[int]], timeout: float) -> List[int]:
+        """Wait until pending() is empty or timeout; returns what is still pending."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                left_ranks = pending()
+                left = deadline - time.monotonic()
+                if not left_ranks or left <= 0:
+                    return left_ranks
+                self._cond.wait(min(left, 0.25))
+
+    def _alive(self) -> List[int]:
+        return [r for r, i in self._ranks.items() if i.status == "alive"]
+
+    def _run_flow(self) -> Tuple[Outcome, Optional[int], List[int], str]:
+        cfg = self.cfg
+        if self._promoted:  # let slower processors fail over before freezing the membership
+            self._wait(lambda: [] if len(self._alive()) >= self.world_size - 1 else [-1],
+                       2 * cfg.heartbeat_interval + 0.5)
+        with self._cond:
+            self._flow_id += 1
+            fid = self._flow_id
+            self._reports = {1: {}, 2: {}}
+            self._lock_msgs = [P.Lock(fid)]
+        # phase 1: freeze (no new update may start) and learn who is where
+        self._send_alive(self._lock_msgs[0])
+        self._wait(lambda: [r for r in self._alive() if r not in self._reports[1]],
+                   cfg.collect_timeout)
+        with self._cond:
+            first = dict(self._reports[1])
+        limit = max([(s or 0) + (1 if u else 0) for s, u in first.values()] or [0])
+        # phase 2: ranks one update behind their partners may catch up to `limit`, then stop
+        advance = P.AdvanceTo(fid, limit, cfg.update_grace)
+        with self._cond:
+            self._lock_msgs.append(advance)
+        self._send_alive(advance)
+        silent = self._wait(lambda: [r for r in self._alive() if r not in self._reports[2]],
+                            cfg.update_grace + cfg.heartbeat_interval + 1.0)
+        with self._cond:
+            for r in silent:
+                self._ranks[r].note = "did not answer the collect in time"
+            reports = dict(self._reports[2])
+            notes = {r: i.note for r, i in self._ranks.items()}
+            for r in range(self.world_size):
+                notes.setdefault(r, "did not register with this controller (dead or hung)")
+            groups = {i.dp_ranks for i in self._ranks.values()}
+        log.info("%s: limit step %d; collected %d state report(s): %s", self.name, limit,
+                 len(reports), _summary(reports))
+        try:
+            layout = Layout.build(groups, self.replica)
+        except ValueError as exc:
+            return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
+        states = states_from(reports, range(self.world_size), notes)
+        step, reason = choose_step(layout, states, self.world_size)
+        if step is None:
+            log.error("%s: %s; nothing is saved", self.name, reason)
+            return Outcome.NO_CONSISTENT_STEP, None, [], reason
+        savers = savers_for(layout, states, step)
+        log.info("%s: %s; ordering save on rank(s) %s", self.name, reason, savers)
+        self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
+        ok, why = self._order(savers, P.SaveOrder(fid, step, savers, cfg.save_time_limit),
+                              cfg.save_time_limit)
+        if not ok:
+            return (Outcome.SAVE_FAILED, step, savers,
+                    f"save of step {step} failed: {why}; rename not run, nothing marked latest")
+        self.sm.transition_to(S.RENAMING, f"rename on rank {savers[0]}")
+        ok, why = self._order(savers[:1], P.RenameOrder(fid, step, cfg.rename_time_limit),
+                              cfg.rename_time_limit)
+        if not ok:
+            return (Outcome.SAVE_FAILED, step, savers,
+                    f"rename of step {step} failed: {why}; nothing marked latest")
+        return Outcome.SAVED, step, savers, f"dying checkpoint of step {step} saved by {savers}"
+
+    def _order(self, ranks: List[int], msg: P.Message, limit: float) -> Tuple[bool, str]:
+        with self._cond:
+            self._results.clear()
+        t0 = time.monotonic()
+        for r in ranks:
+            self._mail.put("send", r, msg)
+        margin = 2 * self.cfg.heartbeat_interval + 1.0
+        self._wait(lambda: [r for r in ranks if r not in self._results
+                            and self._ranks[r].status == "alive"], limit + margin)
+        errors = []
+        with self._cond:
+            for r in ranks:
+                res = self._results.get(r)
+                if res is None:
+                    errors.append(f"rank {r}: no result ({self._ranks[r].note or 'timed out'})")
+                elif not res.ok:  # type: ignore[attr-defined]
+                    errors.append(f"rank {r}: {res.error}")  # type: ignore[attr-defined]
+        log.info("%s: %s on %d rank(s) done in %.3f s%s", self.name, type(msg).__name__,
+                 len(ranks), time.monotonic() - t0, f" with errors: {errors}" if errors else "")
+        return not errors, "; ".join(errors)
+
+    def _finish(self, outcome: Outcome, step: Optional[int], ranks: List[int], reason: str) -> None:
+        took = time.monotonic() - (self.fault_at or time.monotonic())
+        self.decision = Decision(outcome, step, ranks, reason, took)
+        (log.info if outcome is Outcome.SAVED else log.error)(
+            "%s: outcome %s (exit code %d): %s", self.name, outcome.value, outcome.exit_code,
+            reason)
+        self.sm.transition_to(S.EXITING, outcome.value)
+        order = P.ExitOrder(self._flow_id, outcome.value, step, ranks, outcome.exit_code, reason)
+        # our own process exits on its order: every other rank must have its order first
+        self._send_alive(order, exclude=self.host_rank)
+        self.flush(2.0)
+        self.decided.set()
+        self._mail.put("send", self.host_rank, order)
+
+    def _close_all(self) -> None:
+        for conn in list(self._conns.values()):
+            conn.close()
+        self._conns.clear()
+        if self._listener is not None:
+            self._listener.close()
+        try:
+            self._sel.close()
+        except (OSError, RuntimeError):
+            pass
+        self._mail.close()
+
+
+def _summary(reports: Dict[int, Tuple[Optional[int], bool]]) -> str:
+    items = sorted(reports.items())
+    text = ", ".join(f"{r}:{s}{'*' if u else ''}" for r, (s, u) in items[:16])
+    return text + (f" ... (+{len(items) - 16})" if len(items) > 16 else "") + " (*: updating)"

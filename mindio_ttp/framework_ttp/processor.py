@@ -1,0 +1,450 @@
+"""The per-rank processor: a background thread that heartbeats, obeys orders, fails over.
+
+It runs beside training so the main thread may be stuck in a collective with a dead peer and
+the rank can still answer, save (handlers run in a processor-owned thread, time-limited) and
+exit. It also hosts this rank's standby controller. When the controller dies or falls silent
+the processor stops its own training (lock), then registers with the announced backups in
+order; if none answers within TTP_OT it ends the process with ExitCode.NO_VERDICT.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import threading
+import time
+import traceback
+from typing import Any, Callable, List, Optional, Tuple
+
+from . import protocol as P
+from .config import FLOW_FINISHED_FILE, Outcome, TTPConfig
+from .controller import Controller
+from .hooks import STATE, TTPError
+from .transport import Conn, ConnClosed, Mailbox, connect, recv_messages
+
+log = logging.getLogger("mindio_ttp.processor")
+
+HANDLERS: dict = {"save": None, "rename": None}
+
+
+class _Job:
+    def __init__(self, kind: str, fid: int, limit: float) -> None:
+        self.kind, self.fid = kind, fid
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + limit
+        self.reported = False
+
+
+class Processor:
+    def __init__(self, cfg: TTPConfig, rank: int, dp_ranks: List[int], world_size: int,
+                 replica: int) -> None:
+        self.cfg, self.rank, self.dp_ranks = cfg, rank, list(dp_ranks)
+        self.world_size, self.replica = world_size, replica
+        self.ot = cfg.ot
+        self.running = False
+        self.fault_seen = False
+        self.exit_fn: Callable[[int], Any] = os._exit  # tests running in-process replace it
+        self.exited = threading.Event()
+        self.standby: Optional[Controller] = None
+        self.controller_rank: Optional[int] = None
+        self._fault_time: Optional[float] = None
+        self._conn: Optional[Conn] = None
+        self._backups: List[List[Any]] = []
+        self._mail = Mailbox()
+        self._sel = selectors.DefaultSelector()
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._closing = False
+        self._seq = 0
+        self._job: Optional[_Job] = None
+        self._preempted = False
+        self._sig_r: Optional[socket.socket] = None
+        self._sig_w: Optional[socket.socket] = None
+
+    # -- start / stop ----------------------------------------------------------------------------
+    def start(self, ip: str, port: int) -> None:
+        deadline = time.monotonic() + self.cfg.connect_timeout
+        last: Exception = TimeoutError("no attempt")
+        while time.monotonic() < deadline:
+            try:
+                sock = connect(ip, port, timeout=min(2.0, self.cfg.connect_timeout))
+                break
+            except OSError as exc:
+                last = exc
+                time.sleep(0.1)  # the controller's rank may not be listening yet
+        else:
+            raise TTPError(f"rank {self.rank}: cannot reach the TTP controller at {ip}:{port} "
+                           f"within TTP_CONNECT_TIMEOUT={self.cfg.connect_timeout:g} s ({last});"
+                           " is rank 0 calling ttp_start_controller with the same ip/port?")
+        local_ip = sock.getsockname()[0]
+        self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
+                                  standby=True)
+        self.standby.listen(local_ip, 0)
+        self.standby.start()
+        conn = self._handshake(sock, failover=False, timeout=self.cfg.connect_timeout)
+        if conn is None:
+            self.standby.stop()
+            raise TTPError(f"rank {self.rank}: the controller at {ip}:{port} refused the "
+                           "registration (see the log for its reason)")
+        STATE.wait_limit = self.cfg.ot
+        self._set_conn(conn)
+        self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
+        self.running = True
+        self._thread = threading.Thread(target=self._loop, name=f"ttp-processor-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        log.info("rank %d: processor registered with the controller at %s:%d", self.rank, ip,
+                 port)
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Normal end of training: say goodbye so our disconnect is not taken for a fault."""
+        if not self.running:
+            return
+        self.running = False
+        done = threading.Event()
+        self._mail.put("goodbye", done)
+        done.wait(timeout)
+        self._stop.set()
+        self._mail.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self.standby is not None:
+            self.standby.stop()
+        self._restore_signals()
+
+    # -- called from the training thread -------------------------------------------------------
+    def report_exception(self, exc: BaseException) -> None:
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+        self._mail.put("fault", "exception", f"{type(exc).__name__}: {exc}{where}"[:2000])
+
+    def report_preempted(self) -> None:
+        if not self._preempted:
+            self._preempted = True
+            self._mail.put("fault", "preempted", "SIGTERM received (preemption)")
+
+    def wait_for_exit(self, timeout: float) -> None:
+        self.exited.wait(timeout)
+
+    def install_sigterm(self) -> None:
+        """SIGTERM = preemption. The wakeup fd reports it to our thread even while the main
+        thread sits in a long C call; the Python handler covers the case where the wakeup fd
+        already belongs to someone else (e.g. an asyncio loop)."""
+        def handler(signum: int, frame: Any) -> None:
+            self.report_preempted()
+        signal.signal(signal.SIGTERM, handler)
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        if old != -1:
+            signal.set_wakeup_fd(old)
+            r.close()
+            w.close()
+            return
+        self._sig_r, self._sig_w = r, w
+        self._sel.register(r, selectors.EVENT_READ, "signal")
+
+    def _restore_signals(self) -> None:
+        if self._sig_r is None or threading.current_thread() is not threading.main_thread():
+            return
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    # -- connection ------------------------------------------------------------------------------
+    def _register_msg(self, host: str, failover: bool) -> P.Register:
+        step, updating = STATE.snapshot()
+        port = self.standby.address[1] if self.standby and self.standby.address else 0
+        return P.Register(self.rank, self.world_size, self.dp_ranks, self.replica, host, port,
+                          os.getpid(), step, updating, STATE.locked, failover)
+
+    def _handshake(self, sock: socket.socket, failover: bool, timeout: float) -> Optional[Conn]:
+        dec = P.FrameDecoder(self.cfg.auth_key)
+        try:
+            sock.sendall(P.encode(self._register_msg(sock.getsockname()[0], failover),
+                                  self.cfg.auth_key))
+            msgs = recv_messages(sock, dec, timeout)
+        except (OSError, TimeoutError, ConnClosed, P.ProtocolError) as exc:
+            log.warning("rank %d: registration failed: %s", self.rank, exc)
+            sock.close()
+            return None
+        first = msgs[0]
+        if not isinstance(first, P.RegisterAck):
+            log.error("rank %d: controller refused us: %s", self.rank,
+                      getattr(first, "reason", first))
+            sock.close()
+            return None
+        self.controller_rank = first.controller_rank
+        self._backups = first.backups
+        conn = Conn(sock, self.cfg.auth_key, "controller", dec)
+        conn.data = msgs[1:]
+        return conn
+
+    def _set_conn(self, conn: Conn) -> None:
+        self._conn = conn
+        self._sel.register(conn.sock, selectors.EVENT_READ, "conn")
+        early, conn.data = conn.data or [], None
+        for m in early:
+            self._handle(m)
+
+    def _drop_conn(self) -> None:
+        if self._conn is not None:
+            try:
+                self._sel.unregister(self._conn.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+            self._conn.close()
+            self._conn = None
+
+    def _send(self, msg: P.Message) -> None:
+        if self._conn is None:
+            return
+        self._conn.queue(msg)
+        try:
+            done = self._conn.flush()
+        except ConnClosed as exc:
+            self._controller_lost(f"send failed: {exc}")
+            return
+        self._sel.modify(self._conn.sock, selectors.EVENT_READ if done
+                         else selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        cfg = self.cfg
+        next_hb = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_hb and self._conn is not None:
+                self._seq += 1
+                step, updating = STATE.snapshot()
+                self._send(P.Heartbeat(self.rank, self._seq, step, updating))
+                next_hb = now + cfg.heartbeat_interval
+            wake = [next_hb]
+            if self._conn is not None:
+                wake.append(self._conn.last_rx + cfg.heartbeat_timeout)
+            if self._job is not None and not self._job.reported:
+                wake.append(self._job.deadline)
+            if self._fault_time is not None:
+                wake.append(self._fault_time + self.ot)
+            for key, mask in self._sel.select(max(0.0, min(wake) - time.monotonic())):
+                if key.data == "wake":
+                    self._on_mail()
+                elif key.data == "signal":
+                    self._on_signal_fd()
+                elif key.data == "conn" and self._conn is not None:
+                    if mask & selectors.EVENT_WRITE:
+                        self._send_pending()
+                    if mask & selectors.EVENT_READ:
+                        self._on_readable()
+            if self._stop.is_set():
+                break
+            now = time.monotonic()
+            if self._conn is not None and now - self._conn.last_rx > cfg.heartbeat_timeout:
+                self._controller_lost(f"controller silent for {now - self._conn.last_rx:.1f} s")
+            job = self._job
+            if job is not None and not job.reported and now > job.deadline:
+                job.reported = True
+                self._result(job, False, f"{job.kind} handler exceeded its time limit "
+                                         f"({job.deadline - job.t0:g} s)")
+            if self._fault_time is not None and now > self._fault_time + self.ot:
+                self._exit(Outcome.NO_VERDICT, None, [], f"no exit order within TTP_OT="
+                           f"{self.ot:g} s after the fault")
+        self._drop_conn()
+
+    def _send_pending(self) -> None:
+        try:
+            done = self._conn.flush() if self._conn else True
+        except ConnClosed as exc:
+            self._controller_lost(f"send failed: {exc}")
+            return
+        if done and self._conn is not None:
+            self._sel.modify(self._conn.sock, selectors.EVENT_READ, "conn")
+
+    def _on_readable(self) -> None:
+        assert self._conn is not None
+        try:
+            msgs = self._conn.read()
+        except ConnClosed as exc:
+            return self._controller_lost(f"connection lost: {exc}")
+        except P.ProtocolError as exc:
+            log.error("rank %d: bad frame from the controller: %s", self.rank, exc)
+            return self._controller_lost(f"bad frame: {exc}")
+        for m in msgs:
+            self._handle(m)
+
+    def _on_signal_fd(self) -> None:
+        assert self._sig_r is not None
+        try:
+            data = self._sig_r.recv(64)
+        except OSError:
+            return
+        if signal.SIGTERM in data:
+            self.report_preempted()
+
+    def _on_mail(self) -> None:
+        for item in self._mail.drain():
+            kind = item[0]
+            if kind == "fault":
+                self._note_fault()
+                STATE.lock()
+                log.error("rank %d: reporting %s: %s", self.rank, item[1], item[2])
+                self._send(P.FaultReport(self.rank, item[1], item[2]))
+            elif kind == "state":
+                self._send(P.StateReport(item[1], 2, self.rank, item[2], item[3]))
+            elif kind == "job_done":
+                job, ok, err = item[1], item[2], item[3]
+                if not job.reported:
+                    job.reported = True
+                    self._result(job, ok, err)
+            elif kind == "goodbye":
+                self._closing = True
+                self._send(P.Goodbye(self.rank))
+                item[1].set()
+
+    def _note_fault(self) -> None:
+        self.fault_seen = True
+        if self._fault_time is None:
+            self._fault_time = time.monotonic()
+
+    # -- orders ----------------------------------------------------------------------------------
+    def _handle(self, m: P.Message) -> None:
+        if isinstance(m, P.HeartbeatAck):
+            return
+        if isinstance(m, P.Backups):
+            self._backups = m.backups
+        elif isinstance(m, P.Lock):
+            self._note_fault()
+            step, updating = STATE.lock()
+            self._send(P.StateReport(m.flow_id, 1, self.rank, step, updating))
+        elif isinstance(m, P.AdvanceTo):
+            self._note_fault()
+
+            def advance(fid: int = m.flow_id, limit: int = m.limit, grace: float = m.grace) -> None:
+                step, updating = STATE.advance_to(limit, grace)
+                self._mail.put("state", fid, step, updating)
+            threading.Thread(target=advance, name="ttp-advance", daemon=True).start()
+        elif isinstance(m, P.SaveOrder):
+            self._start_save(m)
+        elif isinstance(m, P.RenameOrder):
+            self._start_job("rename", m.flow_id, m.time_limit, HANDLERS["rename"],
+                            (m.step, STATE.ckpt_args))
+        elif isinstance(m, P.ExitOrder):
+            self._exit(Outcome(m.outcome), m.step, m.ranks, m.reason, m.exit_code)
+        elif isinstance(m, P.Closing):
+            log.warning("rank %d: controller closed (%s); this rank is no longer protected",
+                        self.rank, m.reason)
+            self._closing = True
+        elif isinstance(m, P.RegisterAck):
+            self._backups = m.backups
+        else:
+            log.warning("rank %d: unexpected %s from the controller", self.rank, type(m).__name__)
+
+    def _start_save(self, m: P.SaveOrder) -> None:
+        step, updating = STATE.snapshot()
+        problem = ""
+        if step != m.step or updating:
+            problem = (f"rank {self.rank} holds step {step}{' (updating)' if updating else ''},"
+                       f" not the ordered step {m.step}")
+        elif self.rank not in m.save_ranks:
+            problem = f"rank {self.rank} is not in save_ranks {m.save_ranks[:8]}"
+        if problem:
+            log.error("rank %d: refusing save order: %s", self.rank, problem)
+            self._send(P.SaveResult(m.flow_id, self.rank, False, problem, 0.0))
+            return
+        self._start_job("save", m.flow_id, m.time_limit, HANDLERS["save"],
+                        (m.step, list(m.save_ranks), STATE.ckpt_args))
+
+    def _start_job(self, kind: str, fid: int, limit: float, fn: Optional[Callable[..., Any]],
+                   args: Tuple[Any, ...]) -> None:
+        job = _Job(kind, fid, limit)
+        if fn is None:
+            self._result(job, False, f"no {kind} handler registered on rank {self.rank} "
+                         f"(call ttp_register_{'save_ckpt' if kind == 'save' else kind}_handler)")
+            return
+        self._job = job
+        log.info("rank %d: running the %s handler for step %s", self.rank, kind, args[0])
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # report anything; the exit order ends the process
+                log.exception("rank %d: %s handler failed", self.rank, kind)
+                self._mail.put("job_done", job, False, f"{type(exc).__name__}: {exc}"[:2000])
+            else:
+                self._mail.put("job_done", job, True, "")
+        threading.Thread(target=run, name=f"ttp-{kind}-handler", daemon=True).start()
+
+    def _result(self, job: _Job, ok: bool, err: str) -> None:
+        secs = time.monotonic() - job.t0
+        cls = P.SaveResult if job.kind == "save" else P.RenameResult
+        (log.info if ok else log.error)("rank %d: %s handler %s in %.3f s%s", self.rank, job.kind,
+                                        "succeeded" if ok else "FAILED", secs,
+                                        f": {err}" if err else "")
+        self._send(cls(job.fid, self.rank, ok, err, secs))
+
+    # -- failover and exit -----------------------------------------------------------------------
+    def _controller_lost(self, why: str) -> None:
+        self._drop_conn()
+        if self._closing or self._stop.is_set():
+            self._stop.set()
+            return
+        self._note_fault()
+        STATE.lock()  # no further updates until a controller decides
+        log.error("rank %d: controller lost (%s); failing over to %s", self.rank, why,
+                  [b[0] for b in self._backups] or "nobody")
+        deadline = self._fault_time + self.ot  # type: ignore[operator]
+        per_try = min(self.cfg.heartbeat_timeout, 5.0)
+        while time.monotonic() < deadline and not self._stop.is_set():
+            for rank, host, port in list(self._backups):
+                try:
+                    sock = connect(host, port, timeout=min(1.0, per_try))
+                except OSError as exc:
+                    log.warning("rank %d: backup controller on rank %s unreachable: %s",
+                                self.rank, rank, exc)
+                    continue
+                conn = self._handshake(sock, failover=True, timeout=per_try)
+                if conn is not None:
+                    log.warning("rank %d: now served by the standby controller on rank %s",
+                                self.rank, rank)
+                    self._set_conn(conn)
+                    return
+            self._stop.wait(0.2)
+        if not self._stop.is_set():
+            self._exit(Outcome.NO_VERDICT, None, [], f"controller lost ({why}) and no backup "
+                       "controller answered")
+
+    def _exit(self, outcome: Outcome, step: Optional[int], ranks: List[int], reason: str,
+              code: Optional[int] = None) -> None:
+        code = outcome.exit_code if code is None else code
+        if self.cfg.run_dir:
+            write_flow_file(self.cfg.run_dir, {
+                "outcome": outcome.value, "step": step, "ranks": ranks, "exit_code": code,
+                "reason": reason, "rank": self.rank, "time": time.time()})
+        (log.warning if outcome is Outcome.SAVED else log.error)(
+            "rank %d: exiting with code %d (%s): %s", self.rank, code, outcome.value, reason)
+        for h in logging.getLogger("mindio_ttp").handlers:
+            try:
+                h.flush()
+            except Exception:  # noqa: BLE001 - never let logging stop the exit
+                pass
+        self.exited.set()
+        self._stop.set()
+        self.exit_fn(code)
+
+
+def write_flow_file(run_dir: str, payload: dict) -> None:
+    """Atomically write $TTP_RUN_DIR/flow-finished.json (the launcher polls for it)."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        tmp = os.path.join(run_dir, f".{FLOW_FINISHED_FILE}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(run_dir, FLOW_FINISHED_FILE))
+    except OSError as exc:
+        log.error("cannot write %s in %s: %s", FLOW_FINISHED_FILE, run_dir, exc)

@@ -1,0 +1,315 @@
+"""The control-plane wire format: the only code in the runtime that turns bytes into messages.
+
+Frame = header (magic b"TP", version u8, type u8, payload length u32, big endian) + JSON
+payload + HMAC-SHA256(key, header + payload). Every message type is a named dataclass whose
+field types are checked on decode, so a peer with the wrong key, another version, a truncated or
+garbled stream is rejected with `ProtocolError` before any field reaches controller logic.
+A stream that produced one bad frame cannot be re-synchronised, so callers close it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Type
+
+MAGIC = b"TP"
+VERSION = 1
+HEADER = struct.Struct("!2sBBI")
+MAC_LEN = 32
+MAX_PAYLOAD = 16 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A frame that is malformed, unauthenticated, of another version or an unknown type."""
+
+
+# -- field checkers -------------------------------------------------------------------------------
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+
+
+def _opt_int(v: Any) -> bool:
+    return v is None or _int(v)
+
+
+def _float(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+
+
+def _bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= 65536
+
+
+def _int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(_int(x) for x in v)
+
+
+def _backups(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(b, list) and len(b) == 3 and _int(b[0]) and _str(b[1]) and _int(b[2])
+        and 0 <= b[2] <= 65535 for b in v)
+
+
+_CHECKERS: Dict[str, Callable[[Any], bool]] = {
+    "int": _int, "Optional[int]": _opt_int, "float": _float, "bool": _bool, "str": _str,
+    "List[int]": _int_list, "List[List[Any]]": _backups,
+}
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[int] = 0
+
+
+_REGISTRY: Dict[int, Type[Message]] = {}
+
+
+def _message(code: int) -> Callable[[Type[Message]], Type[Message]]:
+    def deco(cls: Type[Message]) -> Type[Message]:
+        cls.TYPE = code
+        assert code not in _REGISTRY, code
+        for f in fields(cls):
+            assert f.type in _CHECKERS, (cls.__name__, f.name, f.type)
+        _REGISTRY[code] = cls
+        return cls
+    return deco
+
+
+@_message(1)
+@dataclass
+class Register(Message):
+    """Processor → controller, first frame on every connection (also after a failover)."""
+    rank: int
+    world_size: int
+    dp_ranks: List[int]
+    replica: int
+    host: str
+    standby_port: int
+    pid: int
+    step: Optional[int]
+    updating: bool
+    locked: bool
+    failover: bool
+
+
+@_message(2)
+@dataclass
+class RegisterAck(Message):
+    role: str
+    controller_rank: int
+    backups: List[List[Any]] = field(default_factory=list)  # [rank, host, port], in order
+
+
+@_message(3)
+@dataclass
+class Reject(Message):
+    reason: str
+
+
+@_message(4)
+@dataclass
+class Heartbeat(Message):
+    rank: int
+    seq: int
+    step: Optional[int]
+    updating: bool
+
+
+@_message(5)
+@dataclass
+class HeartbeatAck(Message):
+    seq: int
+
+
+@_message(6)
+@dataclass
+class Backups(Message):
+    backups: List[List[Any]]
+
+
+@_message(7)
+@dataclass
+class FaultReport(Message):
+    """A rank reports its own fault: `kind` is "exception", "preempted" or "controller_lost"."""
+    rank: int
+    kind: str
+    detail: str
+
+
+@_message(8)
+@dataclass
+class Lock(Message):
+    """Fault: start no new optimizer update (ttp_start_updating_os blocks) and report
+    (step, updating) at once (phase 1)."""
+    flow_id: int
+
+
+@_message(17)
+@dataclass
+class AdvanceTo(Message):
+    """Phase 2: a rank below `limit` may finish updates up to step `limit` (its partners are
+    there already); wait up to `grace` s for that, then stop for good (TTPForceStop) and
+    report the final state."""
+    flow_id: int
+    limit: int
+    grace: float
+
+
+@_message(9)
+@dataclass
+class StateReport(Message):
+    flow_id: int
+    phase: int
+    rank: int
+    step: Optional[int]
+    updating: bool
+
+
+@_message(10)
+@dataclass
+class SaveOrder(Message):
+    flow_id: int
+    step: int
+    save_ranks: List[int]
+    time_limit: float
+
+
+@_message(11)
+@dataclass
+class SaveResult(Message):
+    flow_id: int
+    rank: int
+    ok: bool
+    error: str
+    seconds: float
+
+
+@_message(12)
+@dataclass
+class RenameOrder(Message):
+    flow_id: int
+    step: int
+    time_limit: float
+
+
+@_message(13)
+@dataclass
+class RenameResult(Message):
+    flow_id: int
+    rank: int
+    ok: bool
+    error: str
+    seconds: float
+
+
+@_message(14)
+@dataclass
+class ExitOrder(Message):
+    flow_id: int
+    outcome: str
+    step: Optional[int]
+    ranks: List[int]
+    exit_code: int
+    reason: str
+
+
+@_message(15)
+@dataclass
+class Goodbye(Message):
+    """The rank's train returned normally: its disconnect is not a fault."""
+    rank: int
+
+
+@_message(16)
+@dataclass
+class Closing(Message):
+    """The controller stops after a normal end of training: do not fail over."""
+    reason: str
+
+
+# -- codec ---------------------------------------------------------------------------------------
+def encode(msg: Message, key: bytes) -> bytes:
+    payload = json.dumps(asdict(msg), separators=(",", ":")).encode()
+    if len(payload) > MAX_PAYLOAD:
+        raise ProtocolError(f"{type(msg).__name__} payload is {len(payload)} bytes, over "
+                            f"{MAX_PAYLOAD}")
+    head = HEADER.pack(MAGIC, VERSION, msg.TYPE, len(payload))
+    return head + payload + hmac.new(key, head + payload, hashlib.sha256).digest()
+
+
+def _decode_payload(code: int, payload: bytes) -> Message:
+    cls = _REGISTRY.get(code)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {code}")
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"{cls.__name__}: payload is not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{cls.__name__}: payload is not an object")
+    names = {f.name: f.type for f in fields(cls)}
+    if set(obj) != set(names):
+        raise ProtocolError(f"{cls.__name__}: fields {sorted(obj)} != {sorted(names)}")
+    for name, typ in names.items():
+        if not _CHECKERS[typ](obj[name]):
+            raise ProtocolError(f"{cls.__name__}.{name}: bad value {obj[name]!r:.80}")
+    return cls(**obj)
+
+
+class FrameDecoder:
+    """Incremental decoder for one stream: feed bytes, get whole messages. Raises ProtocolError
+    on the first bad frame; the decoder (and the connection) is unusable afterwards."""
+
+    def __init__(self, key: bytes, max_payload: int = MAX_PAYLOAD) -> None:
+        self._key = key
+        self._max = max_payload
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> List[Message]:
+        self._buf += data
+        out: List[Message] = []
+        while len(self._buf) >= HEADER.size:
+            magic, version, code, length = HEADER.unpack_from(self._buf)
+            if magic != MAGIC:
+                raise ProtocolError(f"bad magic {bytes(magic)!r}: not a TTP peer")
+            if version != VERSION:
+                raise ProtocolError(f"protocol version {version}, this runtime speaks {VERSION}")
+            if length > self._max:
+                raise ProtocolError(f"frame of {length} bytes exceeds {self._max}")
+            end = HEADER.size + length + MAC_LEN
+            if len(self._buf) < end:
+                break
+            body = bytes(self._buf[: HEADER.size + length])
+            mac = bytes(self._buf[HEADER.size + length: end])
+            del self._buf[:end]
+            want = hmac.new(self._key, body, hashlib.sha256).digest()
+            if not hmac.compare_digest(mac, want):
+                raise ProtocolError("bad HMAC: peer does not share TTP_AUTH_KEY")
+            out.append(_decode_payload(code, body[HEADER.size:]))
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def decode_one(data: bytes, key: bytes) -> Message:
+    """Decode exactly one whole frame (tests and tools)."""
+    dec = FrameDecoder(key)
+    msgs = dec.feed(data)
+    if len(msgs) != 1 or dec.pending:
+        raise ProtocolError(f"expected one whole frame, got {len(msgs)} and {dec.pending} "
+                            "bytes left over")
+    return msgs[0]
+
+
+MESSAGE_TYPES: Dict[int, Type[Message]] = dict(_REGISTRY)

@@ -1,0 +1,143 @@
+"""Which step can be saved, and by whom: pure functions of the ranks' reported states.
+
+Rule (runtime contract 5): a rank can serve step t iff it is alive, answered, and reported
+"finished updating at t, not updating now". DP position i holds optimizer shard i % replica.
+The newest t at which every shard of every DP group has such a rank is saved; otherwise
+nothing is, and the reason names the shard without a clean replica. No clock, no I/O: the
+controller passes in what it collected and gets back a decision plus a human-readable reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+
+@dataclass(frozen=True)
+class RankState:
+    alive: bool  # connected and answered the collect
+    step: Optional[int]  # last step whose update finished (None: no update yet)
+    updating: bool  # inside its update window when locked
+    note: str = ""  # why not alive, for messages ("dead", "hung", "no answer")
+
+    def clean_at(self) -> Optional[int]:
+        """The step this rank can serve, or None."""
+        if not self.alive or self.updating or self.step is None or self.step < 1:
+            return None
+        return self.step
+
+
+@dataclass(frozen=True)
+class Layout:
+    """DP groups (global ranks in DP order) and the number of distinct shards per group."""
+
+    groups: Tuple[Tuple[int, ...], ...]
+    replica: int
+
+    @classmethod
+    def build(cls, groups: Iterable[Sequence[int]], replica: int) -> Layout:
+        uniq = sorted({tuple(g) for g in groups})
+        seen: Set[int] = set()
+        for g in uniq:
+            if not g:
+                raise ValueError("empty DP group")
+            if replica < 1 or replica > len(g):
+                raise ValueError(f"replica={replica} must be in 1..{len(g)} for DP group {list(g)}")
+            clash = seen.intersection(g)
+            if clash or len(set(g)) != len(g):
+                raise ValueError(f"rank(s) {sorted(clash) or list(g)} appear in more than one DP "
+                                 f"group (or twice in {list(g)}): DP groups must partition ranks")
+            seen.update(g)
+        return cls(tuple(uniq), replica)
+
+    def shards(self, group: Sequence[int]) -> List[List[int]]:
+        """Holders of each shard of one group: shard s -> ranks at positions s, s+replica, ..."""
+        return [list(group[s::self.replica]) for s in range(self.replica)]
+
+    @property
+    def ranks(self) -> Set[int]:
+        return {r for g in self.groups for r in g}
+
+
+def _describe(rank: int, st: Optional[RankState]) -> str:
+    if st is None:
+        return f"rank {rank} unknown"
+    if not st.alive:
+        return f"rank {rank} {st.note or 'dead'}"
+    if st.updating:
+        return f"rank {rank} updating after step {st.step}"
+    if st.step is None or st.step < 1:
+        return f"rank {rank} has no finished update"
+    return f"rank {rank} clean at step {st.step}"
+
+
+def choose_step(layout: Layout, states: Mapping[int, RankState],
+                world_size: Optional[int] = None) -> Tuple[Optional[int], str]:
+    """The newest step every shard of every DP group can serve, with the reason for the choice.
+
+    `world_size`, when given, makes ranks outside every known DP group an error: their
+    group's layout is unknown so its shards cannot be checked.
+    """
+    if not layout.groups:
+        return None, "no DP group is known: no processor registered its layout"
+    if world_size is not None:
+        missing = sorted(set(range(world_size)) - layout.ranks)
+        if missing:
+            head = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            return None, (f"rank(s) {head} belong to no known DP group (their whole group is "
+                          "gone): their optimizer shards cannot be saved")
+    common: Optional[Set[int]] = None
+    per_shard: List[Tuple[Tuple[int, ...], int, List[int], Set[int]]] = []
+    for group in layout.groups:
+        for s, holders in enumerate(layout.shards(group)):
+            steps = {t for r in holders if r in states
+                     for t in [states[r].clean_at()] if t is not None}
+            per_shard.append((group, s, holders, steps))
+            if not steps:
+                why = "; ".join(_describe(r, states.get(r)) for r in holders)
+                return None, (f"no consistent step: DP group {list(group)} shard {s} has no "
+                              f"clean replica ({why})")
+            common = steps if common is None else common & steps
+    assert common is not None
+    if not common:
+        # every shard has clean ranks, but at no common step: name the first shard that differs
+        newest = max(max(st) for *_, st in per_shard)
+        for group, s, holders, steps in per_shard:
+            if newest not in steps:
+                why = "; ".join(_describe(r, states.get(r)) for r in holders)
+                return None, (f"no consistent step: DP group {list(group)} shard {s} has no "
+                              f"clean replica at step {newest} ({why}), and no older step is "
+                              "clean on every shard")
+        return None, "no consistent step: shards are clean at disjoint steps"  # pragma: no cover
+    step = max(common)
+    return step, (f"step {step}: every shard of {len(layout.groups)} DP group(s) has a clean "
+                  "replica")
+
+
+def savers_for(layout: Layout, states: Mapping[int, RankState], step: int) -> List[int]:
+    """One clean rank per shard per group at `step` (the lowest DP position), sorted."""
+    chosen: List[int] = []
+    for group in layout.groups:
+        for s, holders in enumerate(layout.shards(group)):
+            for r in holders:
+                st = states.get(r)
+                if st is not None and st.clean_at() == step:
+                    chosen.append(r)
+                    break
+            else:
+                raise ValueError(f"DP group {list(group)} shard {s} has no clean rank at {step}")
+    return sorted(chosen)
+
+
+def states_from(reports: Mapping[int, Tuple[Optional[int], bool]], known: Iterable[int],
+                notes: Optional[Dict[int, str]] = None) -> Dict[int, RankState]:
+    """RankState for every known rank from collected (step, updating) reports."""
+    notes = notes or {}
+    out: Dict[int, RankState] = {}
+    for r in known:
+        if r in reports:
+            step, updating = reports[r]
+            out[r] = RankState(True, step, updating)
+        else:
+            out[r] = RankState(False, None, False, notes.get(r, "did not answer"))
+    return out

@@ -1,0 +1,160 @@
+"""Non-blocking framed connections for a selector loop, plus small socket helpers.
+
+A `Conn` owns one socket, an incremental `FrameDecoder` and an output buffer; the controller
+keeps thousands of them in one `selectors` loop (one thread, no thread per connection), the
+processor keeps one. Only the owning loop thread touches a Conn; other threads hand frames to
+the loop through `Mailbox`, which wakes the selector through a socketpair.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+from typing import Any, Deque, List, Optional, Tuple
+
+from .protocol import FrameDecoder, Message, encode
+
+RECV_CHUNK = 65536
+
+
+class ConnClosed(Exception):
+    """The peer closed or reset the connection."""
+
+
+class Conn:
+    __slots__ = ("sock", "key", "dec", "out", "peer", "rank", "last_rx", "closed", "data")
+
+    def __init__(self, sock: socket.socket, key: bytes, peer: str = "",
+                 dec: Optional[FrameDecoder] = None) -> None:
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        self.sock = sock
+        self.key = key
+        self.dec = dec or FrameDecoder(key)
+        self.out = bytearray()
+        self.peer = peer
+        self.rank: Optional[int] = None
+        self.last_rx = time.monotonic()
+        self.closed = False
+        self.data: Any = None
+
+    def read(self) -> List[Message]:
+        """Drain what the socket has; raises ConnClosed on EOF/reset, ProtocolError on a bad
+        frame (the caller closes the connection in both cases)."""
+        msgs: List[Message] = []
+        while True:
+            try:
+                chunk = self.sock.recv(RECV_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                raise ConnClosed(str(exc)) from None
+            if not chunk:
+                if msgs:
+                    break  # deliver what came before EOF; EOF is seen on the next read
+                raise ConnClosed("connection closed by peer")
+            self.last_rx = time.monotonic()
+            msgs.extend(self.dec.feed(chunk))
+            if len(chunk) < RECV_CHUNK:
+                break
+        return msgs
+
+    def queue(self, msg: Message) -> None:
+        self.out += encode(msg, self.key)
+
+    def queue_raw(self, data: bytes) -> None:
+        self.out += data
+
+    def flush(self) -> bool:
+        """Send as much as the kernel takes; True when nothing is left."""
+        while self.out:
+            try:
+                n = self.sock.send(self.out)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as exc:
+                raise ConnClosed(str(exc)) from None
+            del self.out[:n]
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+
+class Mailbox:
+    """Thread-safe queue of work for a selector loop, with a wake-up socket."""
+
+    def __init__(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._lock = threading.Lock()
+        self._items: Deque[Tuple[Any, ...]] = collections.deque()
+
+    @property
+    def reader(self) -> socket.socket:
+        return self._r
+
+    def put(self, *item: Any) -> None:
+        with self._lock:
+            self._items.append(item)
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            self._w.send(b"\0")
+        except OSError:
+            pass  # buffer full (a wake is already pending) or closed
+
+    def drain(self) -> List[Tuple[Any, ...]]:
+        try:
+            while self._r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError, OSError):
+            pass
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+        return items
+
+    def close(self) -> None:
+        for s in (self._r, self._w):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def connect(host: str, port: int, timeout: float) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def recv_messages(sock: socket.socket, dec: FrameDecoder, timeout: float) -> List[Message]:
+    """Blocking read until at least one message arrives (registration handshakes only)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no answer within {timeout:g} s")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(RECV_CHUNK)
+        except socket.timeout:
+            raise TimeoutError(f"no answer within {timeout:g} s") from None
+        if not chunk:
+            raise ConnClosed("connection closed during handshake")
+        msgs = dec.feed(chunk)
+        if msgs:
+            return msgs

@@ -1,0 +1,98 @@
+"""A tiny data-parallel "training job" for the runtime's multi-process tests.
+
+Each rank all-reduces a gradient (gloo), passes a barrier, brackets its parameter update with
+the TTP hooks, and can inject one fault at (rank, step, phase). The save handler writes its
+shard under <out>/iter_<step>_tmp/, the rename handler moves it to <out>/iter_<step> and
+writes <out>/latest. Configured entirely by env so the tests can launch plain subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import mindio_ttp.framework_ttp as ttp
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+PLAN = json.loads(os.environ.get("TTPW_PLAN", "{}"))
+OUT = PLAN.get("out", ".")
+
+
+def inject(phase: str, step: int) -> None:
+    for f in PLAN.get("faults", []):
+        if f["rank"] == RANK and f["step"] == step and f["phase"] == phase:
+            kind = f["kind"]
+            print(f"worker {RANK}: injecting {kind} at step {step} {phase}", flush=True)
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif kind == "term":
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif kind == "exception":
+                raise RuntimeError(f"injected failure on rank {RANK} at step {step} {phase}")
+
+
+def save(step: int, save_ranks: list, args: tuple) -> None:
+    if PLAN.get("save_fail_rank") == RANK:
+        raise OSError("injected: disk full")
+    if PLAN.get("save_hang_rank") == RANK:
+        time.sleep(3600)
+    _, param = args
+    tmp = os.path.join(OUT, f"iter_{step}_tmp")
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, f"rank_{RANK}.json"), "w") as f:
+        json.dump({"step": step, "save_ranks": save_ranks, "param": param.tolist()}, f)
+
+
+def rename(step: int, args: tuple) -> None:
+    os.replace(os.path.join(OUT, f"iter_{step}_tmp"), os.path.join(OUT, f"iter_{step}"))
+    with open(os.path.join(OUT, "latest"), "w") as f:
+        f.write(str(step))
+
+
+@ttp.ttp_to_persist
+def train(param: torch.Tensor, steps: int) -> None:
+    for step in range(1, steps + 1):
+        grad = torch.full((4,), float(step))
+        dist.all_reduce(grad)  # every collective stays outside the update window
+        dist.barrier()
+        inject("before", step)
+        ttp.ttp_start_updating_os(-1)
+        inject("inside", step)
+        param += grad
+        ttp.ttp_end_updating_os(step)
+        inject("after", step)
+        ttp.ttp_set_ckpt_args((step, param))
+        time.sleep(PLAN.get("step_sleep", 0.02))
+
+
+def main() -> None:
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
+    ip = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    dp_ranks = list(range(WORLD))
+    if RANK == 0:
+        ttp.ttp_init_controller(RANK, WORLD, len(dp_ranks) // 2, False)
+        ttp.ttp_start_controller(ip, 8000)
+    ttp.ttp_init_processor(RANK, dp_ranks, len(dp_ranks), WORLD, len(dp_ranks) // 2, False)
+    ttp.ttp_start_processor(ip, 8000)
+    ttp.ttp_register_save_ckpt_handler(save)
+    ttp.ttp_register_rename_handler(rename)
+    dist.barrier()
+    param = torch.zeros(4)
+    train(param, PLAN.get("steps", 20))
+    print(f"worker {RANK}: finished normally", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
