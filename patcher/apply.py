@@ -103,7 +103,9 @@ def apply(directory: str, opts: Options, dry_run: bool = False) -> ApplyOutcome:
         )
         changes = [Change(tree.path(p), plans[p].after) for p in outcome.written if p in plans]
         if launch_script.SCRIPT in outcome.written:
-            changes.append(Change(tree.path(launch_script.SCRIPT), script, launch_script.SCRIPT_MODE))
+            changes.append(
+                Change(tree.path(launch_script.SCRIPT), script, launch_script.SCRIPT_MODE)
+            )
         changes.append(Change(tree.manifest_path, record.to_json()))
         write_all(changes)
         return outcome

@@ -41,29 +41,51 @@ def _parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_)
-        sp.add_argument("dir", nargs="?", default=".", metavar="DIR",
-                        help="the Megatron-LM checkout (default: .)")
+        sp.add_argument(
+            "dir",
+            nargs="?",
+            default=".",
+            metavar="DIR",
+            help="the Megatron-LM checkout (default: .)",
+        )
         return sp
 
     sp = add("apply", "apply the 14 edits and write pretrain_gpt_ttp.sh")
-    sp.add_argument("--device", choices=devices, default="npu",
-                    help="adaptor import in pretrain_gpt.py: npu (megatron_npu, the guide's), "
-                    "cuda (none), cpu (mindio_ttp.cpu_adaptor)")
-    sp.add_argument("--port", type=int, default=DEFAULT_PORT,
-                    help="controller port written into the start-up block (default 8000)")
+    sp.add_argument(
+        "--device",
+        choices=devices,
+        default="npu",
+        help="adaptor import in pretrain_gpt.py: npu (megatron_npu, the guide's), "
+        "cuda (none), cpu (mindio_ttp.cpu_adaptor)",
+    )
+    sp.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help="controller port written into the start-up block (default 8000)",
+    )
     sp.add_argument("--dry-run", action="store_true", help="print the diff, change nothing")
 
     sp = add("revert", "restore the patched files to their HEAD bytes, remove the script")
-    sp.add_argument("--force", action="store_true",
-                    help="also when files changed after apply (those changes are lost)")
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="also when files changed after apply (those changes are lost)",
+    )
 
-    for name, help_ in (("status", "show the state of every edit"),
-                        ("verify", "CI gate: exit 0 only when every edit is applied")):
+    for name, help_ in (
+        ("status", "show the state of every edit"),
+        ("verify", "CI gate: exit 0 only when every edit is applied"),
+    ):
         sp = add(name, help_)
         sp.add_argument("--json", action="store_true", help="machine-readable output")
-        sp.add_argument("--device", choices=devices, default=None,
-                        help="the device to expect (default: recorded by apply, else read "
-                        "from pretrain_gpt.py)")
+        sp.add_argument(
+            "--device",
+            choices=devices,
+            default=None,
+            help="the device to expect (default: recorded by apply, else read "
+            "from pretrain_gpt.py)",
+        )
 
     sp = add("diff", "print the diff apply makes (or made)")
     sp.add_argument("--device", choices=devices, default="npu")
@@ -85,8 +107,10 @@ def _run(args: argparse.Namespace) -> int:
         elif out.noop:
             _say(f"already applied ({opts.describe()}): nothing to do")
         else:
-            _say(f"applied {out.edits_applied} edits ({opts.describe()}); wrote "
-                 + ", ".join(out.written))
+            _say(
+                f"applied {out.edits_applied} edits ({opts.describe()}); wrote "
+                + ", ".join(out.written)
+            )
         return EXIT_OK
     if args.command == "revert":
         res = revert(args.dir, force=args.force)

@@ -61,6 +61,4 @@ class FileSummary:
 def summarize(text: str) -> List[FileSummary]:
     """Files and +/- counts of a diff; raises unidiff.UnidiffParseError on a malformed one."""
     patch = unidiff.PatchSet(text)
-    return [
-        FileSummary(f.path, f.added, f.removed, f.is_added_file) for f in patch
-    ]
+    return [FileSummary(f.path, f.added, f.removed, f.is_added_file) for f in patch]

@@ -37,7 +37,7 @@ def decode(path: str, data: bytes) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UnreadableTarget(
-            f"{path}: not UTF-8 (byte {exc.start}: {data[exc.start:exc.start + 1]!r})",
+            f"{path}: not UTF-8 (byte {exc.start}: {data[exc.start : exc.start + 1]!r})",
             f"restore it with `git checkout -- {path}`",
         ) from None
     if "\r" in text:

@@ -108,7 +108,9 @@ def write_all(changes: Sequence[Change]) -> None:
                 _apply(Change(ch.path, old, mode))
             except Exception as undo_exc:  # pragma: no cover - disk gone bad during rollback
                 problems.append(f"{ch.path}: {undo_exc}")
-        msg = f"writing {failed} failed ({exc}); the {len(done)} file(s) already written were restored"
+        msg = (
+            f"writing {failed} failed ({exc}); the {len(done)} file(s) written before were restored"
+        )
         if problems:  # pragma: no cover
             msg += "; could NOT restore: " + "; ".join(problems)
         raise WriteFailed(msg, "fix the cause (disk full? permissions?) and run again") from exc

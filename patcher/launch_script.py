@@ -13,7 +13,6 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from . import __version__
 from .errors import UnreadableTarget
 from .options import Device
 
@@ -125,12 +124,12 @@ def build(example: bytes, device: Device) -> bytes:
 
     out: List[str] = [
         "#! /bin/bash",
-        f"{HEADER_MARK} {__version__} (--device {device.value}) from {EXAMPLE}.",
+        f"{HEADER_MARK} (--device {device.value}) from {EXAMPLE}.",
         "# GPT pretraining with the MindIO TTP dying checkpoint: launched by ttprun, which keeps",
         "# the surviving ranks alive after a fault until the checkpoint is saved.",
         "# `ttp-patch revert` removes this file; without TTP, launch with torchrun again.",
-        "# Every value below can also be given in the environment (VAR=... bash pretrain_gpt_ttp.sh);",
-        "# extra arguments are passed on to pretrain_gpt.py and override the ones below.",
+        "# Each value below can also come from the environment (VAR=... bash pretrain_gpt_ttp.sh);",
+        "# extra arguments go on to pretrain_gpt.py and override the ones below.",
         "set -eu",
         "",
     ]
@@ -149,6 +148,8 @@ def build(example: bytes, device: Device) -> bytes:
             "# pretrain_gpt.py; one thread per rank keeps ranks from fighting over cores.",
             "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
         ]
+    if device in (Device.CPU, Device.CUDA):
+        out += [""]
     out += [
         'MEGATRON_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)',
         "",
@@ -175,7 +176,7 @@ def build(example: bytes, device: Device) -> bytes:
         f'MERGE_FILE="${{MERGE_FILE:-{merges}}}"',
         f'CHECKPOINT_PATH="${{CHECKPOINT_PATH:-{ckpt}}}"',
         "",
-        'for v in MASTER_ADDR DATA_PATH CHECKPOINT_PATH; do',
+        "for v in MASTER_ADDR DATA_PATH CHECKPOINT_PATH; do",
         '  case "${!v}" in',
         '    *"<Specify"*|xxx.*) echo "pretrain_gpt_ttp.sh: set $v (see the FILL IN lines)" >&2;'
         " exit 2 ;;",

@@ -43,9 +43,7 @@ class Options:
         try:
             dev = Device(device)
         except ValueError:
-            raise UsageError(
-                f"unknown device {device!r}", "use one of: npu, cuda, cpu"
-            ) from None
+            raise UsageError(f"unknown device {device!r}", "use one of: npu, cuda, cpu") from None
         if not 1 <= port <= 65535:
             raise UsageError(f"port {port} is out of range", "give a TCP port in 1..65535")
         return cls(device=dev, port=port)

@@ -63,7 +63,7 @@ def open_checkout(directory: str) -> Checkout:
         raise UsageError(f"{directory}: not a directory", "give the Megatron-LM checkout")
     root = root.resolve()
     try:
-        repo = git.Repo(root)
+        repo = git.Repo(root, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         raise NotAGitRepo(
             f"{directory}: not a git repository",
@@ -84,7 +84,9 @@ def open_checkout(directory: str) -> Checkout:
         found = repo.head.commit.hexsha
     except ValueError:
         repo.close()
-        raise WrongCommit(f"{directory}: the repository has no commits", _checkout_hint(root, want))
+        raise WrongCommit(
+            f"{directory}: the repository has no commits", _checkout_hint(root, want)
+        ) from None
     if found != want:
         where = _relation(repo, want, found)
         repo.close()

@@ -100,8 +100,9 @@ def status(directory: str, device: Optional[str] = None) -> StatusReport:
         man = tree.manifest()
         dev = Device(device) if device else (Device(man.device) if man else None)
         opts = Options(device=dev, port=None)
-        report = StatusReport(str(tree.root), tree.checkout.commit, dev.value if dev else None,
-                              man is not None)
+        report = StatusReport(
+            str(tree.root), tree.checkout.commit, dev.value if dev else None, man is not None
+        )
         for path in dict.fromkeys(e.file for e in ALL_EDITS):
             edits = [e for e in ALL_EDITS if e.file == path]
             data = tree.current(path)
@@ -110,8 +111,9 @@ def status(directory: str, device: Optional[str] = None) -> StatusReport:
                     raise UnreadableTarget("file is missing")
                 results = assess_module(path, parse(path, data), opts)
             except UnreadableTarget as exc:
-                report.rows += [Row(e.id, e.number, path, State.DRIFTED.value, exc.message)
-                                for e in edits]
+                report.rows += [
+                    Row(e.id, e.number, path, State.DRIFTED.value, exc.message) for e in edits
+                ]
                 continue
             for edit, res in results:
                 report.rows.append(Row(edit.id, edit.number, path, res.state.value, res.detail))

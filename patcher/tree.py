@@ -92,7 +92,9 @@ class Tree:
         assert opts.device is not None
         out = [FileDiff(p, plan.before, plan.after) for p, plan in self.plans(opts).items()]
         out.append(
-            FileDiff(launch_script.SCRIPT, None, self.script(opts.device), launch_script.SCRIPT_MODE)
+            FileDiff(
+                launch_script.SCRIPT, None, self.script(opts.device), launch_script.SCRIPT_MODE
+            )
         )
         return out
 

@@ -14,7 +14,12 @@ ALL_EDITS: List[Edit] = [
     *parallel_state.EDITS,
 ]
 
-TARGET_FILES: List[str] = [pretrain_gpt.FILE, training.FILE, optimizer_init.FILE, parallel_state.FILE]
+TARGET_FILES: List[str] = [
+    pretrain_gpt.FILE,
+    training.FILE,
+    optimizer_init.FILE,
+    parallel_state.FILE,
+]
 
 
 def edits_for(path: str) -> List[Edit]:

@@ -10,6 +10,7 @@ what we write carries the guide's comments and the file's indentation.
 from __future__ import annotations
 
 import ast
+import functools
 import textwrap
 from dataclasses import dataclass, field
 from enum import Enum
@@ -60,6 +61,35 @@ def node_key(node: cst.CSTNode) -> str:
         return code
 
 
+def node_shape(node: cst.CSTNode) -> str:
+    """What a statement is about, values aside: the call it makes or the name it binds.
+
+    Two statements with one shape are versions of each other (`ttp_start_updating_os(-1)` and
+    `(-2)`), so a shape of ours found in the scope means the edit was changed, not left out.
+    """
+    code = textwrap.dedent(_EMPTY.code_for_node(node))
+    try:
+        stmt = ast.parse(code).body[0]
+    except (SyntaxError, IndexError):  # pragma: no cover - CST statements parse
+        return code
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        return f"call {ast.unparse(stmt.value.func)}"
+    if isinstance(stmt, ast.Assign):
+        return "assign " + ",".join(ast.unparse(t) for t in stmt.targets)
+    if isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
+        return f"assign {ast.unparse(stmt.target)}"
+    if isinstance(stmt, (ast.Global, ast.Nonlocal)):
+        return "global " + ",".join(stmt.names)
+    if isinstance(stmt, ast.Import):
+        return "import " + ",".join(a.name for a in stmt.names)
+    if isinstance(stmt, ast.ImportFrom):
+        return f"from {stmt.module} import " + ",".join(a.name for a in stmt.names)
+    if isinstance(stmt, ast.If):
+        return f"if {ast.unparse(stmt.test)}"
+    return ast.dump(stmt)
+
+
+@functools.lru_cache(maxsize=256)
 def source_key(src: str) -> str:
     return ast.dump(ast.parse(textwrap.dedent(src)))
 
@@ -70,7 +100,13 @@ def parse_statements(src: str, module: cst.Module) -> Tuple[cst.BaseStatement, .
     A snippet's leading comments land in `Module.header`; moved onto the first statement they
     are written at the indentation of whatever block receives the statement.
     """
-    snippet = cst.parse_module(textwrap.dedent(src), config=module.config_for_parsing)
+    return _parse_statements(src, module.default_indent, module.default_newline)
+
+
+@functools.lru_cache(maxsize=256)  # CST nodes are immutable, so sharing them is safe
+def _parse_statements(src: str, indent: str, newline: str) -> Tuple[cst.BaseStatement, ...]:
+    config = cst.PartialParserConfig(default_indent=indent, default_newline=newline)
+    snippet = cst.parse_module(textwrap.dedent(src), config=config)
     body = list(snippet.body)
     if body and snippet.header:
         header = [line.with_changes(indent=True) for line in snippet.header]
@@ -101,6 +137,7 @@ class FileIndex(cst.CSTVisitor):
         self.sites: Dict[Optional[str], List[Site]] = {s: [] for s in self._wanted}
         self.top_defs: Dict[str, List[Site]] = {}
         self._keys: Dict[int, str] = {}
+        self._shapes: Dict[int, str] = {}
 
     @classmethod
     def build(cls, module: cst.Module, scopes: Sequence[Optional[str]]) -> FileIndex:
@@ -131,6 +168,9 @@ class FileIndex(cst.CSTVisitor):
         self._record(node)
         return True
 
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
+        return False  # no blocks inside: skipping its expressions makes the walk several x faster
+
     def _enter(self, name: str) -> bool:
         self._stack.append(name)
         return self._scope() in self._wanted
@@ -151,6 +191,12 @@ class FileIndex(cst.CSTVisitor):
         cached = self._keys.get(id(stmt))
         if cached is None:
             cached = self._keys[id(stmt)] = node_key(stmt)
+        return cached
+
+    def shape(self, stmt: cst.CSTNode) -> str:
+        cached = self._shapes.get(id(stmt))
+        if cached is None:
+            cached = self._shapes[id(stmt)] = node_shape(stmt)
         return cached
 
     def simple(self, scope: Optional[str]) -> List[Site]:
@@ -202,8 +248,8 @@ class InsertAfterAnchor(Edit):
         wanted = [node_key(s) for s in stmts]
         if [index.key(s) for s in followers[: len(wanted)]] == wanted:
             return Assessment(State.APPLIED)
-        scope_keys = {index.key(s.stmt) for s in index.simple(self.scope)}
-        if any(k in scope_keys for k in wanted):
+        shapes = {index.shape(s.stmt) for s in index.simple(self.scope)}
+        if any(node_shape(s) in shapes for s in stmts):
             return Assessment(
                 State.DRIFTED, f"partly present or not right after the anchor {where(self.scope)}"
             )
@@ -224,7 +270,9 @@ class ReplaceAnchor(Edit):
         if not old and len(new) == 1:
             return Assessment(State.APPLIED)
         if len(old) == 1 and not new:
-            return Assessment(State.MISSING, ops=[Op(old[0].block, old[0].index, rewrite=self.rewrite)])
+            return Assessment(
+                State.MISSING, ops=[Op(old[0].block, old[0].index, rewrite=self.rewrite)]
+            )
         return Assessment(
             State.DRIFTED,
             f"{where(self.scope)}: original statement found {len(old)} times, "
@@ -292,7 +340,9 @@ class DecorateTopLevelDef(Edit):
             return Assessment(State.APPLIED)
         if count > 1:
             return Assessment(State.DRIFTED, f"@{self.decorator} is there {count} times")
-        return Assessment(State.MISSING, ops=[Op(sites[0].block, sites[0].index, rewrite=self._add)])
+        return Assessment(
+            State.MISSING, ops=[Op(sites[0].block, sites[0].index, rewrite=self._add)]
+        )
 
     def _add(self, stmt: cst.BaseStatement) -> cst.BaseStatement:
         assert isinstance(stmt, cst.FunctionDef)
@@ -329,6 +379,9 @@ class ApplyOps(cst.CSTTransformer):
                     stmt = op.rewrite(stmt)
             body.extend([*before, stmt, *after])
         return updated.with_changes(body=body)
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
+        return False  # ops only name blocks; expressions need no visit
 
     def leave_IndentedBlock(
         self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock

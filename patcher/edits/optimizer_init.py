@@ -11,7 +11,7 @@ FILE = "megatron/optimizer/__init__.py"
 
 
 class ImportReplicatedOptimizer(InsertAfterAnchor):
-    """After the package's last import, so `.distrib_optimizer` is loaded before ours subclasses it."""
+    """After the package's last import: `.distrib_optimizer` is loaded before ours subclasses it."""
 
     id = "optimizer/import-replicated"
     number = "3.1"
@@ -29,7 +29,7 @@ class _SwapOptimizerClass(m.MatcherDecoratableTransformer):
 
 
 class UseReplicatedOptimizer(ReplaceAnchor):
-    """`opt_ty = DistributedOptimizer \\` -> `opt_ty = ReplicatedOptimizer \\`, continuation kept."""
+    """`opt_ty = DistributedOptimizer \\` becomes `ReplicatedOptimizer`, continuation kept."""
 
     id = "optimizer/replicated-opt-ty"
     number = "3.2"

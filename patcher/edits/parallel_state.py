@@ -36,7 +36,7 @@ class AddDataParallelRankGetters(InsertBeforeTopLevelDef):
     scope = None
     before_def = "model_parallel_is_initialized"
     anchor = "def model_parallel_is_initialized():"
-    inserted = '''\
+    inserted = """\
 def get_data_parallel_all_rank():
     assert _DATA_PARALLEL_GLOBAL_RANKS is not None, \\
         "Data parallel group is not initialized"
@@ -44,7 +44,7 @@ def get_data_parallel_all_rank():
 
 def get_all_data_parallel_ranks():
     return all_data_parallel_group_ranks
-'''
+"""
     summary = "get_data_parallel_all_rank() and get_all_data_parallel_ranks()"
 
 

@@ -1,0 +1,229 @@
+"""The codemods on our fixture files, in memory: byte goldens, fixed point, detection, anchors."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TARGETS, fixture_files, golden
+
+from patcher import launch_script
+from patcher.edits import ALL_EDITS, State
+from patcher.engine import assess_module, parse, plan_file
+from patcher.errors import AnchorError, UnreadableTarget
+from patcher.options import Device, Options
+
+DEVICES = ["npu", "cuda", "cpu"]
+FILES = fixture_files()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", TARGETS)
+def test_output_is_byte_identical_to_golden(device: str, path: str) -> None:
+    plan = plan_file(path, FILES[path], Options.build(device))
+    assert plan.after == golden(device, path)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launch_script_is_byte_identical_to_golden(device: str) -> None:
+    example = FILES[launch_script.EXAMPLE]
+    assert launch_script.build(example, Device(device)) == golden(device, launch_script.SCRIPT)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", TARGETS)
+def test_second_pass_changes_nothing(device: str, path: str) -> None:
+    patched = golden(device, path)
+    plan = plan_file(path, patched, Options.build(device))
+    assert plan.after == patched
+    assert {r.state for _, r in plan.results} == {State.APPLIED}
+
+
+@pytest.mark.parametrize("path", TARGETS)
+def test_pristine_file_reads_as_all_missing_with_device_known(path: str) -> None:
+    results = assess_module(path, parse(path, FILES[path]), Options.build("npu"))
+    assert [r.state for _, r in results] == [State.MISSING] * len(results)
+
+
+def test_every_seed_edit_has_a_stable_unique_id() -> None:
+    numbers = [e.number for e in ALL_EDITS]
+    assert numbers == [
+        "1",
+        "2.1",
+        "2.2",
+        "2.3",
+        "2.4",
+        "2.5",
+        "2.6",
+        "2.7",
+        "2.8",
+        "3.1",
+        "3.2",
+        "4.1",
+        "4.2",
+        "4.3",
+    ]
+    assert len({e.id for e in ALL_EDITS}) == 14
+
+
+def test_only_the_port_literal_changes_with_port() -> None:
+    path = "megatron/training.py"
+    default = plan_file(path, FILES[path], Options.build("npu")).after
+    other = plan_file(path, FILES[path], Options.build("npu", port=29123)).after
+    assert default.replace(b"    port = 8000\n", b"    port = 29123\n") == other
+
+
+def test_decoys_in_evaluate_and_nested_def_are_untouched() -> None:
+    after = golden("npu", "megatron/training.py").decode()
+    evaluate = after[after.index("def evaluate(") :]
+    assert "ttp." not in evaluate
+    nested = after[after.index("    def report(step):") : after.index("    while iteration")]
+    assert "ttp." not in nested
+    assert after.count("ttp.ttp_set_ckpt_args(") == 1
+    assert after.count("# begin to init ttp processor & controller") == 1
+
+
+def test_continuation_layout_of_opt_ty_is_kept() -> None:
+    after = golden("npu", "megatron/optimizer/__init__.py").decode()
+    assert (
+        "        opt_ty = ReplicatedOptimizer \\\n"
+        "            if args.use_distributed_optimizer else \\\n"
+        "            Float16OptimizerWithFloat16Params\n"
+    ) in after
+
+
+# For each edit: the fixture text that holds its anchor, and a change that removes the anchor.
+BREAK_ANCHOR = {
+    "pretrain/adaptor-import": ("import torch\nfrom functools", "import numpy\nfrom functools"),
+    "training/import-ttp": (
+        "from megatron.model.vision.knn_monitor import compute_feature_bank\n",
+        "",
+    ),
+    "training/ttp-load-checkpoint": (
+        "= load_checkpoint(model, optimizer, opt_param_scheduler)",
+        "= load_checkpoint(model, optimizer)",
+    ),
+    "training/barrier-after-reduce": (
+        "optimizer.reduce_model_grads(args, timers)",
+        "optimizer.reduce_model_grads(args)",
+    ),
+    "training/start-updating-os": (
+        "timers('optimizer', log_level=1).start(",
+        "timers('optimizer', log_level=2).start(",
+    ),
+    "training/end-updating-os": (
+        "num_zeros_in_grad = optimizer.step(args, timers)",
+        "num_zeros_in_grad = optimizer.step(args)",
+    ),
+    "training/persist-train": ("def train(forward_step_func", "def train_model(forward_step_func"),
+    "training/start-ttp": (
+        "    # Tracking loss.\n    total_loss_dict = {}\n",
+        "    # Tracking loss.\n    total_loss_dict = dict()\n",
+    ),
+    "training/set-ckpt-args": (
+        "        iteration += 1\n        args.consumed",
+        "        iteration = iteration + 1\n        args.consumed",
+    ),
+    "optimizer/import-replicated": (
+        "from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer",
+        "from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params",
+    ),
+    "optimizer/replicated-opt-ty": (
+        "opt_ty = DistributedOptimizer \\",
+        "opt_ty = SomeOptimizer \\",
+    ),
+    "parallel-state/all-dp-ranks-var": (
+        "_GLOBAL_MEMORY_BUFFER = None",
+        "_GLOBAL_MEMORY_BUFFER = {}",
+    ),
+    "parallel-state/global-all-dp-ranks": ("    global _DATA_PARALLEL_GLOBAL_RANKS\n", ""),
+    "parallel-state/dp-rank-getters": (
+        "def model_parallel_is_initialized():",
+        "def model_parallel_ready():",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", ALL_EDITS, ids=lambda e: e.id)
+def test_missing_anchor_is_refused_naming_edit_file_function_anchor(edit) -> None:
+    old, new = BREAK_ANCHOR[edit.id]
+    text = FILES[edit.file].decode()
+    assert text.count(old) == 1, "the break must hit exactly the anchor"
+    broken = text.replace(old, new).encode()
+    with pytest.raises(AnchorError) as info:
+        plan_file(edit.file, broken, Options.build("npu"))
+    msg = info.value.message
+    assert edit.id in msg and edit.file in msg and edit.anchor_text() in msg
+    assert (f"function {edit.scope}()" if edit.scope else "module level") in msg
+
+
+def test_duplicated_anchor_is_refused() -> None:
+    path = "megatron/training.py"
+    line = "    optimizer.reduce_model_grads(args, timers)\n"
+    text = FILES[path].decode().replace(line, line + line)
+    with pytest.raises(AnchorError, match="found 2 times"):
+        plan_file(path, text.encode(), Options.build("npu"))
+
+
+HAND_MADE = {  # the guide's edits typed by hand: other spacing, no comments, another port
+    "megatron/training.py": [
+        (
+            "    optimizer.reduce_model_grads(args, timers)\n",
+            "    optimizer.reduce_model_grads(args, timers)\n    torch.distributed.barrier( )\n",
+        ),
+        ("    # begin to init ttp processor & controller\n", ""),
+        ("    port = 8000\n", "    port = 9100\n"),
+        ("len(dp_ranks)//2", "len(dp_ranks) // 2"),
+    ],
+}
+
+
+def test_edits_made_by_hand_following_the_guide_are_detected() -> None:
+    path = "megatron/training.py"
+    text = golden("npu", path).decode()
+    text = text.replace("    # all rank need to barrier\n    torch.distributed.barrier()\n", "")
+    for old, new in HAND_MADE[path]:
+        assert old in text
+        text = text.replace(old, new)
+    results = assess_module(path, parse(path, text.encode()), Options(device=None, port=None))
+    assert {e.id: r.state for e, r in results} == {e.id: State.APPLIED for e, _ in results}
+
+
+def test_half_present_insertion_is_drift_not_missing() -> None:
+    path = "megatron/training.py"
+    text = golden("npu", path).decode().replace("    ttp.ttp_start_processor(masterIp, port)\n", "")
+    results = dict(
+        (e.id, r) for e, r in assess_module(path, parse(path, text.encode()), Options.build("npu"))
+    )
+    assert results["training/start-ttp"].state is State.DRIFTED
+    assert results["training/set-ckpt-args"].state is State.APPLIED
+    with pytest.raises(AnchorError, match="training/start-ttp"):
+        plan_file(path, text.encode(), Options.build("npu"))
+
+
+def test_device_is_read_back_from_pretrain_gpt() -> None:
+    path = "pretrain_gpt.py"
+    for device in ("npu", "cpu"):
+        results = assess_module(path, parse(path, golden(device, path)), Options(None, None))
+        assert results[0][1].state is State.APPLIED
+        assert results[0][1].inferred["device"] is Device(device)
+    npu_file = golden("npu", path)
+    cpu_opts = Options.build("cpu")
+    assert assess_module(path, parse(path, npu_file), cpu_opts)[0][1].state is State.DRIFTED
+
+
+def test_crlf_is_refused_with_a_way_out() -> None:
+    data = FILES["pretrain_gpt.py"].replace(b"\n", b"\r\n")
+    with pytest.raises(UnreadableTarget, match="CR/CRLF") as info:
+        plan_file("pretrain_gpt.py", data, Options.build("npu"))
+    assert "autocrlf" in (info.value.hint or "")
+
+
+def test_non_utf8_is_refused() -> None:
+    data = FILES["pretrain_gpt.py"].replace(b"toy GPT", b"toy \xff GPT")
+    with pytest.raises(UnreadableTarget, match="not UTF-8"):
+        plan_file("pretrain_gpt.py", data, Options.build("npu"))
+
+
+def test_unparseable_file_is_refused_with_its_position() -> None:
+    data = FILES["pretrain_gpt.py"].replace(b"def model_provider(", b"def model_provider((")
+    with pytest.raises(UnreadableTarget, match=r"pretrain_gpt.py:\d+:\d+: cannot parse"):
+        plan_file("pretrain_gpt.py", data, Options.build("npu"))
