@@ -1,0 +1,98 @@
+"""Test-only fault injection into real Megatron-LM, without editing the tree beyond the patch.
+
+Put this folder on PYTHONPATH and set ``TTP_FAULT_PLAN`` (the text form of
+``mindio_ttp.testing.faults.FaultPlan``, e.g. ``1:5:sigkill:before``). Python imports
+``sitecustomize`` at start-up in every process; this one wraps ``megatron.training.train_step``
+right after that module is imported, so iteration k (1-based, Megatron's printed number) fires:
+
+* ``before``: in the forward step of iteration k (first micro-batch), before any gradient
+  exchange: the survivors last finished step k-1;
+* ``inside``: after the optimizer step of iteration k, still inside the update window;
+* ``after``: after ``ttp_end_updating_os(k)``, before the parameter all-gather.
+
+``TTP_FAULT_RECORD_DIR`` (optional) is where the plan records the fault time and coordinates
+ranks killed together.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+TARGET = "megatron.training"
+
+
+def _wrap_train_step(train_step, get_args, plan, record_dir):
+    import torch
+
+    from mindio_ttp.testing.faults import Phase
+
+    def fault_injecting_train_step(forward_step_func, data_iterator, model, optimizer,
+                                   opt_param_scheduler):
+        step = get_args().curr_iteration + 1
+        rank = torch.distributed.get_rank()
+        fired = []
+
+        def forward_step(*args, **kwargs):
+            if not fired:
+                fired.append(True)
+                plan.check(rank, step, Phase.BEFORE, record_dir)
+            return forward_step_func(*args, **kwargs)
+
+        cls = type(optimizer)
+
+        def opt_step(args, timers):
+            out = cls.step(optimizer, args, timers)
+            plan.check(rank, step, Phase.INSIDE, record_dir)
+            return out
+
+        def gather(args, timers):
+            plan.check(rank, step, Phase.AFTER, record_dir)
+            return cls.gather_model_params(optimizer, args, timers)
+
+        optimizer.step, optimizer.gather_model_params = opt_step, gather
+        try:
+            return train_step(forward_step, data_iterator, model, optimizer, opt_param_scheduler)
+        finally:
+            del optimizer.step, optimizer.gather_model_params
+
+    return fault_injecting_train_step
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, plan, record_dir):
+        self.plan, self.record_dir = plan, record_dir
+
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        original = spec.loader.exec_module
+        plan, record_dir = self.plan, self.record_dir
+
+        def exec_module(module):
+            original(module)
+            module.train_step = _wrap_train_step(module.train_step, module.get_args, plan,
+                                                 record_dir)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _install() -> None:
+    text = os.environ.get("TTP_FAULT_PLAN", "")
+    if not text:
+        return
+    from pathlib import Path
+
+    from mindio_ttp.testing.faults import FaultPlan
+
+    record = os.environ.get("TTP_FAULT_RECORD_DIR")
+    sys.meta_path.insert(0, _Finder(FaultPlan.from_text(text), Path(record) if record else None))
+
+
+_install()
