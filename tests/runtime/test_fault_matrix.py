@@ -90,7 +90,10 @@ def test_single_fault_saves_expected_step(
     result = launch(tmp_path, STEPS, plan)
     step = expected_step(phase, KILL_STEP)
     _assert_saved(result, step, reference)
-    assert rank not in result.flow["ranks"], "the faulty rank must not be among the savers"
+    if fault is not Fault.EXCEPTION or phase is Phase.INSIDE:
+        # dead, hung, or stuck half-updated: never a saver (a rank that threw outside the
+        # window is alive with a clean state, so it may serve)
+        assert rank not in result.flow["ranks"], "the faulty rank must not be among the savers"
     print(f"{plan.describe()}: checkpoint {step} in {time.monotonic() - start:.1f} s")
 
 

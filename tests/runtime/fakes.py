@@ -1,0 +1,85 @@
+"""A scripted processor speaking the real protocol, for in-process controller tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import List, Optional
+
+from mindio_ttp.framework_ttp import protocol as P
+
+KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+class FakeRank:
+    def __init__(self, addr, rank: int, world: int, dp_ranks: List[int], replica: int,
+                 step: Optional[int] = 3, updating: bool = False, save_ok: bool = True,
+                 heartbeat: float = 0.1, key: bytes = KEY) -> None:
+        self.rank, self.step, self.updating, self.save_ok = rank, step, updating, save_ok
+        self.heartbeat = heartbeat
+        self.key = key
+        self.received: List[P.Message] = []
+        self.exit: Optional[P.ExitOrder] = None
+        self.silent = False  # stop heartbeating and answering (a hung rank)
+        self.sock = socket.create_connection(addr, timeout=5)
+        self.sock.settimeout(heartbeat)
+        self.dec = P.FrameDecoder(key)
+        self.send(P.Register(rank, world, dp_ranks, replica, "127.0.0.1", 0, 0, step, updating,
+                             False, False))
+        self._stop = threading.Event()
+        self.got_exit = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def send(self, msg: P.Message) -> None:
+        self.sock.sendall(P.encode(msg, self.key))
+
+    def _run(self) -> None:
+        seq = 0
+        next_hb = 0.0
+        while not self._stop.is_set():
+            if not self.silent and time.monotonic() >= next_hb:
+                seq += 1
+                try:
+                    self.send(P.Heartbeat(self.rank, seq, self.step, self.updating))
+                except OSError:
+                    return
+                next_hb = time.monotonic() + self.heartbeat
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            for m in self.dec.feed(data):
+                self.received.append(m)
+                if not self.silent:
+                    self._answer(m)
+
+    def _answer(self, m: P.Message) -> None:
+        if isinstance(m, P.Lock):
+            self.send(P.StateReport(m.flow_id, 1, self.rank, self.step, self.updating))
+        elif isinstance(m, P.AdvanceTo):
+            self.send(P.StateReport(m.flow_id, 2, self.rank, self.step, self.updating))
+        elif isinstance(m, P.SaveOrder):
+            self.send(P.SaveResult(m.flow_id, self.rank, self.save_ok,
+                                   "" if self.save_ok else "disk full", 0.01))
+        elif isinstance(m, P.RenameOrder):
+            self.send(P.RenameResult(m.flow_id, self.rank, True, "", 0.01))
+        elif isinstance(m, P.ExitOrder):
+            self.exit = m
+            self.got_exit.set()
+
+    def of_type(self, cls) -> list:
+        return [m for m in self.received if isinstance(m, cls)]
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.thread.join(2)

@@ -1,0 +1,166 @@
+"""The controller against scripted processors over real loopback sockets (no torch)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from mindio_ttp.framework_ttp import protocol as P
+from mindio_ttp.framework_ttp.config import Outcome, TTPConfig
+from mindio_ttp.framework_ttp.controller import Controller
+from mindio_ttp.framework_ttp.state import ControllerState
+
+from .fakes import KEY, FakeRank
+
+ENV = {"TTP_AUTH_KEY": KEY.hex(), "TTP_HEARTBEAT_INTERVAL": "0.1", "TTP_HEARTBEAT_TIMEOUT": "0.8",
+       "TTP_UPDATE_GRACE": "0.3", "TTP_COLLECT_TIMEOUT": "1", "TTP_SAVE_TIME_LIMIT": "1",
+       "TTP_RENAME_TIME_LIMIT": "1", "TTP_OT": "20"}
+DP = [0, 1, 2, 3]
+
+
+@pytest.fixture
+def ctl():
+    c = Controller(TTPConfig.from_env(ENV), 4, 2, host_rank=0)
+    c.listen("127.0.0.1", 0)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def ranks(ctl):
+    made = []
+
+    def make(*specs, **kw):
+        for r in specs:
+            made.append(FakeRank(ctl.address, r, 4, DP, 2, **kw))
+        deadline = time.monotonic() + 5
+        while len(ctl.registered) < len(made) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return made
+    yield make
+    for f in made:
+        f.close()
+
+
+def wait_decision(ctl, timeout=10.0):
+    assert ctl.decided.wait(timeout), f"no decision; faults: {ctl.faults}"
+    return ctl.decision
+
+
+def test_dead_rank_detected_fast_and_partner_saves(ctl, ranks):
+    fakes = ranks(0, 1, 2, 3)
+    t0 = time.monotonic()
+    fakes[1].close()
+    d = wait_decision(ctl)
+    assert ctl.fault_at - t0 < 0.5, "connection drop -> fault must take < 0.5 s"
+    assert d.outcome is Outcome.SAVED and d.step == 3 and d.ranks == [0, 3]
+    assert "rank 1 dead" in ctl.faults[0]
+    renames = [f.rank for f in fakes if f.of_type(P.RenameOrder)]
+    assert renames == [0]
+    for f in (fakes[0], fakes[2], fakes[3]):
+        assert f.got_exit.wait(3) and f.exit.exit_code == 83
+    states = [b for _, b, _ in ctl.sm.history]
+    assert states[:4] == [ControllerState.SERVING, ControllerState.COLLECTING,
+                          ControllerState.SAVING, ControllerState.RENAMING]
+
+
+def test_silent_rank_is_declared_hung(ctl, ranks):
+    fakes = ranks(0, 1, 2, 3)
+    fakes[2].silent = True
+    d = wait_decision(ctl)
+    assert "rank 2 hung" in ctl.faults[0]
+    assert d.outcome is Outcome.SAVED and d.ranks == [0, 1]
+
+
+def test_both_holders_of_a_shard_dead_refuses_and_names_it(ctl, ranks):
+    fakes = ranks(0, 1, 2, 3)
+    fakes[1].close()
+    fakes[3].close()
+    d = wait_decision(ctl)
+    assert d.outcome is Outcome.NO_CONSISTENT_STEP and d.step is None
+    assert "shard 1" in d.reason and "rank 1" in d.reason and "rank 3" in d.reason
+    assert not any(f.of_type(P.SaveOrder) for f in fakes)
+    assert fakes[0].got_exit.wait(3) and fakes[0].exit.exit_code == 84
+
+
+def test_save_failure_runs_no_rename(ctl, ranks):
+    fakes = ranks(0, 1, 2, save_ok=False)
+    fakes += ranks(3)
+    fakes[2].close()
+    d = wait_decision(ctl)
+    assert d.outcome is Outcome.SAVE_FAILED and "disk full" in d.reason
+    assert "rename not run" in d.reason
+    assert not any(f.of_type(P.RenameOrder) for f in fakes)
+    assert fakes[3].got_exit.wait(3) and fakes[3].exit.exit_code == 85
+
+
+def test_rank_behind_is_told_to_catch_up_to_the_newest_step(ctl, ranks):
+    fakes = ranks(0, 1, 2, 3)
+    fakes[0].updating = True  # inside the window of step 4
+    fakes[3].close()
+    wait_decision(ctl)
+    adv = fakes[1].of_type(P.AdvanceTo)
+    assert adv and adv[0].limit == 4
+
+
+def test_bad_frames_are_rejected_and_the_controller_keeps_serving(ctl, ranks, caplog):
+    garbage = [b"GET / HTTP/1.0\r\n\r\n",
+               P.encode(P.Goodbye(1), b"k" * 32),  # wrong key
+               P.encode(P.Heartbeat(1, 1, 1, False), KEY),  # not registered
+               b"TP\x07\x01\x00\x00\x00\x02{}" + b"\0" * 32]  # other version
+    for g in garbage:
+        with socket.create_connection(ctl.address, timeout=2) as s:
+            s.sendall(g)
+            s.settimeout(2)
+            assert s.recv(100) == b""  # closed by the controller
+    assert ctl.rejected_frames >= len(garbage)
+    assert "rejected frame" in caplog.text
+    fakes = ranks(0, 1, 2, 3)
+    assert ctl.sm.state is ControllerState.SERVING and ctl.faults == []
+    fakes[1].close()
+    assert wait_decision(ctl).outcome is Outcome.SAVED
+
+
+def test_mismatched_registration_is_refused(ctl):
+    s = socket.create_connection(ctl.address, timeout=2)
+    s.sendall(P.encode(P.Register(1, 8, [0, 1], 1, "h", 0, 0, None, False, False, False), KEY))
+    s.settimeout(2)
+    msg = P.FrameDecoder(KEY).feed(s.recv(65536))[0]
+    assert isinstance(msg, P.Reject) and "world_size 4" in msg.reason
+    s.close()
+
+
+def test_goodbye_is_not_a_fault_and_stop_waits_for_it(ctl, ranks):
+    fakes = ranks(0, 1)
+    for f in fakes:
+        f.send(P.Goodbye(f.rank))
+        f.close()
+    time.sleep(0.3)
+    assert ctl.faults == []
+    t0 = time.monotonic()
+    ctl.stop(wait_goodbyes=5)
+    assert time.monotonic() - t0 < 2
+    assert ctl.sm.state is ControllerState.STOPPED
+
+
+def test_standby_takes_over_once_half_the_world_registered():
+    cfg = TTPConfig.from_env(ENV)
+    sb = Controller(cfg, 4, 2, host_rank=1, standby=True)
+    sb.listen("127.0.0.1", 0)
+    sb.start()
+    fakes = []
+    try:
+        fakes.append(FakeRank(sb.address, 1, 4, DP, 2))
+        time.sleep(0.3)
+        assert sb.sm.state is ControllerState.STANDBY and not sb.faults
+        fakes += [FakeRank(sb.address, r, 4, DP, 2) for r in (2, 3)]
+        d = wait_decision(sb)
+        assert "primary controller lost" in sb.faults[0]
+        assert d.outcome is Outcome.SAVED and d.step == 3 and d.ranks == [1, 2]
+    finally:
+        for f in fakes:
+            f.close()
+        sb.stop()

@@ -1,0 +1,129 @@
+"""Hot path and decorator semantics, without any network."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import mindio_ttp.framework_ttp as ttp
+from mindio_ttp.framework_ttp import hooks
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    hooks.STATE.reset()
+    yield
+    hooks.STATE.reset()
+
+
+def step(n: int) -> None:
+    ttp.ttp_start_updating_os(-1)
+    ttp.ttp_end_updating_os(n)
+
+
+def test_hot_path_costs_microseconds():
+    n = 20000
+    t0 = time.perf_counter()
+    for i in range(1, n + 1):
+        ttp.ttp_start_updating_os(-1)
+        ttp.ttp_end_updating_os(i)
+        ttp.ttp_set_ckpt_args((i,))
+    per_step = (time.perf_counter() - t0) / n
+    assert per_step < 50e-6, f"{per_step * 1e6:.1f} us per step"
+    assert hooks.STATE.snapshot() == (n, False)
+
+
+def test_unlocked_state_tracks_window():
+    ttp.ttp_start_updating_os(-1)
+    assert hooks.STATE.snapshot() == (None, True)
+    ttp.ttp_end_updating_os(1)
+    assert hooks.STATE.snapshot() == (1, False)
+
+
+def test_locked_rank_at_the_limit_is_force_stopped():
+    step(1)
+    step(2)
+    assert hooks.STATE.lock() == (2, False)
+    assert hooks.STATE.advance_to(2, grace=0.0) == (2, False)
+    with pytest.raises(ttp.TTPForceStop) as info:
+        ttp.ttp_start_updating_os(-1)
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_locked_rank_waits_then_may_catch_up_to_the_limit():
+    step(1)
+    hooks.STATE.lock()
+    result = {}
+
+    def trainer():
+        ttp.ttp_start_updating_os(-1)  # blocks until the controller sets the limit
+        result["started"] = time.monotonic()
+        ttp.ttp_end_updating_os(2)
+        try:
+            ttp.ttp_start_updating_os(-1)
+        except ttp.TTPForceStop:
+            result["stopped"] = True
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    time.sleep(0.2)
+    assert "started" not in result
+    assert hooks.STATE.advance_to(2, grace=5.0) == (2, False)
+    t.join(5)
+    assert result.get("stopped") is True
+
+
+def test_rank_inside_window_gets_the_grace_to_finish():
+    step(1)
+    ttp.ttp_start_updating_os(-1)
+    assert hooks.STATE.lock() == (1, True)
+    threading.Timer(0.1, ttp.ttp_end_updating_os, args=(2,)).start()
+    t0 = time.monotonic()
+    assert hooks.STATE.advance_to(2, grace=5.0) == (2, False)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_rank_stuck_in_window_is_reported_updating_after_grace():
+    ttp.ttp_start_updating_os(-1)
+    t0 = time.monotonic()
+    assert hooks.STATE.advance_to(1, grace=0.2) == (None, True)
+    assert 0.15 < time.monotonic() - t0 < 2.0
+
+
+def test_decorator_without_runtime_reraises_and_returns():
+    @ttp.ttp_to_persist
+    def train(x):
+        if x:
+            raise KeyError("boom")
+        return 7
+
+    assert train(0) == 7
+    with pytest.raises(KeyError):
+        train(1)
+    assert train.__name__ == "train"
+
+
+def test_decorator_reports_then_waits_for_the_verdict(monkeypatch):
+    class FakeRuntime:
+        running, fault_seen, ot = True, False, 0.05
+        reported = None
+        waited = None
+
+        def report_exception(self, exc):
+            self.reported = exc
+
+        def wait_for_exit(self, timeout):
+            self.waited = timeout
+
+    rt = FakeRuntime()
+    monkeypatch.setattr(hooks, "RUNTIME", rt)
+
+    @ttp.ttp_to_persist
+    def train():
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError):  # no exit order came: re-raised after TTP_OT
+        train()
+    assert isinstance(rt.reported, ValueError) and rt.waited == 0.05

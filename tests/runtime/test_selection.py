@@ -1,0 +1,143 @@
+"""choose_step / savers_for: the consistency rule, checked against a brute-force oracle."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mindio_ttp.framework_ttp.selection import (
+    Layout,
+    RankState,
+    choose_step,
+    savers_for,
+    states_from,
+)
+
+CLEAN = RankState(True, 5, False)
+
+
+def oracle(layout: Layout, states: Dict[int, RankState]) -> Optional[int]:
+    steps = {s.clean_at() for s in states.values()} - {None}
+    for t in sorted(steps, reverse=True):
+        if all(any(states[r].clean_at() == t for r in holders)
+               for g in layout.groups for holders in layout.shards(g)):
+            return t
+    return None
+
+
+@st.composite
+def jobs(draw):
+    n_groups = draw(st.integers(1, 3))
+    dp = draw(st.integers(1, 6))
+    replica = draw(st.integers(1, dp))
+    world = n_groups * dp
+    ranks = draw(st.permutations(list(range(world))))
+    groups = [ranks[i * dp:(i + 1) * dp] for i in range(n_groups)]
+    states = {}
+    for r in range(world):
+        states[r] = RankState(draw(st.booleans()), draw(st.one_of(st.none(), st.integers(0, 4))),
+                              draw(st.booleans()), "dead")
+    return Layout.build(groups, replica), states, world
+
+
+@settings(max_examples=150, deadline=None)
+@given(jobs())
+def test_choice_matches_oracle_and_savers_cover_every_shard_once(job):
+    layout, states, world = job
+    step, reason = choose_step(layout, states, world)
+    assert step == oracle(layout, states), reason
+    assert reason
+    if step is None:
+        assert "no consistent step" in reason and "DP group" in reason
+        return
+    savers = savers_for(layout, states, step)
+    assert savers == sorted(savers)
+    assert len(savers) == len(layout.groups) * layout.replica
+    for g in layout.groups:
+        for holders in layout.shards(g):
+            picked = [r for r in holders if r in savers]
+            assert len(picked) == 1
+            assert states[picked[0]].clean_at() == step
+
+
+@settings(max_examples=80, deadline=None)
+@given(jobs(), st.data())
+def test_a_rank_dying_never_makes_a_newer_step_possible(job, data):
+    layout, states, world = job
+    before, _ = choose_step(layout, states, world)
+    victim = data.draw(st.sampled_from(sorted(states)))
+    states = {**states, victim: RankState(False, None, False, "dead")}
+    after, _ = choose_step(layout, states, world)
+    assert after is None or (before is not None and after <= before)
+
+
+def test_guide_layout_shard_is_position_mod_replica():
+    layout = Layout.build([[0, 1, 2, 3]], 2)
+    assert layout.shards((0, 1, 2, 3)) == [[0, 2], [1, 3]]
+
+
+def test_dead_rank_partner_saves_its_shard():
+    layout = Layout.build([[0, 1, 2, 3]], 2)
+    states = {0: CLEAN, 1: RankState(False, None, False, "dead"), 2: CLEAN, 3: CLEAN}
+    step, _ = choose_step(layout, states, 4)
+    assert step == 5
+    assert savers_for(layout, states, step) == [0, 3]
+
+
+def test_both_holders_dead_refuses_and_names_the_shard():
+    layout = Layout.build([[0, 1, 2, 3]], 2)
+    dead = RankState(False, None, False, "dead (connection dropped)")
+    step, reason = choose_step(layout, {0: CLEAN, 1: dead, 2: CLEAN, 3: dead}, 4)
+    assert step is None
+    assert "shard 1" in reason and "rank 1 dead" in reason and "rank 3 dead" in reason
+
+
+def test_updating_rank_is_not_a_clean_replica():
+    layout = Layout.build([[0, 1, 2, 3]], 2)
+    states = {0: CLEAN, 1: RankState(True, 4, True), 2: CLEAN,
+              3: RankState(False, None, False, "hung")}
+    step, reason = choose_step(layout, states, 4)
+    assert step is None and "rank 1 updating after step 4" in reason
+
+
+def test_older_common_step_wins_when_newest_is_not_everywhere():
+    layout = Layout.build([[0, 1, 2, 3]], 2)
+    states = {0: RankState(True, 6, False), 1: RankState(True, 5, False),
+              2: RankState(True, 5, False), 3: RankState(False, None, False)}
+    assert choose_step(layout, states, 4)[0] == 5
+
+
+def test_disjoint_steps_refuse_with_the_lagging_shard():
+    layout = Layout.build([[0, 1, 2, 3]], 2)
+    states = {0: RankState(True, 6, False), 1: RankState(True, 5, False),
+              2: RankState(False, None, False), 3: RankState(False, None, False)}
+    step, reason = choose_step(layout, states, 4)
+    assert step is None and "shard 1" in reason and "step 6" in reason
+
+
+def test_step_zero_or_none_is_never_saved():
+    layout = Layout.build([[0, 1]], 1)
+    assert choose_step(layout, {0: RankState(True, None, False), 1: RankState(True, 0, False)},
+                       2)[0] is None
+
+
+def test_ranks_outside_every_group_refuse():
+    layout = Layout.build([[0, 1]], 1)
+    step, reason = choose_step(layout, {0: CLEAN, 1: CLEAN}, 4)
+    assert step is None and "2, 3" in reason
+
+
+def test_layout_rejects_overlapping_groups_and_bad_replica():
+    with pytest.raises(ValueError, match="more than one DP group"):
+        Layout.build([[0, 1], [1, 2]], 1)
+    with pytest.raises(ValueError, match="replica=3"):
+        Layout.build([[0, 1]], 3)
+
+
+def test_states_from_marks_missing_ranks_with_their_note():
+    states = states_from({0: (3, False)}, range(2), {1: "hung (no heartbeat)"})
+    assert states[0] == RankState(True, 3, False)
+    assert not states[1].alive and states[1].note == "hung (no heartbeat)"
