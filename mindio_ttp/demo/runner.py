@@ -28,8 +28,8 @@ WORLD = 4
 # Short timings so a fault case takes seconds; a real job keeps the runtime's defaults.
 FAST_ENV: Dict[str, str] = {
     "TTP_OT": "40",
-    "TTP_HEARTBEAT_INTERVAL": "0.2",
-    "TTP_HEARTBEAT_TIMEOUT": "1.0",
+    "TTP_HEARTBEAT_INTERVAL": "0.25",
+    "TTP_HEARTBEAT_TIMEOUT": "2.0",
     "TTP_SAVE_TIME_LIMIT": "15",
     "TTP_RENAME_TIME_LIMIT": "5",
     "TTP_COLLECT_TIMEOUT": "3",

@@ -140,9 +140,39 @@ class FaultPlan:
             os.replace(tmp, record_dir / f"fault-{rank}.json")
         sys.stdout.flush()
         sys.stderr.flush()
+        together = [
+            f.rank for f in self.faults if (f.step, f.phase, f.fault) == (step, phase, spec.fault)
+        ]
+        if spec.fault is Fault.SIGKILL and len(together) > 1 and record_dir is not None:
+            _kill_together(rank, step, phase, together, record_dir)
         if spec.fault is Fault.SIGKILL:
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.fault is Fault.SIGSTOP:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             raise InjectedFault(f"injected fault: {spec.describe()}")
+
+
+def _kill_together(rank: int, step: int, phase: Phase, ranks: list, record_dir: Path) -> None:
+    """Kill several ranks at the same instant, so the controller never sees one dead and the
+    other still answering (that would make "two ranks killed together" a race).
+
+    Each rank announces its pid and stops itself; the last to arrive kills all the others
+    (stopped processes keep their sockets open, so nothing is detected until then) and returns,
+    after which the caller kills itself.
+    """
+    tag = f"together-{step}-{phase.value}"
+    mine = record_dir / f"{tag}-{rank}.pid"
+    tmp = record_dir / f".{tag}-{rank}.tmp"
+    tmp.write_text(str(os.getpid()), encoding="utf-8")
+    os.replace(tmp, mine)
+    armed = {r: record_dir / f"{tag}-{r}.pid" for r in ranks}
+    if not all(p.exists() for p in armed.values()):
+        os.kill(os.getpid(), signal.SIGSTOP)  # the last rank to arrive kills us
+        return
+    for other, path in armed.items():
+        if other != rank:
+            try:
+                os.kill(int(path.read_text(encoding="utf-8")), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
