@@ -8,6 +8,7 @@ unit tests use the same undo to install and remove the adaptor inside one pytest
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from types import ModuleType
@@ -59,6 +60,11 @@ class Journal:
     def prepend_meta_path(self, finder: Any) -> None:
         sys.meta_path.insert(0, finder)
         self._undo.append(lambda: sys.meta_path.remove(finder))
+
+    def atexit(self, fn: Callable[[], None]) -> None:
+        """``atexit.register(fn)``, unregistered on undo."""
+        atexit.register(fn)
+        self._undo.append(lambda: atexit.unregister(fn))
 
     def setenv_default(self, key: str, value: str) -> None:
         """``os.environ.setdefault``; undo only removes it if this journal set it."""

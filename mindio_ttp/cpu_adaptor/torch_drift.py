@@ -20,6 +20,14 @@ Patches (Megatron file:line they serve); "scoped" ones only change Megatron's ca
   (``training.py:134``) after ``load_checkpoint`` restored the RNG (``training.py:377``), so a
   resumed run would drift. Megatron's loaders (``data/data_samplers.py:43``) get a private
   generator.
+* exit (process-wide, only when a default process group is still alive at exit): Megatron
+  never calls ``destroy_process_group`` (``training.py:729,750,759`` end the run with
+  ``sys.exit()``, ``pretrain_gpt.py`` just returns). With torch 2.x gloo, worker threads may
+  then still hold work objects with Python references while the interpreter is torn down, and
+  a rank dies with SIGABRT ("terminate called without an active exception") after a successful
+  run; seen once in 17 TP2xDP2 ``--exit-interval`` runs here (pytorch/pytorch#190489). An
+  ``atexit`` handler destroys the process groups while the interpreter is alive, bounded by
+  ``EXIT_DESTROY_TIMEOUT_S`` so a hung peer cannot hold the exit.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import collections.abc
 import functools
 import math
 import sys
+import threading
 import types
 from typing import Any, Callable
 
@@ -38,6 +47,8 @@ import torch.utils.data as torch_data
 
 from .journal import Journal
 from .scope import called_from_megatron
+
+EXIT_DESTROY_TIMEOUT_S = 10.0
 
 _NUMPY_ALIASES = {"float": float, "int": int, "bool": bool, "object": object, "str": str,
                   "long": int}
@@ -85,6 +96,22 @@ def _dataloader_init(original: Callable[..., Any]) -> Callable[..., Any]:
     return __init__
 
 
+def destroy_process_groups_at_exit() -> None:
+    """Destroy the default process group (and its subgroups) if it is still alive."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    worker = threading.Thread(target=dist.destroy_process_group, daemon=True,
+                              name="cpu-adaptor-destroy-pg")
+    worker.start()
+    worker.join(EXIT_DESTROY_TIMEOUT_S)
+    if worker.is_alive():
+        print(f"[cpu_adaptor] destroy_process_group did not finish in "
+              f"{EXIT_DESTROY_TIMEOUT_S:.0f}s at exit; exiting anyway", file=sys.stderr,
+              flush=True)
+
+
 def install(journal: Journal) -> None:
     """Paper over the API changes listed in the module docstring."""
     if "torch._six" not in sys.modules:
@@ -100,3 +127,4 @@ def install(journal: Journal) -> None:
         journal.setattr(torch.storage.TypedStorage, "_untyped",
                         torch.storage.TypedStorage.untyped)
     journal.wrap(torch_data.DataLoader, "__init__", _dataloader_init)
+    journal.atexit(destroy_process_groups_at_exit)

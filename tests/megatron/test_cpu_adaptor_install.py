@@ -185,8 +185,25 @@ def test_small_fixes_and_env_default(installed: None) -> None:
     assert sys.modules["fused_mix_prec_layer_norm_cuda"].forward_affine
 
 
+def test_process_groups_destroyed_at_exit(installed: None, free_port: int) -> None:
+    import torch.distributed as dist
+
+    from mindio_ttp.cpu_adaptor.torch_drift import destroy_process_groups_at_exit
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port}", rank=0,
+                            world_size=1)
+    dist.all_reduce(torch.ones(1))
+    destroy_process_groups_at_exit()
+    assert not dist.is_initialized()
+    destroy_process_groups_at_exit()  # nothing left: a no-op
+
+
 def test_install_is_idempotent_and_uninstall_restores_stock() -> None:
+    import atexit
+
+    callbacks = atexit._ncallbacks()
     adaptor.install()
+    assert atexit._ncallbacks() == callbacks + 1  # the process-group cleanup
     wrapped_load = torch.load
     adaptor.install()
     assert torch.load is wrapped_load and wrapped_load.__wrapped__ is STOCK_LOAD
@@ -244,10 +261,12 @@ def test_fresh_interpreter_import_order(fake_megatron: Path) -> None:
     assert "stock True" in done.stdout
 
 
-PYBIND_SOURCE = """
-#include <pybind11/pybind11.h>
-int answer() { return 42; }
-PYBIND11_MODULE(helpers, m) { m.def("answer", &answer); }
+HELPERS_SOURCE = """
+#include <Python.h>
+static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, nullptr}, {nullptr}};
+static PyModuleDef def = {PyModuleDef_HEAD_INIT, "helpers", nullptr, -1, methods};
+PyMODINIT_FUNC PyInit_helpers() { return PyModule_Create(&def); }
 """
 
 
@@ -258,7 +277,7 @@ def test_helpers_are_built_out_of_tree_and_imported(
     pytest.importorskip("pybind11")
     monkeypatch.setenv(helpers_build.BUILD_DIR_ENV, str(tmp_path / "build"))
     source = fake_megatron / "megatron" / "data" / "helpers.cpp"
-    source.write_text(PYBIND_SOURCE)
+    source.write_text(HELPERS_SOURCE)
     from megatron.data.dataset_utils import compile_helper
 
     compile_helper()
