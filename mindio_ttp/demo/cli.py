@@ -8,6 +8,7 @@ lost, which the runtime refuses by design), so there was nothing to resume.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import tempfile
@@ -56,12 +57,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="steps of the whole run (8)")
     p.add_argument("--workdir", type=Path, help="keep checkpoints and logs here (default: a "
                    "temporary directory, removed at the end)")
-    p.add_argument("--quiet", action="store_true", help="hide the ranks' own output")
+    p.add_argument("--verbose", action="store_true", help="show every line the job prints "
+                   "(default: progress lines, the runtime's decisions and ttprun's)")
+    p.add_argument("--quiet", action="store_true", help="hide the job's output")
     return p  # fmt: skip
 
 
 def _say(text: str = "") -> None:
     print(text, flush=True)
+
+
+_RUNTIME_LINE = re.compile(r"^\S+ \S+ \[ttp rank \d+\] \w+ mindio_ttp\.controller: (.*)$")
+
+
+def _echo(line: str, verbose: bool) -> None:
+    """Show the job's progress, the controller's decisions and ttprun's own lines."""
+    if verbose:
+        _say(f"    | {line}")
+        return
+    match = _RUNTIME_LINE.match(line)
+    if match and "further fault during the flow" not in line:
+        line = f"runtime | {match.group(1)}"
+    elif not line.startswith(("rank ", "ttprun:")):
+        return
+    _say(f"    | {line[:150]}{'...' if len(line) > 150 else ''}")
 
 
 def _checkpoint_summary(faulty: LaunchResult) -> Optional[str]:
@@ -88,7 +107,7 @@ def run_demo(args: argparse.Namespace, work: Path) -> int:
     plan = FaultPlan()
     for rank in args.kill_rank:
         plan.fail_at(rank, args.kill_step, fault, phase)
-    echo = None if args.quiet else (lambda line: _say(f"    | {line}"))
+    echo = None if args.quiet else (lambda line: _echo(line, args.verbose))
     shards = ", ".join(
         f"shard {s} on ranks {[r for r in range(WORLD) if layout.shard_of(r) == s]}"
         for s in range(layout.replica)
