@@ -73,6 +73,7 @@ class ReplicatedOptimizer(DistributedOptimizer):
         self._sched_base = 0  # scheduler num_steps when training started
         self._sched_increments = 0
         self._last_found_inf = False
+        self._memory_reported = False
 
     # ---- layout -------------------------------------------------------------------------
 
@@ -330,6 +331,9 @@ class ReplicatedOptimizer(DistributedOptimizer):
         the new step needs but the live objects reach only later in the iteration: consumed
         samples, the scheduler's step count, and the RNG state (unused until the next step)."""
         self.current_step += 1
+        if not self._memory_reported:
+            self._memory_reported = True
+            print(self.memory_report(), flush=True)
         args = get_args()
         from megatron import get_num_microbatches
         increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
@@ -343,6 +347,26 @@ class ReplicatedOptimizer(DistributedOptimizer):
         }
         for old in [s for s in self._step_meta if s < self.current_step - 1]:
             del self._step_meta[old]
+
+    def memory_report(self) -> str:
+        """Measured optimizer-state bytes on this rank, and what DistributedOptimizer would hold
+        for the same grad buffers (its shard is 1/dp of each buffer, ours 1/num_shards)."""
+        pairs = self._slots_and_tensors()[1]
+        owned = sum(s.size for s, _ in pairs)
+        state_bytes = sum(v.numel() * v.element_size() for _, m in pairs
+                          for v in self.optimizer.state.get(m, {}).values()
+                          if torch.is_tensor(v) and v.dim() > 0)
+        state_bytes += sum(m.numel() * m.element_size() for s, m in pairs if s.param.float16)
+        total = sum(b.numel for b in self.buffer_specs)
+        stock = Cut(parts=len(self.dp_ranks), stock=True)
+        stock_owned = sum(min(stock.part_size(b), b.numel) for b in self.buffer_specs)
+        per_elem = state_bytes / owned if owned else 0.0
+        return (f"mindio_ttp: ReplicatedOptimizer rank {torch.distributed.get_rank()} "
+                f"(DP position {self.dp_position}, shard {self.shard_index} of "
+                f"{self.num_shards}, replica {self.replica_index}): {owned} of {total} params, "
+                f"optimizer state {state_bytes} B = {state_bytes / total:.3f} B/param; "
+                f"DistributedOptimizer would hold {stock_owned} params = "
+                f"{per_elem * stock_owned / total:.3f} B/param")
 
     def record_loaded_step(self, iteration: int, scheduler) -> None:
         """After a load: the loaded iteration is the current step and can be re-saved."""
