@@ -1,0 +1,182 @@
+"""The demo's pieces on their own (checkpoint format, fault plans, training math) and the whole
+`ttp-demo` command end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindio_ttp.demo import checkpoint
+from mindio_ttp.demo.checkpoint import CheckpointError
+from mindio_ttp.demo.model import ShardLayout, ShardState, emulate
+from mindio_ttp.testing.faults import Fault, FaultPlan, InjectedFault, Phase
+
+LAYOUT = ShardLayout.for_world(4)
+
+
+def _shards_at(step: int) -> list[ShardState]:
+    """Shard states holding the emulated run's state at ``step``."""
+    full = emulate(LAYOUT, step)
+    shards = []
+    for s in range(LAYOUT.replica):
+        st = ShardState.fresh(LAYOUT, s)
+        with torch.no_grad():
+            st.params.copy_(full.params)
+        st.exp_avg.copy_(full.exp_avg[s])
+        st.exp_avg_sq.copy_(full.exp_avg_sq[s])
+        st.step = step
+        shards.append(st)
+    return shards
+
+
+def _save_all(root: Path, step: int) -> None:
+    for rank, st in enumerate(_shards_at(step)):
+        checkpoint.save_shard(root, step, rank, st)
+
+
+# -- checkpoint -------------------------------------------------------------------------------
+def test_saved_and_finalized_checkpoint_round_trips_bit_exact(tmp_path: Path) -> None:
+    _save_all(tmp_path, 3)
+    assert checkpoint.latest_step(tmp_path) is None, "nothing is latest before the rename"
+    final = checkpoint.finalize(tmp_path, 3, LAYOUT)
+    assert final.name == "step_0000003"
+    loaded = checkpoint.load(tmp_path, LAYOUT)
+    assert loaded is not None and loaded.state.differences(emulate(LAYOUT, 3)) == []
+    assert loaded.ranks == [0, 1]
+    assert sorted(os.listdir(final)) == ["manifest.json", "shard_0.pt", "shard_1.pt"]
+
+
+def test_finalize_never_replaces_an_existing_step_dir(tmp_path: Path) -> None:
+    _save_all(tmp_path, 2)
+    first = checkpoint.finalize(tmp_path, 2, LAYOUT)
+    _save_all(tmp_path, 2)
+    second = checkpoint.finalize(tmp_path, 2, LAYOUT)
+    assert first.is_dir() and second.name == "step_0000002-2"
+    assert checkpoint.load(tmp_path, LAYOUT).path == second
+
+
+def test_finalize_refuses_a_missing_shard(tmp_path: Path) -> None:
+    checkpoint.save_shard(tmp_path, 3, 0, _shards_at(3)[0])
+    with pytest.raises(CheckpointError, match="shard 1 was not saved"):
+        checkpoint.finalize(tmp_path, 3, LAYOUT)
+    assert checkpoint.latest_step(tmp_path) is None
+
+
+def test_finalize_refuses_a_shard_that_changed_after_its_save(tmp_path: Path) -> None:
+    _save_all(tmp_path, 3)
+    (tmp_path / "step_0000003.tmp" / "shard_1.pt").write_bytes(b"torn")
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        checkpoint.finalize(tmp_path, 3, LAYOUT)
+
+
+def test_save_refuses_a_shard_at_another_step(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="its shard 0 is at step 3"):
+        checkpoint.save_shard(tmp_path, 4, 0, _shards_at(3)[0])
+
+
+def test_a_rank_dying_mid_write_leaves_only_a_part_file(tmp_path: Path) -> None:
+    def die() -> None:
+        raise InjectedFault("simulated death half-way")
+
+    with pytest.raises(InjectedFault):
+        checkpoint.save_shard(tmp_path, 3, 1, _shards_at(3)[1], midway=die)
+    names = sorted(os.listdir(tmp_path / "step_0000003.tmp"))
+    assert names == ["shard_1.pt.part"]
+
+
+def test_loader_refuses_corrupt_and_incomplete_checkpoints(tmp_path: Path) -> None:
+    _save_all(tmp_path, 3)
+    final = checkpoint.finalize(tmp_path, 3, LAYOUT)
+    good = (final / "shard_0.pt").read_bytes()
+    (final / "shard_0.pt").write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match="shard_0.pt is corrupt"):
+        checkpoint.load(tmp_path, LAYOUT)
+    (final / "shard_0.pt").unlink()
+    with pytest.raises(CheckpointError, match="shard_0.pt is missing"):
+        checkpoint.load(tmp_path, LAYOUT)
+    (final / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        checkpoint.load(tmp_path, LAYOUT)
+    (tmp_path / "latest").write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        checkpoint.load(tmp_path, LAYOUT)
+
+
+def test_loader_refuses_another_layout(tmp_path: Path) -> None:
+    _save_all(tmp_path, 1)
+    checkpoint.finalize(tmp_path, 1, LAYOUT)
+    with pytest.raises(CheckpointError, match="relaunch with the same layout"):
+        checkpoint.load(tmp_path, ShardLayout.for_world(8))
+
+
+def test_no_latest_marker_means_no_checkpoint(tmp_path: Path) -> None:
+    assert checkpoint.load(tmp_path, LAYOUT) is None
+
+
+# -- fault plans and math -------------------------------------------------------------------
+def test_fault_plan_text_round_trip_and_errors() -> None:
+    plan = FaultPlan().fail_at(1, 5, Fault.SIGKILL, Phase.INSIDE).fail_at(3, 4, "exception", "save")
+    assert FaultPlan.from_text(plan.to_text()).faults == plan.faults
+    assert plan.to_text() == "3:4:exception:save,1:5:sigkill:inside"
+    with pytest.raises(ValueError, match="expected rank:step:fault:phase"):
+        FaultPlan.from_text("1:5:sigkill")
+    with pytest.raises(ValueError, match="'segfault' is not a valid Fault"):
+        FaultPlan.from_text("1:5:segfault:inside")
+    with pytest.raises(ValueError, match="two faults registered"):
+        plan.fail_at(1, 5, Fault.SIGSTOP, Phase.INSIDE)
+
+
+def test_fault_plan_fires_only_at_its_key(tmp_path: Path) -> None:
+    plan = FaultPlan().fail_at(2, 3, Fault.EXCEPTION, Phase.AFTER)
+    plan.check(2, 3, Phase.BEFORE, tmp_path)
+    plan.check(1, 3, Phase.AFTER, tmp_path)
+    with pytest.raises(InjectedFault, match="rank 2 after the update of step 3"):
+        plan.check(2, 3, Phase.AFTER, tmp_path)
+    assert json.loads((tmp_path / "fault-2.json").read_text())["step"] == 3
+
+
+def test_emulated_resume_is_bit_exact() -> None:
+    assert emulate(LAYOUT, 6, start=emulate(LAYOUT, 2)).differences(emulate(LAYOUT, 6)) == []
+    assert emulate(LAYOUT, 6).differences(emulate(LAYOUT, 5)) != []
+
+
+def test_layout_refuses_uneven_shards() -> None:
+    with pytest.raises(ValueError, match="divisible by the shard count"):
+        ShardLayout.for_world(6, replica=4)
+
+
+# -- the command ----------------------------------------------------------------------------
+def test_demo_usage_error_exits_2() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mindio_ttp.demo", "--kill-step", "9", "--steps", "8"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--kill-step 9 must be within 1..--steps (8)" in done.stderr
+
+
+@pytest.mark.slow
+def test_demo_command_resumes_bit_exact(tmp_path: Path) -> None:
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "mindio_ttp.demo", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    savers = re.search(r"dying checkpoint: step 5, written by ranks \[(\d), (\d)\]", out)
+    assert savers, out
+    ranks = {int(r) for r in savers.groups()}
+    assert 1 not in ranks and {r % 2 for r in ranks} == {0, 1}, "one clean holder per shard"
+    assert "RESULT: MATCH" in out
+    assert (tmp_path / "faulty" / "ckpt" / "step_0000005" / "manifest.json").is_file()
+    print(f"ttp-demo took {elapsed:.1f} s")
