@@ -169,6 +169,23 @@ class PretrainJob:
                 ranks.setdefault(int(env["RANK"]), child.pid)
         return ranks
 
+    def wait_for_workers(self, nproc: int, timeout_s: float = 120) -> Dict[int, int]:
+        """Poll :meth:`worker_pids` until ``nproc`` ranks are up; raise if the job ends first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ranks = self.worker_pids()
+            if len(ranks) >= nproc:
+                return ranks
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(ranks)}/{nproc} ranks up after {timeout_s:.0f}s; "
+                                   f"see {self.log_path}")
+            try:
+                rc = self.popen.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                continue
+            raise RuntimeError(f"launcher exited {rc} before {nproc} ranks were up; "
+                               f"see {self.log_path}")
+
     def wait(self, timeout_s: float) -> PretrainResult:
         """Wait for the launcher; on timeout kill its whole session and say so."""
         timed_out = False
