@@ -1,0 +1,94 @@
+"""Shared steps of the real-Megatron end-to-end tests of the dying checkpoint.
+
+A job is the tiny GPT of mindio_ttp.megatron_testing on 4 ranks, launched by `ttprun` on a tree
+patched with `ttp-patch apply --device cpu`. Faults come from the test-only sitecustomize in
+fault_hook/ (put on the workers' PYTHONPATH), driven by a FaultPlan text such as
+"1:5:sigkill:before": the Megatron tree carries nothing but the patch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+from mindio_ttp.megatron_testing.data import TinyDataset
+from mindio_ttp.megatron_testing.launch import (
+    Launcher,
+    PretrainJob,
+    PretrainResult,
+    tiny_gpt_args,
+)
+from mindio_ttp.megatron_ttp import manifest
+
+FAULT_HOOK_DIR = Path(__file__).resolve().parent / "fault_hook"
+TTP_OT_S = 40  # seconds ttprun keeps survivors alive after a fault
+N_ITERS = 10
+FAR_AWAY = 10_000  # periodic save interval that never fires
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int = N_ITERS,
+            plan: str = "", tp: int = 1, save_interval: int = FAR_AWAY, load: bool = True,
+            launcher: Launcher = Launcher.TTPRUN, inject_adaptor: bool = False,
+            distributed_optimizer: bool = True, nproc: int = 4, extra: Sequence[str] = (),
+            timeout_s: float = 240) -> PretrainResult:
+    env: Dict[str, str] = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOK_DIR),
+                                                    os.environ.get("PYTHONPATH")])),
+        "TTP_OT": str(TTP_OT_S),
+        "TTP_CONTROLLER_PORT": str(free_port()),
+    }
+    if plan:
+        record = log.parent / f"{log.stem}.faults"
+        record.mkdir(parents=True, exist_ok=True)
+        env.update({"TTP_FAULT_PLAN": plan, "TTP_FAULT_RECORD_DIR": str(record)})
+    args = tiny_gpt_args(data, train_iters=iters, tensor_parallel=tp,
+                         distributed_optimizer=distributed_optimizer, save=ckpt,
+                         load=ckpt if load else None, save_interval=save_interval, extra=extra)
+    with PretrainJob(tree, args, nproc=nproc, log_path=log, master_port=free_port(),
+                     launcher=launcher, inject_adaptor=inject_adaptor, env=env) as job:
+        result = job.wait(timeout_s)
+    result.ended_at = time.time()  # wall clock, to compare with the fault record's time
+    assert not result.timed_out, f"job timed out after {timeout_s} s:\n{result.tail()}"
+    return result
+
+
+def fault_time(log: Path, rank: int) -> float:
+    """When the fault plan fired on `rank` (written by FaultPlan.check just before firing)."""
+    record = log.parent / f"{log.stem}.faults" / f"fault-{rank}.json"
+    return float(json.loads(record.read_text())["time"])
+
+
+def tracker_step(ckpt: Path) -> Optional[int]:
+    return manifest.read_tracker(ckpt)[0]
+
+
+def copy_checkpoints(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def loss_table(columns: Dict[str, Dict[int, str]]) -> str:
+    """Loss table for the report: one row per iteration, one column per run."""
+    names = list(columns)
+    iters = sorted({i for c in columns.values() for i in c})
+    rows = ["iter " + " ".join(f"{n:>14}" for n in names)]
+    rows += [f"{i:4d} " + " ".join(f"{columns[n].get(i, '-'):>14}" for n in names) for i in iters]
+    return "\n".join(rows)
+
+
+def assert_close_losses(a: Dict[int, str], b: Dict[int, str], rel: float = 1e-5) -> None:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for it in a:
+        x, y = float(a[it]), float(b[it])
+        assert abs(x - y) <= rel * abs(x), f"iteration {it}: {x} vs {y}"

@@ -1,0 +1,177 @@
+"""Real Megatron-LM 285068c, patched with `ttp-patch apply --device cpu`, launched by `ttprun`
+on 4 CPU ranks (gloo, --use-distributed-optimizer, dropout 0): a fault mid-training leaves a
+dying checkpoint of a known step, and resuming from it reproduces the uninterrupted run exactly
+(same printed losses, bit-identical final checkpoint). Needs TTP_MEGATRON_DIR.
+
+Step arithmetic: a fault in the forward step of iteration k (phase "before") happens before any
+rank starts updating k, so every survivor last finished k-1; a SIGKILL inside the update window
+of k leaves the replica partner able to finish k (no collective runs in the window), so k is
+saved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from megatron_e2e import (
+    N_ITERS,
+    TTP_OT_S,
+    assert_close_losses,
+    copy_checkpoints,
+    fault_time,
+    loss_table,
+    run_job,
+    tracker_step,
+)
+
+from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints
+from mindio_ttp.megatron_testing.launch import Launcher
+from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+DP4 = ParallelLayout(tp=1, pp=1, dp=4)
+TP2_DP2 = ParallelLayout(tp=2, pp=1, dp=2)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def reference(patched_megatron_tree, tiny_dataset, work):
+    """Run 1: N uninterrupted iterations."""
+    ckpt = work / "ref_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "ref.log", ckpt)
+    assert result.returncode == 0, result.tail()
+    assert sorted(result.losses) == list(range(1, N_ITERS + 1))
+    return result, ckpt
+
+
+@pytest.fixture(scope="module")
+def killed(patched_megatron_tree, tiny_dataset, work):
+    """Run 2: SIGKILL rank 1 in the forward step of iteration 5 (periodic save every 3)."""
+    ckpt = work / "killed_ckpt"
+    log = work / "killed.log"
+    result = run_job(patched_megatron_tree, tiny_dataset, log, ckpt, plan="1:5:sigkill:before",
+                     save_interval=3)
+    return result, ckpt, log
+
+
+def resume_and_compare(tree, data, work, name, ckpt, reference, first_resumed):
+    """Resume a copy of `ckpt` to N; same losses and bit-identical final checkpoint as run 1."""
+    ref_result, ref_ckpt = reference
+    resumed_ckpt = copy_checkpoints(ckpt, work / f"{name}_resumed_ckpt")
+    resumed = run_job(tree, data, work / f"{name}_resumed.log", resumed_ckpt)
+    assert resumed.returncode == 0, resumed.tail()
+    want = {i: v for i, v in ref_result.losses.items() if i >= first_resumed}
+    print(loss_table({"uninterrupted": ref_result.losses, name: resumed.losses}))
+    assert resumed.losses == want
+    comparison = compare_checkpoints(resumed_ckpt, ref_ckpt, N_ITERS)
+    assert comparison.bit_exact, comparison.summary()
+    return resumed
+
+
+def test_sigkill_of_rank1_saves_step4_within_ttp_ot(killed, reference):
+    result, ckpt, log = killed
+    assert result.returncode != 0, "the launcher must report the failed job"
+    elapsed = result.ended_at - fault_time(log, rank=1)
+    print(f"launcher exited {elapsed:.1f} s after the SIGKILL (TTP_OT={TTP_OT_S})")
+    assert elapsed < TTP_OT_S
+    assert tracker_step(ckpt) == 4
+    assert (ckpt / "iter_0000004" / manifest.MANIFEST).is_file()
+    assert manifest.verify(ckpt / "iter_0000004", DP4) is None
+    assert manifest.verify(ckpt / "iter_0000003", DP4) is None  # the periodic one is untouched
+    assert not list(ckpt.glob(".ttp_tmp_*"))
+    assert result.losses == {i: v for i, v in reference[0].losses.items() if i <= 4}
+
+
+def test_resume_from_dying_checkpoint_is_bit_exact(killed, reference, patched_megatron_tree,
+                                                   tiny_dataset, work):
+    resume_and_compare(patched_megatron_tree, tiny_dataset, work, "sigkill", killed[1],
+                       reference, first_resumed=5)
+
+
+def test_sigkill_inside_update_window_saves_that_step(reference, patched_megatron_tree,
+                                                      tiny_dataset, work):
+    ckpt = work / "inside_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "inside.log", ckpt,
+                     plan="3:6:sigkill:inside")
+    assert result.returncode != 0
+    assert tracker_step(ckpt) == 6, result.tail()  # rank 1, rank 3's partner, finished step 6
+    assert "dying checkpoint of iteration 6" in result.log
+    resume_and_compare(patched_megatron_tree, tiny_dataset, work, "inside", ckpt, reference,
+                       first_resumed=7)
+
+
+def test_exception_in_rank0_forward_saves_previous_step(reference, patched_megatron_tree,
+                                                        tiny_dataset, work):
+    ckpt = work / "exception_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "exception.log", ckpt,
+                     plan="0:5:exception:before")
+    assert result.returncode != 0
+    assert "injected fault" in result.log
+    assert tracker_step(ckpt) == 4, result.tail()
+    resume_and_compare(patched_megatron_tree, tiny_dataset, work, "exception", ckpt, reference,
+                       first_resumed=5)
+
+
+def test_tp2_dp2_sigkill_resumes_bit_exact(patched_megatron_tree, tiny_dataset, work):
+    ref_ckpt = work / "tp2_ref_ckpt"
+    ref = run_job(patched_megatron_tree, tiny_dataset, work / "tp2_ref.log", ref_ckpt, tp=2)
+    assert ref.returncode == 0, ref.tail()
+    ckpt = work / "tp2_killed_ckpt"
+    killed = run_job(patched_megatron_tree, tiny_dataset, work / "tp2_killed.log", ckpt, tp=2,
+                     plan="3:5:sigkill:before")
+    assert killed.returncode != 0
+    assert tracker_step(ckpt) == 4, killed.tail()
+    assert manifest.verify(ckpt / "iter_0000004", TP2_DP2) is None
+    resumed_ckpt = copy_checkpoints(ckpt, work / "tp2_resumed_ckpt")
+    resumed = run_job(patched_megatron_tree, tiny_dataset, work / "tp2_resumed.log",
+                      resumed_ckpt, tp=2)
+    print(loss_table({"tp2 uninterrupted": ref.losses, "tp2 resumed": resumed.losses}))
+    assert resumed.losses == {i: v for i, v in ref.losses.items() if i >= 5}
+    comparison = compare_checkpoints(resumed_ckpt, ref_ckpt, N_ITERS)
+    assert comparison.bit_exact, comparison.summary()
+
+
+def test_both_holders_of_a_shard_killed_leaves_previous_checkpoint(patched_megatron_tree,
+                                                                    tiny_dataset, work):
+    ckpt = work / "both_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "both.log", ckpt,
+                     plan="1:5:sigkill:before,3:5:sigkill:before", save_interval=3)
+    assert result.returncode != 0
+    assert "no consistent step" in result.log, result.tail()
+    assert tracker_step(ckpt) == 3
+    assert not (ckpt / "iter_0000004").exists()
+    assert not list(ckpt.glob(".ttp_tmp_*"))
+    assert manifest.verify(ckpt / "iter_0000003", DP4) is None
+
+
+def test_corrupt_dying_checkpoint_is_refused_and_previous_used(killed, reference,
+                                                               patched_megatron_tree,
+                                                               tiny_dataset, work):
+    ckpt = copy_checkpoints(killed[1], work / "corrupt_ckpt")
+    victim = ckpt / "iter_0000004" / "mp_rank_00_002" / "optim.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    resumed = resume_and_compare(patched_megatron_tree, tiny_dataset, work, "corrupt", ckpt,
+                                 reference, first_resumed=4)
+    assert "fails its checksum" in resumed.log
+    assert "loading the previous complete checkpoint, iteration 3" in resumed.log
+
+
+def test_stock_megatron_loads_the_dying_checkpoint(killed, reference, unpatched_megatron_tree,
+                                                   tiny_dataset, work):
+    ckpt = copy_checkpoints(killed[1], work / "stock_load_ckpt")
+    stock = run_job(unpatched_megatron_tree, tiny_dataset, work / "stock_load.log", ckpt,
+                    launcher=Launcher.TORCHRUN, inject_adaptor=True)
+    assert stock.returncode == 0, stock.tail()
+    assert "successfully loaded checkpoint" in stock.log and "at iteration 4" in stock.log
+    want = {i: v for i, v in reference[0].losses.items() if i >= 5}
+    print(loss_table({"ttp uninterrupted": want, "stock from dying ckpt": stock.losses}))
+    assert_close_losses(stock.losses, want)  # stock optimizer: fp32 reduction-order noise only
