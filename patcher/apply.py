@@ -20,7 +20,6 @@ class ApplyOutcome:
     written: List[str] = field(default_factory=list)  # relative paths changed (or to change)
     diff: str = ""
     dry_run: bool = False
-    edits_applied: int = 0
 
     @property
     def noop(self) -> bool:
@@ -54,7 +53,6 @@ def plan_apply(tree: Tree, opts: Options) -> ApplyOutcome:
             if plan.changed:
                 diffs.append(FileDiff(path, plan.before, plan.after))
                 outcome.written.append(path)
-                outcome.edits_applied += sum(1 for _, r in plan.results if r.ops)
         elif current != plan.after:
             decode(path, current)  # CRLF / non-UTF-8 get their own, more useful message
             modified.append(path)

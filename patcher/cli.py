@@ -107,10 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         elif out.noop:
             _say(f"already applied ({opts.describe()}): nothing to do")
         else:
-            _say(
-                f"applied {out.edits_applied} edits ({opts.describe()}); wrote "
-                + ", ".join(out.written)
-            )
+            _say(f"applied ({opts.describe()}); wrote " + ", ".join(out.written))
         return EXIT_OK
     if args.command == "revert":
         res = revert(args.dir, force=args.force)

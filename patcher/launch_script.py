@@ -97,6 +97,11 @@ def _megatron_args(args: List[Arg], device: Device) -> List[Arg]:
             if flag in _CPU_DROP:
                 continue
             value = _CPU_VALUES.get(flag, value)
+        if flag == "--activations-checkpoint-method":
+            # The example's flag no longer exists at 285068c (argparse would reject the launch);
+            # arguments.py names its replacement: full recompute with the same method.
+            out += [("--recompute-granularity", "full"), ("--recompute-method", value)]
+            continue
         out.append((flag, value))
     extra: Tuple[str, ...] = ("--use-distributed-optimizer",)
     if device is Device.CPU:

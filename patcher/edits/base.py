@@ -52,13 +52,17 @@ class Assessment:
 _EMPTY = cst.Module(body=[])
 
 
+def _statement_ast(node: cst.CSTNode) -> Optional[ast.stmt]:
+    try:
+        body = ast.parse(textwrap.dedent(_EMPTY.code_for_node(node))).body
+    except SyntaxError:  # pragma: no cover - a parsed CST statement always has an AST
+        return None
+    return body[0] if body else None
+
+
 def node_key(node: cst.CSTNode) -> str:
     """A formatting-blind identity for a statement: its Python AST, comments and layout dropped."""
-    code = _EMPTY.code_for_node(node)
-    try:
-        return ast.dump(ast.parse(textwrap.dedent(code)))
-    except SyntaxError:  # pragma: no cover - a parsed CST statement always has an AST
-        return code
+    return _key_and_shape(_statement_ast(node))[0]
 
 
 def node_shape(node: cst.CSTNode) -> str:
@@ -67,31 +71,33 @@ def node_shape(node: cst.CSTNode) -> str:
     Two statements with one shape are versions of each other (`ttp_start_updating_os(-1)` and
     `(-2)`), so a shape of ours found in the scope means the edit was changed, not left out.
     """
-    code = textwrap.dedent(_EMPTY.code_for_node(node))
-    try:
-        stmt = ast.parse(code).body[0]
-    except (SyntaxError, IndexError):  # pragma: no cover - CST statements parse
-        return code
+    return _key_and_shape(_statement_ast(node))[1]
+
+
+def _key_and_shape(stmt: Optional[ast.stmt]) -> Tuple[str, str]:
+    if stmt is None:  # pragma: no cover
+        return "", ""
+    key = ast.dump(stmt)
     if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
-        return f"call {ast.unparse(stmt.value.func)}"
+        return key, f"call {ast.unparse(stmt.value.func)}"
     if isinstance(stmt, ast.Assign):
-        return "assign " + ",".join(ast.unparse(t) for t in stmt.targets)
+        return key, "assign " + ",".join(ast.unparse(t) for t in stmt.targets)
     if isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
-        return f"assign {ast.unparse(stmt.target)}"
+        return key, f"assign {ast.unparse(stmt.target)}"
     if isinstance(stmt, (ast.Global, ast.Nonlocal)):
-        return "global " + ",".join(stmt.names)
+        return key, "global " + ",".join(stmt.names)
     if isinstance(stmt, ast.Import):
-        return "import " + ",".join(a.name for a in stmt.names)
+        return key, "import " + ",".join(a.name for a in stmt.names)
     if isinstance(stmt, ast.ImportFrom):
-        return f"from {stmt.module} import " + ",".join(a.name for a in stmt.names)
+        return key, f"from {stmt.module} import " + ",".join(a.name for a in stmt.names)
     if isinstance(stmt, ast.If):
-        return f"if {ast.unparse(stmt.test)}"
-    return ast.dump(stmt)
+        return key, f"if {ast.unparse(stmt.test)}"
+    return key, key
 
 
 @functools.lru_cache(maxsize=256)
 def source_key(src: str) -> str:
-    return ast.dump(ast.parse(textwrap.dedent(src)))
+    return ast.dump(ast.parse(textwrap.dedent(src)).body[0])
 
 
 def parse_statements(src: str, module: cst.Module) -> Tuple[cst.BaseStatement, ...]:
@@ -136,8 +142,7 @@ class FileIndex(cst.CSTVisitor):
         self._stack: List[str] = []  # names of enclosing defs/classes, outermost first
         self.sites: Dict[Optional[str], List[Site]] = {s: [] for s in self._wanted}
         self.top_defs: Dict[str, List[Site]] = {}
-        self._keys: Dict[int, str] = {}
-        self._shapes: Dict[int, str] = {}
+        self._cache: Dict[int, Tuple[str, str]] = {}  # id(stmt) -> (key, shape)
 
     @classmethod
     def build(cls, module: cst.Module, scopes: Sequence[Optional[str]]) -> FileIndex:
@@ -187,17 +192,17 @@ class FileIndex(cst.CSTVisitor):
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
         self._stack.pop()
 
-    def key(self, stmt: cst.CSTNode) -> str:
-        cached = self._keys.get(id(stmt))
+    def _described(self, stmt: cst.CSTNode) -> Tuple[str, str]:
+        cached = self._cache.get(id(stmt))
         if cached is None:
-            cached = self._keys[id(stmt)] = node_key(stmt)
+            cached = self._cache[id(stmt)] = _key_and_shape(_statement_ast(stmt))
         return cached
 
+    def key(self, stmt: cst.CSTNode) -> str:
+        return self._described(stmt)[0]
+
     def shape(self, stmt: cst.CSTNode) -> str:
-        cached = self._shapes.get(id(stmt))
-        if cached is None:
-            cached = self._shapes[id(stmt)] = node_shape(stmt)
-        return cached
+        return self._described(stmt)[1]
 
     def simple(self, scope: Optional[str]) -> List[Site]:
         """The one-line statements of a scope: every anchor is one, and so are most insertions."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import libcst as cst
-import libcst.matchers as m
 
 from .base import InsertAfterAnchor, ReplaceAnchor
 
@@ -20,12 +19,6 @@ class ImportReplicatedOptimizer(InsertAfterAnchor):
     anchor = "from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer"
     inserted = "from mindio_ttp.megatron_ttp import ReplicatedOptimizer\n"
     summary = "import ReplicatedOptimizer"
-
-
-class _SwapOptimizerClass(m.MatcherDecoratableTransformer):
-    @m.leave(m.Name("DistributedOptimizer"))
-    def swap(self, original_node: cst.Name, updated_node: cst.Name) -> cst.Name:
-        return updated_node.with_changes(value="ReplicatedOptimizer")
 
 
 class UseReplicatedOptimizer(ReplaceAnchor):
@@ -47,7 +40,9 @@ class UseReplicatedOptimizer(ReplaceAnchor):
         return "opt_ty = DistributedOptimizer \\"
 
     def rewrite(self, stmt: cst.BaseStatement) -> cst.BaseStatement:
-        return stmt.visit(_SwapOptimizerClass())
+        from .rewrites import SwapOptimizerClass
+
+        return stmt.visit(SwapOptimizerClass())
 
 
 EDITS = [ImportReplicatedOptimizer(), UseReplicatedOptimizer()]

@@ -6,7 +6,6 @@ import ast
 from typing import Optional, Sequence
 
 import libcst as cst
-import libcst.matchers as m
 
 from ..options import DEFAULT_PORT, Options
 from .base import DecorateTopLevelDef, InsertAfterAnchor, ReplaceAnchor
@@ -26,14 +25,6 @@ class ImportTTPModules(InsertAfterAnchor):
     summary = "import mindio_ttp.framework_ttp as ttp / megatron_ttp as mega"
 
 
-class _QualifyLoadCheckpoint(m.MatcherDecoratableTransformer):
-    @m.leave(m.Call(func=m.Name("load_checkpoint")))
-    def qualify(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
-        return updated_node.with_changes(
-            func=cst.Attribute(value=cst.Name("mega"), attr=cst.Name("load_checkpoint"))
-        )
-
-
 class LoadCheckpointThroughTTP(ReplaceAnchor):
     id = "training/ttp-load-checkpoint"
     number = "2.2"
@@ -44,7 +35,9 @@ class LoadCheckpointThroughTTP(ReplaceAnchor):
     summary = "args.iteration = mega.load_checkpoint(...)"
 
     def rewrite(self, stmt: cst.BaseStatement) -> cst.BaseStatement:
-        return stmt.visit(_QualifyLoadCheckpoint())
+        from .rewrites import QualifyLoadCheckpoint
+
+        return stmt.visit(QualifyLoadCheckpoint())
 
 
 class BarrierAfterGradReduce(InsertAfterAnchor):

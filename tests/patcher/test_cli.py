@@ -26,7 +26,7 @@ def test_apply_writes_goldens_script_and_record_then_git_status_shows_only_edits
     repo: FixtureRepo, capsys
 ) -> None:
     code, out, err = ttp(capsys, "apply", str(repo.root))
-    assert code == 0 and out == "" and "applied 14 edits" in err
+    assert code == 0 and out == "" and "applied (--device npu --port 8000)" in err
     for path in TARGETS:
         assert repo.read(path) == golden("npu", path)
     assert repo.read(SCRIPT) == golden("npu", SCRIPT)
