@@ -7,9 +7,10 @@ Layout under the checkpoint root::
         shard_0.pt, shard_1.pt, manifest.json   manifest: step, layout, sha256 + size per file
     latest                                      {"step": 5, "dir": "step_0000005"}, replaced last
 
-Each shard file is written to a ``.part`` name, fsynced and renamed, so a rank killed mid-write
-leaves no file that looks complete. The rename handler checks every shard's checksum before the
-move, and ``latest`` only changes after the move, so a failed or partial save is never "latest".
+Each shard file is streamed through sha256 to a ``.part`` name, fsynced and renamed, so a rank
+killed mid-write leaves no file that looks complete. The rename handler checks that every shard is
+there with the size its saver recorded before the move, and ``latest`` only changes after the
+move, so a failed or partial save is never "latest"; the loader verifies every sha256.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import hashlib
 import io
 import json
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,20 +51,64 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes, midway: Optional[Callable[[], None]] = None) -> None:
-    """Write ``data`` to ``path`` via a fsynced ``.part`` file; ``midway`` runs half-way through
-    (fault injection: a rank that dies there leaves only the ``.part`` file)."""
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write small ``data`` to ``path`` via a fsynced ``.part`` file and a rename."""
     part = path.with_name(path.name + ".part")
     with open(part, "wb") as f:
-        half = len(data) // 2
-        f.write(data[:half])
-        if midway is not None:
-            f.flush()
-            midway()
-        f.write(data[half:])
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)
+
+
+class _HashingWriter(io.RawIOBase):
+    """File wrapper for torch.save that computes the file's sha256 on a background thread.
+
+    Each buffer torch hands over is written at once and a copy is queued for hashing, so hashing
+    overlaps with torch's serialization of the next record and with the fsync instead of adding
+    to them. ``midway`` runs after the first write (fault injection: a rank that dies there
+    leaves a torn ``.part`` file).
+    """
+
+    def __init__(self, f, midway: Optional[Callable[[], None]]) -> None:
+        super().__init__()
+        self._f, self._midway = f, midway
+        self._sha = hashlib.sha256()
+        self._queue: queue.Queue[Optional[bytes]] = queue.Queue()
+        self._hasher = threading.Thread(target=self._hash_loop, name="ckpt-sha256", daemon=True)
+        self._hasher.start()
+        self.size = 0
+
+    def _hash_loop(self) -> None:
+        while True:
+            chunk = self._queue.get()
+            if chunk is None:
+                return
+            self._sha.update(chunk)  # releases the GIL for large chunks
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        n = self._f.write(b)
+        self._queue.put(bytes(b))
+        self.size += n
+        if self._midway is not None:
+            self._f.flush()
+            midway, self._midway = self._midway, None
+            midway()
+        return n
+
+    def hexdigest(self, timeout: float = 600.0) -> str:
+        """Wait for the hashing thread to catch up, then return the file's sha256."""
+        self._queue.put(None)
+        self._hasher.join(timeout)
+        if self._hasher.is_alive():
+            raise CheckpointError(f"hashing the checkpoint took more than {timeout:.0f} s")
+        return self._sha.hexdigest()
+
+    def abandon(self) -> None:
+        self._queue.put(None)
 
 
 def save_shard(
@@ -85,33 +132,34 @@ def save_shard(
         "world": layout.world,
         "replica": layout.replica,
         "numel": layout.numel,
+        # clone: torch.save of a view would write the whole flat vector
         "params": state.params.detach()[layout.bounds(state.shard)].clone(),
-        "exp_avg": state.exp_avg.clone(),
-        "exp_avg_sq": state.exp_avg_sq.clone(),
+        "exp_avg": state.exp_avg,
+        "exp_avg_sq": state.exp_avg_sq,
     }
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    data = buf.getvalue()
     name = f"shard_{state.shard}.pt"
-    _write_atomic(tmp / name, data, midway)
+    part = tmp / (name + ".part")
+    with open(part, "wb") as f:
+        writer = _HashingWriter(f, midway)
+        try:
+            torch.save(payload, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            writer.abandon()
+            raise
+    digest = writer.hexdigest()
+    os.replace(part, tmp / name)
     entry = {
         "file": name,
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "bytes": len(data),
+        "sha256": digest,
+        "bytes": writer.size,
         "rank": rank,
         "seconds": time.perf_counter() - started,
         "finished_at": time.time(),
     }
     _write_atomic(tmp / f"shard_{state.shard}.json", json.dumps(entry).encode())
     return entry
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def finalize(root: Path, step: int, layout: ShardLayout) -> Path:
@@ -125,9 +173,10 @@ def finalize(root: Path, step: int, layout: ShardLayout) -> Path:
         if not meta_path.is_file():
             raise CheckpointError(f"step {step}: shard {shard} was not saved ({meta_path} missing)")
         entry = json.loads(meta_path.read_text(encoding="utf-8"))
-        actual = _sha256_file(tmp / entry["file"])
-        if actual != entry["sha256"]:
-            raise CheckpointError(f"step {step}: {entry['file']} does not match its checksum")
+        shard_file = tmp / entry["file"]
+        # the size guards against a torn or replaced file; the loader verifies every sha256
+        if not shard_file.is_file() or shard_file.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"step {step}: {entry['file']} does not match its manifest entry")
         files[entry.pop("file")] = entry
     manifest = {
         "format": FORMAT,

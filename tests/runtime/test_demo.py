@@ -73,7 +73,7 @@ def test_finalize_refuses_a_missing_shard(tmp_path: Path) -> None:
 def test_finalize_refuses_a_shard_that_changed_after_its_save(tmp_path: Path) -> None:
     _save_all(tmp_path, 3)
     (tmp_path / "step_0000003.tmp" / "shard_1.pt").write_bytes(b"torn")
-    with pytest.raises(CheckpointError, match="does not match its checksum"):
+    with pytest.raises(CheckpointError, match="does not match its manifest entry"):
         checkpoint.finalize(tmp_path, 3, LAYOUT)
 
 

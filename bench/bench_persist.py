@@ -1,0 +1,114 @@
+"""Dying-checkpoint persist time vs a plain ``torch.save`` of the same state on the same disk.
+
+The dying checkpoint path is the demo's: every shard is streamed through sha256 into a ``.part``
+file, fsynced, renamed, then the rename handler writes the manifest, moves the directory into
+place and replaces ``latest``. The baselines are ``torch.save`` of the same tensors into one file
+(page cache only, as most training scripts do) and the same plus ``fsync`` (durable, which is what
+a checkpoint written seconds before the job is killed needs). Runs are interleaved and the median
+is reported, so drift on a shared machine hits all three alike. Goal: >= 90% of torch.save's
+throughput.
+
+    python bench/bench_persist.py [--mparams 16] [--repeats 5] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+from mindio_ttp.demo import checkpoint
+from mindio_ttp.demo.model import ShardLayout, ShardState
+
+
+def make_shards(numel: int, world: int = 4) -> List[ShardState]:
+    """One ShardState per distinct shard, over a flat vector of ``numel`` parameters."""
+    base = ShardLayout.for_world(world)
+    layout = ShardLayout(base.world, base.replica, numel, -(-numel // base.replica) * base.replica)
+    gen = torch.Generator().manual_seed(0)
+    params = torch.randn(layout.padded, generator=gen)
+    shards = []
+    for s in range(layout.replica):
+        m = torch.randn(layout.shard_numel, generator=gen)
+        v = torch.rand(layout.shard_numel, generator=gen)
+        shards.append(ShardState(layout, s, params, m, v, step=7))
+    return shards
+
+
+def dying_checkpoint(root: Path, shards: List[ShardState]) -> None:
+    for rank, st in enumerate(shards):  # serial: on a cluster each shard is a different rank
+        checkpoint.save_shard(root, 7, rank, st)
+    checkpoint.finalize(root, 7, shards[0].layout)
+
+
+def plain_state(shards: List[ShardState]) -> Dict[str, torch.Tensor]:
+    layout = shards[0].layout
+    out: Dict[str, torch.Tensor] = {}
+    for st in shards:
+        out[f"params.{st.shard}"] = st.params.detach()[layout.bounds(st.shard)]
+        out[f"exp_avg.{st.shard}"] = st.exp_avg
+        out[f"exp_avg_sq.{st.shard}"] = st.exp_avg_sq
+    return out
+
+
+def torch_save(root: Path, state: Dict[str, torch.Tensor], fsync: bool) -> None:
+    path = root / "plain.pt"
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def run(mparams: float, repeats: int, base_dir: Path) -> Dict[str, float]:
+    torch.set_num_threads(1)
+    shards = make_shards(int(mparams * 1_000_000))
+    state = plain_state(shards)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    cases: Dict[str, Callable[[Path], None]] = {
+        "torch.save": lambda d: torch_save(d, state, fsync=False),
+        "torch.save + fsync": lambda d: torch_save(d, state, fsync=True),
+        "dying checkpoint": lambda d: dying_checkpoint(d, shards),
+    }
+    times: Dict[str, List[float]] = {name: [] for name in cases}
+    for i in range(repeats + 1):  # the first round warms the page cache and allocator
+        for name, fn in cases.items():
+            work = Path(tempfile.mkdtemp(prefix="bench-persist-", dir=base_dir))
+            try:
+                start = time.perf_counter()
+                fn(work)
+                elapsed = time.perf_counter() - start
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            if i:
+                times[name].append(elapsed)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    base = med["torch.save"]
+    print(f"state: {nbytes / 2**20:.0f} MiB (params + exp_avg + exp_avg_sq, 2 shards), "
+          f"{repeats} interleaved repeats, median; disk: {base_dir}")  # fmt: skip
+    print("| method | median s | MiB/s | throughput vs torch.save |")
+    print("|---|---:|---:|---:|")
+    for name, t in med.items():
+        print(f"| {name} | {t:.3f} | {nbytes / 2**20 / t:.0f} | {100 * base / t:.0f}% |")
+    return {name: base / t for name, t in med.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mparams", type=float, default=16.0, help="millions of parameters (16)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="disk to use")
+    args = p.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    run(args.mparams, args.repeats, args.dir)
+
+
+if __name__ == "__main__":
+    main()
