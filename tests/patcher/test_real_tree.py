@@ -7,7 +7,9 @@ ever written into the tree TTP_MEGATRON_DIR names.
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -158,3 +160,31 @@ def test_patched_parallel_state_tp2_four_gloo_ranks(clone: Path, free_port: int)
         assert results[rank]["dp"] == [rank % 2, rank % 2 + 2]
         assert results[rank]["all"] == [[0, 2], [1, 3]]
         assert results[rank]["dp_world"] == 2
+
+
+def pick_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_cpu_launch_script_trains_with_ttprun(clone: Path, tmp_path: Path) -> None:
+    """The generated script is runnable as is on a CPU machine: a few real iterations, saved."""
+    from mindio_ttp.megatron_testing.data import make_tiny_dataset
+
+    assert main(["apply", str(clone), "--device", "cpu"]) == 0
+    data = make_tiny_dataset(clone, tmp_path / "data")
+    env = dict(os.environ, DATA_PATH=str(data.prefix), VOCAB_FILE=str(data.vocab_file),
+               MERGE_FILE=str(data.merge_file), CHECKPOINT_PATH=str(tmp_path / "ckpt"),
+               MASTER_PORT=str(pick_free_port()), TTP_CONTROLLER_PORT=str(pick_free_port()))
+    env.pop("TTP_MEGATRON_DIR", None)
+    res = subprocess.run(["bash", str(clone / SCRIPT), "--train-iters", "4", "--eval-iters", "1",
+                          "--log-interval", "1"], env=env, capture_output=True, text=True,
+                         timeout=480, start_new_session=True)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    losses = re.findall(r"iteration\s+(\d+)/\s+4 \|.*lm loss: ([0-9.E+-]+)", log)
+    assert [int(i) for i, _ in losses] == [1, 2, 3, 4]
+    assert "controller" in log  # the TTP start-up block ran
+    assert (tmp_path / "ckpt" / "iter_0000004").is_dir()
