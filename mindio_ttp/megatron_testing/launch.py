@@ -2,8 +2,10 @@
 
 The argument set is the smallest GPT that still exercises tensor and data parallelism on CPU:
 2 layers, hidden 64, 4 heads, sequence 64, micro-batch 2, global batch 8, fp32, gloo, CUDA
-fusions off, dropout 0, seed 1234, a loss line every iteration. Jobs run in their own process
-session so a timeout or a test failure can take the whole launcher tree down with one signal.
+fusions off, dropout 0, seed 1234, a loss line every iteration. torch elastic starts every
+rank in a session of its own, so killing the launcher's process group does not reach the
+ranks: a job remembers every descendant it has seen (psutil handles, safe against pid reuse)
+and kills those individually, and reports any rank still alive after its launcher exited.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -96,6 +98,8 @@ class PretrainResult:
     log_path: Path
     wall_s: float
     timed_out: bool = False
+    #: pids of processes the launcher left running after it exited (the job killed them)
+    leftovers: List[int] = field(default_factory=list)
 
     @property
     def log(self) -> str:
@@ -149,18 +153,24 @@ class PretrainJob:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         self.started = time.monotonic()
+        self._seen: Dict[int, psutil.Process] = {}
         self.popen = subprocess.Popen(self.cmd, cwd=str(tree), env=worker_env(env),
                                       stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
 
+    def _descendants(self) -> List[psutil.Process]:
+        try:
+            found = psutil.Process(self.popen.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            found = []
+        for proc in found:
+            self._seen.setdefault(proc.pid, proc)
+        return found
+
     def worker_pids(self) -> Dict[int, int]:
         """``{global rank: pid}`` of the live worker processes (read from their environment)."""
         ranks: Dict[int, int] = {}
-        try:
-            children = psutil.Process(self.popen.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return ranks
-        for child in children:
+        for child in self._descendants():
             try:
                 env = child.environ()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -187,32 +197,43 @@ class PretrainJob:
                                f"see {self.log_path}")
 
     def wait(self, timeout_s: float) -> PretrainResult:
-        """Wait for the launcher; on timeout kill its whole session and say so."""
+        """Wait for the launcher; on timeout kill it and every rank, and say so."""
+        deadline = time.monotonic() + timeout_s
         timed_out = False
-        try:
-            rc = self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            self.kill()
-            rc = self.popen.wait(timeout=30)
-        self._reap_session()
+        while True:
+            self._descendants()  # remember ranks while the launcher can still be asked
+            try:
+                rc = self.popen.wait(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    self.kill()
+                    rc = self.popen.wait(timeout=30)
+                    break
+        leftovers = self._kill_leftovers()
         self._log.close()
-        return PretrainResult(rc, self.log_path, time.monotonic() - self.started, timed_out)
+        return PretrainResult(rc, self.log_path, time.monotonic() - self.started, timed_out,
+                              leftovers)
 
     def kill(self) -> None:
-        """SIGKILL the launcher's process group (it and every rank it started)."""
+        """SIGKILL the launcher (and its process group) and every rank it started."""
+        self._descendants()
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self._kill_leftovers()
 
-    def _reap_session(self) -> None:
-        # Ranks normally exit with the launcher; anything left in our session is killed.
-        try:
-            os.killpg(self.popen.pid, 0)
-        except ProcessLookupError:
-            return
-        self.kill()
+    def _kill_leftovers(self) -> List[int]:
+        alive = [p for p in self._seen.values() if p.is_running()]
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                continue
+        psutil.wait_procs(alive, timeout=10)
+        return sorted(p.pid for p in alive)
 
     def __enter__(self) -> PretrainJob:
         return self
@@ -221,7 +242,7 @@ class PretrainJob:
         if self.popen.poll() is None:
             self.kill()
             self.popen.wait(timeout=30)
-        self._reap_session()
+        self._kill_leftovers()
         self._log.close()
 
 

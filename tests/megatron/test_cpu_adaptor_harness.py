@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -33,6 +34,8 @@ LOG = (
 
 FAKE_PRETRAIN = """
 import os, sys, time
+if "--hang" in sys.argv:
+    time.sleep(600)
 import torch
 import megatron
 rank = int(os.environ["RANK"])
@@ -41,8 +44,6 @@ if rank == 0:
     for it in (1, 2, 3):
         print(f" iteration {it:8d}/       3 | elapsed time per iteration (ms): {10.0 * it} |"
               f" lm loss: {7 - it:.6E} |", flush=True)
-if "--hang" in sys.argv:
-    time.sleep(600)
 """
 
 
@@ -123,12 +124,34 @@ def test_runner_injects_adaptor_and_job_reports_losses(fake_tree: Path, tmp_path
     assert result.ms_per_iter(skip=1) == 25.0
 
 
+def _gone(pids: list) -> bool:
+    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                   for pid in pids)
+
+
 @pytest.mark.slow
-def test_job_finds_ranks_and_timeout_kills_the_whole_launch(fake_tree: Path, tmp_path: Path,
-                                                            free_port: int) -> None:
+def test_job_finds_ranks_and_timeout_kills_launcher_and_ranks(fake_tree: Path, tmp_path: Path,
+                                                              free_port: int) -> None:
+    # torch elastic puts each rank in its own session: killing the launcher's group is not
+    # enough, the ranks must be killed one by one or they outlive the test as orphans.
     with PretrainJob(fake_tree, ["--hang"], nproc=2, log_path=tmp_path / "hang.log",
                      master_port=free_port) as job:
         ranks = job.wait_for_workers(2, timeout_s=60)
         assert sorted(ranks) == [0, 1] and job.popen.pid not in ranks.values()
         result = job.wait(timeout_s=1)
     assert result.timed_out and result.returncode != 0
+    assert _gone(list(ranks.values()))
+
+
+@pytest.mark.slow
+def test_ranks_left_behind_by_a_dead_launcher_are_reported_and_killed(
+    fake_tree: Path, tmp_path: Path, free_port: int
+) -> None:
+    with PretrainJob(fake_tree, ["--hang"], nproc=2, log_path=tmp_path / "orphan.log",
+                     master_port=free_port) as job:
+        ranks = job.wait_for_workers(2, timeout_s=60)
+        job.popen.kill()  # the launcher alone dies; its ranks would be orphaned
+        result = job.wait(timeout_s=30)
+    assert not result.timed_out
+    assert set(ranks.values()) <= set(result.leftovers)
+    assert _gone(result.leftovers)
