@@ -6,12 +6,11 @@ record whose files went back to HEAD behind our back (git checkout) is reported 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Optional
-
-import libcst
 
 from . import __version__
 from .errors import ManifestError
@@ -35,7 +34,7 @@ class Manifest:
     files: Dict[str, FileRecord] = field(default_factory=dict)
     launch_script: Optional[str] = None  # sha256 of pretrain_gpt_ttp.sh as written
     tool_version: str = __version__
-    libcst_version: str = getattr(libcst, "__version__", "unknown")
+    libcst_version: str = field(default_factory=lambda: _dist_version("libcst"))
     schema: int = SCHEMA
 
     @property
@@ -44,6 +43,13 @@ class Manifest:
 
     def to_json(self) -> bytes:
         return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        return "unknown"
 
 
 def manifest_path(git_dir: Path) -> Path:

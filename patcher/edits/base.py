@@ -10,8 +10,6 @@ what we write carries the guide's comments and the file's indentation.
 from __future__ import annotations
 
 import ast
-import functools
-import textwrap
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -19,6 +17,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import libcst as cst
 
 from ..options import Options
+from .statements import (
+    EMPTY_MODULE,
+    describe,
+    node_key,
+    node_shape,
+    parse_statements,
+    source_key,
+)
 
 Block = Union[cst.Module, cst.IndentedBlock]
 Rewrite = Callable[[cst.BaseStatement], cst.BaseStatement]
@@ -47,77 +53,6 @@ class Assessment:
     detail: str = ""
     ops: List[Op] = field(default_factory=list)
     inferred: Dict[str, object] = field(default_factory=dict)  # e.g. the device a file shows
-
-
-_EMPTY = cst.Module(body=[])
-
-
-def _statement_ast(node: cst.CSTNode) -> Optional[ast.stmt]:
-    try:
-        body = ast.parse(textwrap.dedent(_EMPTY.code_for_node(node))).body
-    except SyntaxError:  # pragma: no cover - a parsed CST statement always has an AST
-        return None
-    return body[0] if body else None
-
-
-def node_key(node: cst.CSTNode) -> str:
-    """A formatting-blind identity for a statement: its Python AST, comments and layout dropped."""
-    return _key_and_shape(_statement_ast(node))[0]
-
-
-def node_shape(node: cst.CSTNode) -> str:
-    """What a statement is about, values aside: the call it makes or the name it binds.
-
-    Two statements with one shape are versions of each other (`ttp_start_updating_os(-1)` and
-    `(-2)`), so a shape of ours found in the scope means the edit was changed, not left out.
-    """
-    return _key_and_shape(_statement_ast(node))[1]
-
-
-def _key_and_shape(stmt: Optional[ast.stmt]) -> Tuple[str, str]:
-    if stmt is None:  # pragma: no cover
-        return "", ""
-    key = ast.dump(stmt)
-    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
-        return key, f"call {ast.unparse(stmt.value.func)}"
-    if isinstance(stmt, ast.Assign):
-        return key, "assign " + ",".join(ast.unparse(t) for t in stmt.targets)
-    if isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
-        return key, f"assign {ast.unparse(stmt.target)}"
-    if isinstance(stmt, (ast.Global, ast.Nonlocal)):
-        return key, "global " + ",".join(stmt.names)
-    if isinstance(stmt, ast.Import):
-        return key, "import " + ",".join(a.name for a in stmt.names)
-    if isinstance(stmt, ast.ImportFrom):
-        return key, f"from {stmt.module} import " + ",".join(a.name for a in stmt.names)
-    if isinstance(stmt, ast.If):
-        return key, f"if {ast.unparse(stmt.test)}"
-    return key, key
-
-
-@functools.lru_cache(maxsize=256)
-def source_key(src: str) -> str:
-    return ast.dump(ast.parse(textwrap.dedent(src)).body[0])
-
-
-def parse_statements(src: str, module: cst.Module) -> Tuple[cst.BaseStatement, ...]:
-    """The guide's text as statements, leading comments kept on the first one.
-
-    A snippet's leading comments land in `Module.header`; moved onto the first statement they
-    are written at the indentation of whatever block receives the statement.
-    """
-    return _parse_statements(src, module.default_indent, module.default_newline)
-
-
-@functools.lru_cache(maxsize=256)  # CST nodes are immutable, so sharing them is safe
-def _parse_statements(src: str, indent: str, newline: str) -> Tuple[cst.BaseStatement, ...]:
-    config = cst.PartialParserConfig(default_indent=indent, default_newline=newline)
-    snippet = cst.parse_module(textwrap.dedent(src), config=config)
-    body = list(snippet.body)
-    if body and snippet.header:
-        header = [line.with_changes(indent=True) for line in snippet.header]
-        body[0] = body[0].with_changes(leading_lines=[*header, *body[0].leading_lines])
-    return tuple(body)
 
 
 @dataclass(frozen=True)
@@ -195,7 +130,7 @@ class FileIndex(cst.CSTVisitor):
     def _described(self, stmt: cst.CSTNode) -> Tuple[str, str]:
         cached = self._cache.get(id(stmt))
         if cached is None:
-            cached = self._cache[id(stmt)] = _key_and_shape(_statement_ast(stmt))
+            cached = self._cache[id(stmt)] = describe(stmt)
         return cached
 
     def key(self, stmt: cst.CSTNode) -> str:
@@ -337,7 +272,7 @@ class DecorateTopLevelDef(Edit):
             return Assessment(State.DRIFTED, f"def {self.def_name}() {how} at module level")
         wanted = ast.dump(ast.parse(self.decorator, mode="eval"))
         have = [
-            ast.dump(ast.parse(_EMPTY.code_for_node(d.decorator), mode="eval"))
+            ast.dump(ast.parse(EMPTY_MODULE.code_for_node(d.decorator), mode="eval"))
             for d in sites[0].stmt.decorators
         ]
         count = have.count(wanted)
