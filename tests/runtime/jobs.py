@@ -8,6 +8,7 @@ CI.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -16,7 +17,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
+
+from . import ttp_worker
 
 WORKER = Path(__file__).with_name("ttp_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -69,8 +72,26 @@ class JobResult:
         return "\n".join(f"----- rank {r} -----\n{t}" for r, t in sorted(self.logs.items()))
 
 
+_FORK = multiprocessing.get_context("fork")
+
+
+def _alive(p: Any) -> bool:
+    return p.is_alive() if hasattr(p, "is_alive") else p.poll() is None
+
+
+def _forked_rank(env: dict, log_fd: int) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    ttp_worker.main()
+
+
 def run_job(tmp: Path, plan: dict, world: int = 4, timeout: float = 40.0,
-            stopped: Optional[List[int]] = None, env_extra: Optional[dict] = None) -> JobResult:
+            stopped: Optional[List[int]] = None, env_extra: Optional[dict] = None,
+            fork: bool = True) -> JobResult:
     """Run one job to the end. `stopped`: ranks expected to SIGSTOP themselves; they are
     killed once every other rank has exited."""
     out, run_dir = tmp / "ckpt", tmp / "run"
@@ -82,36 +103,42 @@ def run_job(tmp: Path, plan: dict, world: int = 4, timeout: float = 40.0,
                 TTP_RUN_DIR=str(run_dir), TTPW_PLAN=json.dumps(plan),
                 PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     base.update(env_extra or {})
-    procs: Dict[int, subprocess.Popen] = {}
+    procs: Dict[int, Any] = {}
     files = {}
     t0 = time.monotonic()
     for r in range(world):
         files[r] = open(tmp / f"rank{r}.log", "w+")
-        procs[r] = subprocess.Popen([sys.executable, str(WORKER)], env=dict(base, RANK=str(r)),
-                                    stdout=files[r], stderr=subprocess.STDOUT)
+        env = dict(base, RANK=str(r))
+        if fork:  # torch is already imported here: forked ranks start in ~0.1 s
+            procs[r] = _FORK.Process(target=_forked_rank, args=(env, files[r].fileno()),
+                                     daemon=False)
+            procs[r].start()
+        else:
+            procs[r] = subprocess.Popen([sys.executable, str(WORKER)], env=env,
+                                        stdout=files[r], stderr=subprocess.STDOUT)
     stopped = set(stopped or [])
     deadline = t0 + timeout
     try:
         while time.monotonic() < deadline:
-            running = [r for r, p in procs.items() if p.poll() is None and r not in stopped]
+            running = [r for r, p in procs.items() if _alive(p) and r not in stopped]
             if not running:
                 break
             time.sleep(0.05)
     finally:
         codes: Dict[int, Optional[int]] = {}
         for r, p in procs.items():
-            if p.poll() is None:
+            if _alive(p):
                 if r not in stopped:
                     print(f"rank {r} still running at the deadline: killing it", file=sys.stderr)
                 try:
-                    p.send_signal(signal.SIGCONT)
+                    os.kill(p.pid, signal.SIGCONT)
                     p.kill()
                 except ProcessLookupError:
                     pass
-                p.wait(10)
+                p.join(10) if fork else p.wait(10)
                 codes[r] = None
             else:
-                codes[r] = p.returncode
+                codes[r] = p.exitcode if fork else p.returncode
         logs = {}
         for r, f in files.items():
             f.seek(0)

@@ -20,10 +20,7 @@ import torch.distributed as dist
 
 import mindio_ttp.framework_ttp as ttp
 
-RANK = int(os.environ["RANK"])
-WORLD = int(os.environ["WORLD_SIZE"])
-PLAN = json.loads(os.environ.get("TTPW_PLAN", "{}"))
-OUT = PLAN.get("out", ".")
+RANK, WORLD, PLAN, OUT = 0, 1, {}, "."  # set by main() from the env
 
 
 def inject(phase: str, step: int) -> None:
@@ -76,6 +73,11 @@ def train(param: torch.Tensor, steps: int) -> None:
 
 
 def main() -> None:
+    global RANK, WORLD, PLAN, OUT
+    RANK = int(os.environ["RANK"])
+    WORLD = int(os.environ["WORLD_SIZE"])
+    PLAN = json.loads(os.environ.get("TTPW_PLAN", "{}"))
+    OUT = PLAN.get("out", ".")
     dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
     ip = os.environ.get("MASTER_ADDR", "127.0.0.1")
     dp_ranks = list(range(WORLD))

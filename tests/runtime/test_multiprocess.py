@@ -1,0 +1,104 @@
+"""Real jobs: 4 processes, gloo, the TTP hooks, one injected fault each (see ttp_worker.py).
+
+Layout: one DP group [0, 1, 2, 3], replica 2, so shard 0 lives on ranks 0 and 2, shard 1 on
+ranks 1 and 3. A fault at step 5 leaves every survivor clean at step 5 (no collective runs
+inside the update window), so the dying checkpoint must be step 5.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .jobs import run_job
+
+pytestmark = pytest.mark.slow
+SAVED, REFUSED, SAVE_FAILED = 83, 84, 85
+
+
+def fault(kind, rank, phase, step=5):
+    return {"kind": kind, "rank": rank, "step": step, "phase": phase}
+
+
+def expected_param(step: int) -> float:
+    return 4.0 * step * (step + 1) / 2  # all-reduced grad of step t is 4t
+
+
+def check_saved(res, step, savers):
+    assert res.flow is not None, res.all_logs()
+    assert res.flow["outcome"] == "saved" and res.flow["step"] == step, res.flow
+    assert res.flow["ranks"] == savers
+    assert res.latest == step
+    assert res.saved_ranks(step) == savers
+    for r in savers:
+        data = json.loads((res.out / f"iter_{step}" / f"rank_{r}.json").read_text())
+        assert data["param"] == [expected_param(step)] * 4, (r, data)
+    assert not list(res.out.glob("*_tmp"))
+
+
+def test_dead_rank_partner_saves(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("kill", 1, "inside")]})
+    assert res.codes == {0: SAVED, 1: -9, 2: SAVED, 3: SAVED}, res.all_logs()
+    check_saved(res, 5, [0, 3])
+
+
+def test_rank0_killed_standby_takes_over(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("kill", 0, "inside")]})
+    assert res.codes == {0: -9, 1: SAVED, 2: SAVED, 3: SAVED}, res.all_logs()
+    check_saved(res, 5, [1, 2])
+    assert "standby -> serving" in res.logs[1]
+
+
+def test_rank0_hung_standby_takes_over(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("stop", 0, "after")]}, stopped=[0])
+    assert [res.codes[r] for r in (1, 2, 3)] == [SAVED] * 3, \
+        res.all_logs()
+    check_saved(res, 5, [1, 2])
+    assert "controller silent" in res.logs[2]
+
+
+def test_hung_rank_detected_by_heartbeat(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("stop", 2, "before")]}, stopped=[2])
+    assert [res.codes[r] for r in (0, 1, 3)] == [SAVED] * 3, res.all_logs()
+    check_saved(res, 5, [0, 1])
+    assert "rank 2 hung" in res.logs[0]
+
+
+def test_exception_inside_window_is_reported_and_excluded(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("exception", 2, "inside")]})
+    assert res.codes == {r: SAVED for r in range(4)}, res.all_logs()
+    check_saved(res, 5, [0, 1])
+    assert "rank 2 reported exception: RuntimeError: injected failure" in res.logs[0]
+
+
+def test_sigterm_preemption_saves_without_a_dead_rank(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("term", 3, "before")]})
+    assert res.codes == {r: SAVED for r in range(4)}, res.all_logs()
+    step = res.flow["step"]
+    assert step >= 5  # every rank may run on until the lock arrives
+    check_saved(res, step, [0, 1])
+    assert "reported preempted" in res.logs[0]
+
+
+def test_both_holders_of_a_shard_dead_refuses(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("kill", 1, "after"), fault("kill", 3, "after")]})
+    assert res.codes[0] == REFUSED and res.codes[2] == REFUSED, res.all_logs()
+    assert res.flow["outcome"] == "no_consistent_step"
+    assert "shard 1 has no clean replica" in res.flow["reason"]
+    assert res.latest is None and not list(res.out.glob("iter_*"))
+
+
+def test_save_failure_leaves_nothing_marked_latest(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("kill", 1, "inside")], "save_fail_rank": 0})
+    assert [res.codes[r] for r in (0, 2, 3)] == [SAVE_FAILED] * 3, res.all_logs()
+    assert res.flow["outcome"] == "save_failed" and "disk full" in res.flow["reason"]
+    assert res.latest is None and not (res.out / "iter_5").exists()
+    assert "running the rename handler" not in res.all_logs()
+
+
+def test_clean_run_exits_zero_without_a_flow(tmp_path):
+    res = run_job(tmp_path, {"steps": 8})
+    assert res.codes == {r: 0 for r in range(4)}, res.all_logs()
+    assert res.flow is None and res.latest is None
+    assert "FAULT" not in res.all_logs()
