@@ -57,6 +57,7 @@ class LaunchResult:
     out_dir: Path
     run_dir: Path
     lines: List[str] = field(default_factory=list)
+    ended_at: float = 0.0  # wall-clock time.time() when ttprun exited
 
     @property
     def flow(self) -> Optional[dict]:
@@ -149,10 +150,11 @@ def launch(
     finally:
         if proc.poll() is None:
             _kill_session(proc)
+    ended_at = time.time()
     reader.join(10)
-    return LaunchResult(
-        proc.returncode, "\n".join(lines), time.monotonic() - start, ckpt, out, runs, lines
-    )
+    seconds = time.monotonic() - start
+    text = "\n".join(lines)
+    return LaunchResult(proc.returncode, text, seconds, ckpt, out, runs, lines, ended_at)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
