@@ -78,6 +78,10 @@ def test_revert_restores_head_bytes_and_git_status(repo: FixtureRepo, capsys) ->
     status_before = repo.porcelain()
     snapshot = repo.snapshot()
     ttp(capsys, "apply", str(repo.root), "--device", "cpu", "--port", "9123")
+    assert b"    port = 9123\n" in repo.read("megatron/training.py")
+    assert ttp(capsys, "verify", str(repo.root))[0] == 0
+    code, made, _ = ttp(capsys, "diff", str(repo.root))  # once applied: the recorded options
+    assert "+    port = 9123\n" in made and "+import mindio_ttp.cpu_adaptor\n" in made
     code, out, err = ttp(capsys, "revert", str(repo.root))
     assert code == 0 and "reverted" in err
     assert repo.porcelain() == status_before
