@@ -18,6 +18,8 @@ difference is the agent, a `LocalElasticAgent` subclass that:
 remain, the worker group is restarted in place (the workers resume from the dying checkpoint);
 otherwise the launcher exits. A fresh ``TTP_RUN_DIR`` is made per launch; before a restart the
 previous attempt's ``flow-finished.json`` is moved aside so it cannot end the next wait early.
+When ``TTP_AUTH_KEY`` is unset every node's launcher generates one and they settle on a single key
+through the rendezvous store before starting workers.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ FLOW_FINISHED = "flow-finished.json"
 # exited this many seconds later is killed (it may be wedged in a collective with a dead peer).
 POST_FLOW_EXIT_S = 15.0
 POLL_S = 0.05
+_GENERATED_KEY_FLAG = "_TTPRUN_GENERATED_AUTH_KEY"  # launcher-internal, not for workers
 
 
 def overtime_s(environ: Optional[dict] = None) -> float:
@@ -110,7 +113,18 @@ class TTPElasticAgent(LocalElasticAgent):
         if marker.exists():
             marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
         self._attempt += 1
+        self._agree_on_auth_key(worker_group)
         return super()._start_workers(worker_group)
+
+    def _agree_on_auth_key(self, worker_group: WorkerGroup) -> None:
+        """Every node's launcher generated its own key; the first one through the rendezvous store
+        wins, so all workers of the job share one secret (a user-given key is left alone)."""
+        if os.environ.get(_GENERATED_KEY_FLAG) != "1" or worker_group.store is None:
+            return
+        agreed = worker_group.store.compare_set(
+            "ttprun/auth_key", "", os.environ[ENV_AUTH_KEY]
+        )
+        os.environ[ENV_AUTH_KEY] = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         pcontext = self._pcontext
@@ -221,9 +235,11 @@ def ttp_environment() -> Iterator[Path]:
     os.environ[ENV_RUN_DIR] = str(run_dir)
     if not saved[ENV_AUTH_KEY]:
         os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)
+        os.environ[_GENERATED_KEY_FLAG] = "1"
     try:
         yield run_dir
     finally:
+        os.environ.pop(_GENERATED_KEY_FLAG, None)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

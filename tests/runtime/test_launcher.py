@@ -179,3 +179,25 @@ def test_clean_run_exits_zero_and_removes_its_run_dir(tmp_path: Path, free_port:
     ]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_two_nodes_agree_on_one_generated_auth_key(tmp_path: Path, free_port: int) -> None:
+    script = tmp_path / "key.py"
+    script.write_text(
+        "import os, pathlib\n"
+        "pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(os.environ['TTP_AUTH_KEY'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY")}
+    env["OUT"] = str(tmp_path)
+    cmd = [
+        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port}", "--rdzv-id=keytest",
+        "--monitor-interval=0.05", str(script),
+    ]  # fmt: skip
+    nodes = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]  # fmt: skip
+    outputs = [_finish(node) for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    keys = {(tmp_path / r).read_text() for r in ("0", "1")}
+    assert len(keys) == 1 and len(keys.pop()) == 64, "each node generated its own key"
