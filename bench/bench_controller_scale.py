@@ -158,7 +158,8 @@ def run(n: int, procs: int, interval: float, window: float) -> dict:
     ps = psutil.Process(ctl.pid)
     c0, w0 = sum(ps.cpu_times()[:2]), time.monotonic()
     time.sleep(window)
-    cpu = (sum(ps.cpu_times()[:2]) - c0) / (time.monotonic() - w0) * 100
+    c1 = sum(ps.cpu_times()[:2])
+    cpu = (c1 - c0) / (time.monotonic() - w0) * 100
     kill.set()
     timeline = None
     client_stats = []
@@ -166,6 +167,7 @@ def run(n: int, procs: int, interval: float, window: float) -> dict:
         item = q.get(timeout=300)
         if item[0] == "timeline":
             timeline, outcome, n_savers = item[1], item[2], item[3]
+            flow_cpu = sum(ps.cpu_times()[:2]) - c1
         elif item[0] == "client":
             client_stats.append(item[1])
     done.set()
@@ -179,6 +181,8 @@ def run(n: int, procs: int, interval: float, window: float) -> dict:
         "n": n, "register_s": reg_time, "cpu_pct": cpu,
         "detect_ms": (timeline["fault"] - killed_at) * 1e3,
         "decide_ms": (timeline["chosen"] - killed_at) * 1e3,
+        "flow_cpu_ms": flow_cpu * 1e3,
+        "phase1_ms": (timeline["locked"] - timeline["fault"]) * 1e3,
         "dispatch_ms": (save_rx - timeline["chosen"]) * 1e3,
         "exit_ms": (timeline["exit_sent"] - killed_at) * 1e3,
         "savers": n_savers, "saves_rx": sum(s.get("saves", 0) for s in client_stats),
@@ -198,16 +202,16 @@ def main(argv: List[str] | None = None) -> int:
     print(f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, heartbeat "
           f"{a.interval:g} s, {a.procs} client processes, DP groups of {DP} with {REPLICA} "
           f"shards", flush=True)
-    head = ("N", "hb/s", "register s", "ctl CPU %", "detect ms", "decide ms", "dispatch ms",
-            "exit ms", "savers", "outcome")
+    head = ("N", "hb/s", "register s", "ctl CPU %", "detect ms", "lock ms", "decide ms",
+            "dispatch ms", "exit ms", "ctl CPU ms in flow", "savers", "outcome")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for n in a.sizes:
         r = run(n, a.procs, a.interval, a.window)
         assert r["saves_rx"] == r["savers"], r
         print(f"| {n} | {r['hb_per_s']:.0f} | {r['register_s']:.2f} | {r['cpu_pct']:.1f} | "
-              f"{r['detect_ms']:.1f} | {r['decide_ms']:.1f} | {r['dispatch_ms']:.1f} | "
-              f"{r['exit_ms']:.1f} | {r['savers']} | {r['outcome']} |", flush=True)
+              f"{r['detect_ms']:.1f} | {r['phase1_ms']:.1f} | {r['decide_ms']:.1f} | {r['dispatch_ms']:.1f} | "
+              f"{r['exit_ms']:.1f} | {r['flow_cpu_ms']:.0f} | {r['savers']} | {r['outcome']} |", flush=True)
     return 0
 
 

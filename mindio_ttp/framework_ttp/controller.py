@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from . import protocol as P
 from .config import Outcome, TTPConfig
@@ -66,6 +66,7 @@ class Controller:
         self.decision: Optional[Decision] = None
         self.decided = threading.Event()
         self.fault_at: Optional[float] = None
+        self.timeline: Dict[str, float] = {}  # flow milestones, time.monotonic()
         self.faults: List[str] = []
         self._ranks: Dict[int, RankInfo] = {}
         self._cond = threading.Condition(threading.RLock())
@@ -84,6 +85,9 @@ class Controller:
         self._reports: Dict[int, Dict[int, Tuple[Optional[int], bool]]] = {1: {}, 2: {}}
         self._results: Dict[int, P.Message] = {}
         self._backups: List[List[object]] = []
+        self._n_alive = 0
+        self._awaiting: Set[int] = set()  # ranks the flow still waits for (see _await)
+        self._await_kind: Tuple[str, int] = ("", 0)
 
     # -- life cycle --------------------------------------------------------------------------
     def listen(self, ip: str, port: int) -> Tuple[str, int]:
@@ -201,6 +205,13 @@ class Controller:
                 if info is not None and info.conn is not None:
                     info.conn.queue(item[2])
                     self._flush(info.conn)
+            elif kind == "send_many":  # one encoding for all: save orders to N/2 ranks
+                data = P.encode(item[2], self.cfg.auth_key)
+                for r in item[1]:
+                    info = self._ranks.get(r)
+                    if info is not None and info.conn is not None:
+                        info.conn.queue_raw(data)
+                        self._flush(info.conn)
             elif kind == "send_alive":
                 self._send_alive_now(item[1], item[2])
             elif kind == "flush":
@@ -257,9 +268,20 @@ class Controller:
             if info is not None and info.conn is conn:
                 info.conn = None
                 if info.status == "alive":
-                    info.status, info.note = "dead", f"dead ({why})"
-                    self._fault(f"rank {info.rank} {info.note}")
-            self._cond.notify_all()
+                    if self.sm.is_in(S.EXITING, S.STOPPED):
+                        self._set_status(info, "gone", "left after the exit order")
+                    else:
+                        self._set_status(info, "dead", f"dead ({why})")
+                        self._fault(f"rank {info.rank} {info.note}")
+
+    def _set_status(self, info: RankInfo, status: str, note: str) -> None:
+        """Change a rank's status (caller holds _cond); a rank leaving 'alive' is no longer
+        awaited by the flow."""
+        if info.status == "alive" and status != "alive":
+            self._n_alive -= 1
+            self._awaiting.discard(info.rank)
+        info.status, info.note = status, note
+        self._cond.notify_all()
 
     def _check_silence(self, now: float) -> None:
         for conn, since in list(self._pending.items()):
@@ -272,10 +294,9 @@ class Controller:
         for info in list(self._ranks.values()):
             if info.status == "alive" and now - info.last_seen > limit:
                 with self._cond:
-                    info.status = "hung"
-                    info.note = f"hung (no heartbeat for {now - info.last_seen:.1f} s)"
+                    self._set_status(info, "hung",
+                                     f"hung (no heartbeat for {now - info.last_seen:.1f} s)")
                     self._fault(f"rank {info.rank} {info.note}")
-                    self._cond.notify_all()
                 if info.conn is not None:
                     conn, info.conn = info.conn, None
                     self._drop(conn, "hung")
@@ -304,16 +325,15 @@ class Controller:
             with self._cond:
                 if msg.flow_id == self._flow_id and msg.phase in self._reports:
                     self._reports[msg.phase][info.rank] = (msg.step, msg.updating)
-                    self._cond.notify_all()
+                    self._arrived(("report", msg.phase), info.rank)
         elif isinstance(msg, (P.SaveResult, P.RenameResult)):
             with self._cond:
                 if msg.flow_id == self._flow_id:
                     self._results[info.rank] = msg
-                    self._cond.notify_all()
+                    self._arrived(("result", 0), info.rank)
         elif isinstance(msg, P.Goodbye):
             with self._cond:
-                info.status, info.note = "gone", "finished training"
-                self._cond.notify_all()
+                self._set_status(info, "gone", "finished training")
         else:
             log.warning("%s: unexpected %s from rank %s", self.name, type(msg).__name__, info.rank)
 
@@ -347,8 +367,13 @@ class Controller:
                 self._drop(stale, "replaced by a new connection")
             self._pending.pop(conn, None)
             conn.rank = m.rank
+            if old is None or old.status != "alive":
+                self._n_alive += 1
             self._ranks[m.rank] = RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port,
                                            conn, now, m.step, m.updating)
+            kind, phase = self._await_kind
+            if kind == "report" and m.rank not in self._reports.get(phase, {}):
+                self._awaiting.add(m.rank)  # joined mid-flow: it gets the lock orders below
             self._cond.notify_all()
         conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
                                  self._backups))
@@ -360,7 +385,7 @@ class Controller:
         if self.sm.is_in(S.SERVING) and m.standby_port > 0 and m.rank != self.host_rank:
             self._consider_backup(m.rank, m.host, m.standby_port)
         if self.sm.is_in(S.STANDBY):
-            alive = sum(1 for i in self._ranks.values() if i.status == "alive")
+            alive = self._n_alive
             if 2 * alive >= self.world_size:
                 self._promoted = True
                 self.sm.transition_to(S.SERVING, f"{alive} of {self.world_size} ranks failed over")
@@ -395,6 +420,7 @@ class Controller:
             return
         log.error("%s: FAULT %s; starting the dying-checkpoint flow", self.name, desc)
         self.fault_at = time.monotonic()
+        self.timeline["fault"] = self.fault_at
         self.sm.transition_to(S.COLLECTING, desc)
         self._flow_thread = threading.Thread(target=self._flow, name="ttp-flow", daemon=True)
         self._flow_thread.start()
@@ -408,16 +434,44 @@ class Controller:
                                             f"controller error: {exc!r}")
         self._finish(outcome, step, ranks, reason)
 
-    def _wait(self, pending: Callable[[], List[int]], timeout: float) -> List[int]:
-        """Wait until pending() is empty or timeout; returns what is still pending."""
+    def _wait_until(self, done: Callable[[], bool], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                left_ranks = pending()
+            while not done():
                 left = deadline - time.monotonic()
-                if not left_ranks or left <= 0:
-                    return left_ranks
-                self._cond.wait(min(left, 0.25))
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def _await(self, timeout: float) -> List[int]:
+        """Block until every rank in `ranks` answered `kind` (or died), or timeout; returns the
+        ranks still missing. O(1) per answer: the I/O thread shrinks the set and only wakes
+        us when it is empty, so 4096 answers cost no quadratic re-scans."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            try:
+                while self._awaiting:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                return sorted(self._awaiting)
+            finally:
+                self._awaiting = set()
+                self._await_kind = ("", 0)
+
+    def _expect(self, kind: Tuple[str, int], ranks: Iterable[int]) -> None:
+        """Declare what the flow waits for: must run before the orders go out."""
+        with self._cond:
+            self._await_kind = kind
+            self._awaiting = {r for r in ranks if self._ranks[r].status == "alive"}
+
+    def _arrived(self, kind: Tuple[str, int], rank: int) -> None:
+        if self._await_kind == kind and rank in self._awaiting:
+            self._awaiting.discard(rank)
+            if not self._awaiting:
+                self._cond.notify_all()
 
     def _alive(self) -> List[int]:
         return [r for r, i in self._ranks.items() if i.status == "alive"]
@@ -425,17 +479,18 @@ class Controller:
     def _run_flow(self) -> Tuple[Outcome, Optional[int], List[int], str]:
         cfg = self.cfg
         if self._promoted:  # let slower processors fail over before freezing the membership
-            self._wait(lambda: [] if len(self._alive()) >= self.world_size - 1 else [-1],
-                       2 * cfg.heartbeat_interval + 0.5)
+            self._wait_until(lambda: self._n_alive >= self.world_size - 1,
+                             2 * cfg.heartbeat_interval + 0.5)
         with self._cond:
             self._flow_id += 1
             fid = self._flow_id
             self._reports = {1: {}, 2: {}}
             self._lock_msgs = [P.Lock(fid)]
         # phase 1: freeze (no new update may start) and learn who is where
+        self._expect(("report", 1), self._alive())
         self._send_alive(self._lock_msgs[0])
-        self._wait(lambda: [r for r in self._alive() if r not in self._reports[1]],
-                   cfg.collect_timeout)
+        self._await(cfg.collect_timeout)
+        self.timeline["locked"] = time.monotonic()
         with self._cond:
             first = dict(self._reports[1])
         limit = max([(s or 0) + (1 if u else 0) for s, u in first.values()] or [0])
@@ -443,9 +498,9 @@ class Controller:
         advance = P.AdvanceTo(fid, limit, cfg.update_grace)
         with self._cond:
             self._lock_msgs.append(advance)
+            self._expect(("report", 2), self._alive())
         self._send_alive(advance)
-        silent = self._wait(lambda: [r for r in self._alive() if r not in self._reports[2]],
-                            cfg.update_grace + cfg.heartbeat_interval + 1.0)
+        silent = self._await(cfg.update_grace + cfg.heartbeat_interval + 1.0)
         with self._cond:
             for r in silent:
                 self._ranks[r].note = "did not answer the collect in time"
@@ -466,10 +521,12 @@ class Controller:
             log.error("%s: %s; nothing is saved", self.name, reason)
             return Outcome.NO_CONSISTENT_STEP, None, [], reason
         savers = savers_for(layout, states, step)
+        self.timeline["chosen"] = time.monotonic()
         log.info("%s: %s; ordering save on rank(s) %s", self.name, reason, savers)
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
         ok, why = self._order(savers, P.SaveOrder(fid, step, savers, cfg.save_time_limit),
                               cfg.save_time_limit)
+        self.timeline["saved"] = time.monotonic()
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
                     f"save of step {step} failed: {why}; rename not run, nothing marked latest")
@@ -484,12 +541,10 @@ class Controller:
     def _order(self, ranks: List[int], msg: P.Message, limit: float) -> Tuple[bool, str]:
         with self._cond:
             self._results.clear()
+            self._expect(("result", 0), ranks)
         t0 = time.monotonic()
-        for r in ranks:
-            self._mail.put("send", r, msg)
-        margin = 2 * self.cfg.heartbeat_interval + 1.0
-        self._wait(lambda: [r for r in ranks if r not in self._results
-                            and self._ranks[r].status == "alive"], limit + margin)
+        self._mail.put("send_many", ranks, msg)
+        self._await(limit + 2 * self.cfg.heartbeat_interval + 1.0)
         errors = []
         with self._cond:
             for r in ranks:
@@ -513,6 +568,7 @@ class Controller:
         # our own process exits on its order: every other rank must have its order first
         self._send_alive(order, exclude=self.host_rank)
         self.flush(2.0)
+        self.timeline["exit_sent"] = time.monotonic()
         self.decided.set()
         self._mail.put("send", self.host_rank, order)
 
