@@ -95,6 +95,20 @@ def test_resume_from_dying_checkpoint_is_bit_exact(killed, reference, patched_me
                        reference, first_resumed=5)
 
 
+def test_sigkill_of_rank0_saves_the_same_bytes_from_other_holders(killed, patched_megatron_tree,
+                                                                  tiny_dataset, work):
+    """Rank 0 hosts the controller: a standby takes over; the shard exchange goes through the
+    launcher agent's store, which outlives rank 0. Other holders ([1, 2] instead of [0, 3])
+    must write the same checkpoint, tensor for tensor."""
+    ckpt = work / "rank0_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "rank0.log", ckpt,
+                     plan="0:5:sigkill:before", save_interval=3)
+    assert result.returncode != 0
+    assert tracker_step(ckpt) == 4, result.tail()
+    comparison = compare_checkpoints(ckpt, killed[1], 4)
+    assert comparison.bit_exact, comparison.summary()
+
+
 def test_sigkill_inside_update_window_saves_that_step(reference, patched_megatron_tree,
                                                       tiny_dataset, work):
     ckpt = work / "inside_ckpt"
