@@ -97,8 +97,17 @@ def test_save_failure_leaves_nothing_marked_latest(tmp_path):
     assert "running the rename handler" not in res.all_logs()
 
 
-def test_clean_run_exits_zero_without_a_flow(tmp_path):
-    res = run_job(tmp_path, {"steps": 8})
+def test_clean_run_with_bad_frames_exits_zero_without_a_flow(tmp_path):
+    res = run_job(tmp_path, {"steps": 8, "faults": [fault("garbage", 2, "after", step=3)]})
     assert res.codes == {r: 0 for r in range(4)}, res.all_logs()
     assert res.flow is None and res.latest is None
     assert "FAULT" not in res.all_logs()
+    assert res.logs[0].count("rejected frame") == 2
+
+
+def test_rank0_and_first_backup_killed_second_backup_takes_over(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("kill", 0, "after"), fault("kill", 1, "after")]})
+    assert [res.codes[r] for r in (2, 3)] == [SAVED] * 2, res.all_logs()
+    check_saved(res, 5, [2, 3])
+    assert "backup controller on rank 1 unreachable" in res.logs[3]
+    assert "standby controller@rank2: standby -> serving" in res.logs[2]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -34,6 +35,13 @@ def inject(phase: str, step: int) -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "term":
                 os.kill(os.getpid(), signal.SIGTERM)
+            elif kind == "garbage":  # an unauthenticated peer pokes the controller
+                from mindio_ttp.framework_ttp import protocol as P
+                port = int(os.environ["TTP_CONTROLLER_PORT"])
+                for junk in (b"GET / HTTP/1.0\r\n\r\n", P.encode(P.Goodbye(0), b"k" * 32)):
+                    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                        s.sendall(junk)
+                        s.recv(16)  # the controller closes the connection
             elif kind == "exception":
                 raise RuntimeError(f"injected failure on rank {RANK} at step {step} {phase}")
 
