@@ -16,11 +16,11 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from . import protocol as P
-from .config import Outcome, TTPConfig
-from .selection import Layout, choose_step, savers_for, states_from
+from .config import TTPConfig
+from .flow import Decision, FlowMixin
 from .state import ControllerState as S
 from .state import StateMachine
 from .transport import Conn, ConnClosed, Mailbox
@@ -42,16 +42,7 @@ class RankInfo:
     note: str = ""
 
 
-@dataclass(frozen=True)
-class Decision:
-    outcome: Outcome
-    step: Optional[int]
-    ranks: List[int]
-    reason: str
-    seconds: float  # from the first fault to the exit orders
-
-
-class Controller:
+class Controller(FlowMixin):
     def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int,
                  standby: bool = False) -> None:
         self.cfg = cfg
@@ -409,169 +400,6 @@ class Controller:
     def _send_alive(self, msg: P.Message, exclude: Optional[int] = None) -> None:
         self._mail.put("send_alive", msg, exclude)
 
-    # -- the flow ------------------------------------------------------------------------------
-    def _fault(self, desc: str) -> None:
-        """Record a fault (caller holds _cond); the first one starts the flow thread."""
-        self.faults.append(desc)
-        if self._flow_thread is not None:
-            log.warning("%s: further fault during the flow: %s", self.name, desc)
-            return
-        if not self.sm.is_in(S.SERVING):
-            return
-        log.error("%s: FAULT %s; starting the dying-checkpoint flow", self.name, desc)
-        self.fault_at = time.monotonic()
-        self.timeline["fault"] = self.fault_at
-        self.sm.transition_to(S.COLLECTING, desc)
-        self._flow_thread = threading.Thread(target=self._flow, name="ttp-flow", daemon=True)
-        self._flow_thread.start()
-
-    def _flow(self) -> None:
-        try:
-            outcome, step, ranks, reason = self._run_flow()
-        except Exception as exc:  # a bug must still end the job, not leave it hanging
-            log.exception("%s: flow failed", self.name)
-            outcome, step, ranks, reason = (Outcome.SAVE_FAILED, None, [],
-                                            f"controller error: {exc!r}")
-        self._finish(outcome, step, ranks, reason)
-
-    def _wait_until(self, done: Callable[[], bool], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
-
-    def _await(self, timeout: float) -> List[int]:
-        """Block until every rank in `ranks` answered `kind` (or died), or timeout; returns the
-        ranks still missing. O(1) per answer: the I/O thread shrinks the set and only wakes
-        us when it is empty, so 4096 answers cost no quadratic re-scans."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            try:
-                while self._awaiting:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-                return sorted(self._awaiting)
-            finally:
-                self._awaiting = set()
-                self._await_kind = ("", 0)
-
-    def _expect(self, kind: Tuple[str, int], ranks: Iterable[int]) -> None:
-        """Declare what the flow waits for: must run before the orders go out."""
-        with self._cond:
-            self._await_kind = kind
-            self._awaiting = {r for r in ranks if self._ranks[r].status == "alive"}
-
-    def _arrived(self, kind: Tuple[str, int], rank: int) -> None:
-        if self._await_kind == kind and rank in self._awaiting:
-            self._awaiting.discard(rank)
-            if not self._awaiting:
-                self._cond.notify_all()
-
-    def _alive(self) -> List[int]:
-        return [r for r, i in self._ranks.items() if i.status == "alive"]
-
-    def _run_flow(self) -> Tuple[Outcome, Optional[int], List[int], str]:
-        cfg = self.cfg
-        if self._promoted:  # let slower processors fail over before freezing the membership
-            self._wait_until(lambda: self._n_alive >= self.world_size - 1,
-                             2 * cfg.heartbeat_interval + 0.5)
-        with self._cond:
-            self._flow_id += 1
-            fid = self._flow_id
-            self._reports = {1: {}, 2: {}}
-            self._lock_msgs = [P.Lock(fid)]
-        # phase 1: freeze (no new update may start) and learn who is where
-        self._expect(("report", 1), self._alive())
-        self._send_alive(self._lock_msgs[0])
-        self._await(cfg.collect_timeout)
-        self.timeline["locked"] = time.monotonic()
-        with self._cond:
-            first = dict(self._reports[1])
-        limit = max([(s or 0) + (1 if u else 0) for s, u in first.values()] or [0])
-        # phase 2: ranks one update behind their partners may catch up to `limit`, then stop
-        advance = P.AdvanceTo(fid, limit, cfg.update_grace)
-        with self._cond:
-            self._lock_msgs.append(advance)
-            self._expect(("report", 2), self._alive())
-        self._send_alive(advance)
-        silent = self._await(cfg.update_grace + cfg.heartbeat_interval + 1.0)
-        with self._cond:
-            for r in silent:
-                self._ranks[r].note = "did not answer the collect in time"
-            reports = dict(self._reports[2])
-            notes = {r: i.note for r, i in self._ranks.items()}
-            for r in range(self.world_size):
-                notes.setdefault(r, "did not register with this controller (dead or hung)")
-            groups = {i.dp_ranks for i in self._ranks.values()}
-        log.info("%s: limit step %d; collected %d state report(s): %s", self.name, limit,
-                 len(reports), _summary(reports))
-        try:
-            layout = Layout.build(groups, self.replica)
-        except ValueError as exc:
-            return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
-        states = states_from(reports, range(self.world_size), notes)
-        step, reason = choose_step(layout, states, self.world_size)
-        if step is None:
-            log.error("%s: %s; nothing is saved", self.name, reason)
-            return Outcome.NO_CONSISTENT_STEP, None, [], reason
-        savers = savers_for(layout, states, step)
-        self.timeline["chosen"] = time.monotonic()
-        log.info("%s: %s; ordering save on rank(s) %s", self.name, reason, savers)
-        self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
-        ok, why = self._order(savers, P.SaveOrder(fid, step, savers, cfg.save_time_limit),
-                              cfg.save_time_limit)
-        self.timeline["saved"] = time.monotonic()
-        if not ok:
-            return (Outcome.SAVE_FAILED, step, savers,
-                    f"save of step {step} failed: {why}; rename not run, nothing marked latest")
-        self.sm.transition_to(S.RENAMING, f"rename on rank {savers[0]}")
-        ok, why = self._order(savers[:1], P.RenameOrder(fid, step, cfg.rename_time_limit),
-                              cfg.rename_time_limit)
-        if not ok:
-            return (Outcome.SAVE_FAILED, step, savers,
-                    f"rename of step {step} failed: {why}; nothing marked latest")
-        return Outcome.SAVED, step, savers, f"dying checkpoint of step {step} saved by {savers}"
-
-    def _order(self, ranks: List[int], msg: P.Message, limit: float) -> Tuple[bool, str]:
-        with self._cond:
-            self._results.clear()
-            self._expect(("result", 0), ranks)
-        t0 = time.monotonic()
-        self._mail.put("send_many", ranks, msg)
-        self._await(limit + 2 * self.cfg.heartbeat_interval + 1.0)
-        errors = []
-        with self._cond:
-            for r in ranks:
-                res = self._results.get(r)
-                if res is None:
-                    errors.append(f"rank {r}: no result ({self._ranks[r].note or 'timed out'})")
-                elif not res.ok:  # type: ignore[attr-defined]
-                    errors.append(f"rank {r}: {res.error}")  # type: ignore[attr-defined]
-        log.info("%s: %s on %d rank(s) done in %.3f s%s", self.name, type(msg).__name__,
-                 len(ranks), time.monotonic() - t0, f" with errors: {errors}" if errors else "")
-        return not errors, "; ".join(errors)
-
-    def _finish(self, outcome: Outcome, step: Optional[int], ranks: List[int], reason: str) -> None:
-        took = time.monotonic() - (self.fault_at or time.monotonic())
-        self.decision = Decision(outcome, step, ranks, reason, took)
-        (log.info if outcome is Outcome.SAVED else log.error)(
-            "%s: outcome %s (exit code %d): %s", self.name, outcome.value, outcome.exit_code,
-            reason)
-        self.sm.transition_to(S.EXITING, outcome.value)
-        order = P.ExitOrder(self._flow_id, outcome.value, step, ranks, outcome.exit_code, reason)
-        # our own process exits on its order: every other rank must have its order first
-        self._send_alive(order, exclude=self.host_rank)
-        self.flush(2.0)
-        self.timeline["exit_sent"] = time.monotonic()
-        self.decided.set()
-        self._mail.put("send", self.host_rank, order)
-
     def _close_all(self) -> None:
         for conn in list(self._conns.values()):
             conn.close()
@@ -583,9 +411,3 @@ class Controller:
         except (OSError, RuntimeError):
             pass
         self._mail.close()
-
-
-def _summary(reports: Dict[int, Tuple[Optional[int], bool]]) -> str:
-    items = sorted(reports.items())
-    text = ", ".join(f"{r}:{s}{'*' if u else ''}" for r, (s, u) in items[:16])
-    return text + (f" ... (+{len(items) - 16})" if len(items) > 16 else "") + " (*: updating)"
