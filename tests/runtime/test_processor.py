@@ -1,0 +1,132 @@
+"""One real Processor (this process's hot state) with the real Controller and scripted peers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from mindio_ttp.framework_ttp import hooks
+from mindio_ttp.framework_ttp.config import TTPConfig
+from mindio_ttp.framework_ttp.controller import Controller
+from mindio_ttp.framework_ttp.processor import HANDLERS, Processor
+
+from .fakes import KEY, FakeRank
+
+DP = [0, 1, 2, 3]
+
+
+def cfg(tmp_path, **over):
+    env = {"TTP_AUTH_KEY": KEY.hex(), "TTP_HEARTBEAT_INTERVAL": "0.1",
+           "TTP_HEARTBEAT_TIMEOUT": "0.8", "TTP_UPDATE_GRACE": "0.3", "TTP_COLLECT_TIMEOUT": "1",
+           "TTP_SAVE_TIME_LIMIT": "0.5", "TTP_RENAME_TIME_LIMIT": "1", "TTP_OT": "20",
+           "TTP_CONNECT_TIMEOUT": "3", "TTP_RUN_DIR": str(tmp_path / "run")}
+    env.update(over)
+    return TTPConfig.from_env(env)
+
+
+@pytest.fixture
+def job(tmp_path):
+    hooks.STATE.reset()
+    saved = dict(HANDLERS)
+    made = {"fakes": [], "procs": [], "ctls": []}
+
+    def start(rank=0, save=None, rename=None, **over):
+        c = cfg(tmp_path, **over)
+        ctl = Controller(c, 4, 2, host_rank=rank)
+        ctl.listen("127.0.0.1", 0)
+        ctl.start()
+        made["ctls"].append(ctl)
+        HANDLERS["save"], HANDLERS["rename"] = save, rename
+        proc = Processor(c, rank, DP, 4, 2)
+        codes = []
+        proc.exit_fn = codes.append
+        proc.start("127.0.0.1", ctl.address[1])
+        made["procs"].append(proc)
+        fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4) if r != rank]
+        made["fakes"] += fakes
+        while len(ctl.registered) < 4:
+            time.sleep(0.01)
+        return ctl, proc, codes, {f.rank: f for f in fakes}
+
+    yield start
+    for f in made["fakes"]:
+        f.close()
+    for p in made["procs"]:
+        p._stop.set()
+        p._mail.wake()
+        if p.standby:
+            p.standby.stop()
+    for c in made["ctls"]:
+        c.stop()
+    HANDLERS.update(saved)
+    hooks.STATE.reset()
+
+
+def train_to(step):
+    for s in range(1, step + 1):
+        hooks.start_updating_os(-1)
+        hooks.end_updating_os(s)
+
+
+def test_saver_runs_handlers_off_the_main_thread_and_exits_with_the_order(job, tmp_path):
+    calls = []
+
+    def save(step, ranks, args):
+        calls.append(("save", step, ranks, args, threading.current_thread().name))
+
+    def rename(step, args):
+        calls.append(("rename", step, args))
+
+    train_to(3)
+    hooks.set_ckpt_args((3, "model"))
+    ctl, proc, codes, fakes = job(save=save, rename=rename)
+    fakes[1].close()
+    assert proc.exited.wait(10), ctl.faults
+    assert codes == [83]
+    assert calls[0][:4] == ("save", 3, [0, 3], (3, "model"))
+    assert calls[0][4] == "ttp-save-handler"
+    assert calls[1] == ("rename", 3, (3, "model"))
+    flow = json.loads((tmp_path / "run" / "flow-finished.json").read_text())
+    assert flow["outcome"] == "saved" and flow["step"] == 3 and flow["ranks"] == [0, 3]
+    with pytest.raises(hooks.TTPForceStop):
+        hooks.start_updating_os(-1)
+
+
+def test_save_over_its_time_limit_fails_the_flow(job):
+    release = threading.Event()
+    train_to(3)
+    ctl, proc, codes, fakes = job(save=lambda s, r, a: release.wait(10), rename=None)
+    fakes[1].close()
+    try:
+        assert proc.exited.wait(10)
+        assert codes == [85]
+        assert "exceeded its time limit" in ctl.decision.reason
+    finally:
+        release.set()
+
+
+def test_missing_handler_is_reported_not_hung(job):
+    train_to(3)
+    ctl, proc, codes, fakes = job(save=None)
+    fakes[1].close()
+    assert proc.exited.wait(10) and codes == [85]
+    assert "no save handler registered on rank 0" in ctl.decision.reason
+
+
+def test_controller_lost_without_backups_ends_with_no_verdict(job):
+    train_to(2)
+    ctl, proc, codes, fakes = job(rank=1, TTP_OT="1")
+    assert proc._backups == []  # scripted peers host no standby
+    t0 = time.monotonic()
+    ctl._stop.set()  # the controller dies: sockets close, no Closing notice
+    ctl._mail.wake()
+    ctl._thread.join(5)
+    ctl._close_all()
+    assert proc.exited.wait(10)
+    assert codes == [86] and time.monotonic() - t0 < 5
+    with pytest.raises(hooks.TTPForceStop):  # locked itself, then stopped waiting
+        hooks.STATE.wait_limit = 0.1
+        hooks.start_updating_os(-1)
