@@ -61,6 +61,7 @@ class Processor:
         self._closing = False
         self._seq = 0
         self._job: Optional[_Job] = None
+        self._job_thread: Optional[threading.Thread] = None
         self._preempted = False
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
@@ -367,8 +368,17 @@ class Processor:
             return
         self._job = job
         log.info("rank %d: running the %s handler for step %s", self.rank, kind, args[0])
+        prev = self._job_thread
 
         def run() -> None:
+            # a flow re-run by a standby controller may order the same save again: never run
+            # two handlers of this rank at once
+            if prev is not None and prev.is_alive():
+                prev.join(max(0.0, job.deadline - time.monotonic()))
+                if prev.is_alive():
+                    self._mail.put("job_done", job, False, "the previous handler of this rank "
+                                   "is still running")
+                    return
             try:
                 fn(*args)
             except BaseException as exc:  # report anything; the exit order ends the process
@@ -376,7 +386,8 @@ class Processor:
                 self._mail.put("job_done", job, False, f"{type(exc).__name__}: {exc}"[:2000])
             else:
                 self._mail.put("job_done", job, True, "")
-        threading.Thread(target=run, name=f"ttp-{kind}-handler", daemon=True).start()
+        self._job_thread = threading.Thread(target=run, name=f"ttp-{kind}-handler", daemon=True)
+        self._job_thread.start()
 
     def _result(self, job: _Job, ok: bool, err: str) -> None:
         secs = time.monotonic() - job.t0

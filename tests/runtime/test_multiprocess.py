@@ -58,6 +58,13 @@ def test_rank0_hung_standby_takes_over(tmp_path):
     assert "controller silent" in res.logs[2]
 
 
+def test_controller_rank_dying_during_the_save_standby_reruns_the_flow(tmp_path):
+    res = run_job(tmp_path, {"faults": [fault("kill", 1, "after")], "save_kill_rank": 0})
+    assert [res.codes[r] for r in (0, 1, 2, 3)] == [-9, -9, SAVED, SAVED], res.all_logs()
+    check_saved(res, 5, [2, 3])
+    assert "standby controller@rank2: standby -> serving" in res.logs[2]
+
+
 def test_hung_rank_detected_by_heartbeat(tmp_path):
     res = run_job(tmp_path, {"faults": [fault("stop", 2, "before")]}, stopped=[2])
     assert [res.codes[r] for r in (0, 1, 3)] == [SAVED] * 3, res.all_logs()

@@ -49,6 +49,8 @@ def inject(phase: str, step: int) -> None:
 def save(step: int, save_ranks: list, args: tuple) -> None:
     if PLAN.get("save_fail_rank") == RANK:
         raise OSError("injected: disk full")
+    if PLAN.get("save_kill_rank") == RANK:
+        os.kill(os.getpid(), signal.SIGKILL)
     if PLAN.get("save_hang_rank") == RANK:
         time.sleep(3600)
     _, param = args
