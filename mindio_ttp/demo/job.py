@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Sequence
@@ -92,6 +93,8 @@ def train(args: argparse.Namespace, state: ShardState, handlers: DemoHandlers) -
 
     snapshots = {}
     for step in range(state.step + 1, args.steps + 1):
+        if args.step_delay:
+            time.sleep(args.step_delay)  # stands in for a longer step (preemption tests)
         loss, grad = forward_backward(state.params, step, rank)
         plan.check(rank, step, Phase.BEFORE, out)
         grads = [torch.empty_like(grad) for _ in range(world)]
@@ -138,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", default="", help="fault plan, e.g. 1:5:sigkill:inside")
     p.add_argument("--resume", action="store_true", help="start from the latest checkpoint")
     p.add_argument("--snapshots", action="store_true", help="keep every step's state (rank 0)")
+    p.add_argument("--step-delay", type=float, default=0.0, help="sleep this long per step")
     return p
 
 

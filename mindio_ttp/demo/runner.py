@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -100,8 +101,14 @@ def launch(
     env: Optional[Dict[str, str]] = None,
     echo: Optional[Callable[[str], None]] = None,
     timeout: float = 120.0,
+    step_delay: float = 0.0,
+    preempt_after_step: Optional[int] = None,
 ) -> LaunchResult:
-    """Run the 4-rank demo job under ttprun to completion (or its dying checkpoint)."""
+    """Run the 4-rank demo job under ttprun to completion (or its dying checkpoint).
+
+    ``preempt_after_step`` sends SIGTERM to ttprun once rank 0 reports that step, as a scheduler
+    preempting the job would.
+    """
     work.mkdir(parents=True, exist_ok=True)
     ckpt = ckpt_dir or work / "ckpt"
     out = work / "out"
@@ -123,6 +130,9 @@ def launch(
         cmd.append("--resume")
     if snapshots:
         cmd.append("--snapshots")
+    if step_delay:
+        cmd.append(f"--step-delay={step_delay}")
+    preempt_line = None if preempt_after_step is None else f"rank 0 | step {preempt_after_step}/"
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -134,6 +144,8 @@ def launch(
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
+            if preempt_line is not None and line.startswith(preempt_line):
+                proc.send_signal(signal.SIGTERM)
             if echo is not None:
                 echo(line.rstrip("\n"))
 
@@ -159,8 +171,6 @@ def launch(
 
 def _kill_session(proc: subprocess.Popen) -> None:
     """Kill ttprun; its workers run in their own sessions, so find them through /proc."""
-    import signal
-
     children = _descendants(proc.pid)
     for pid in [proc.pid, *children]:
         try:

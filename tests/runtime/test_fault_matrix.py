@@ -50,9 +50,11 @@ def expected_step(phase: Phase, k: int) -> int:
     return k - 1 if phase is Phase.BEFORE else k
 
 
-def _assert_saved(result: LaunchResult, step: int, reference: Reference) -> None:
+def _assert_saved(
+    result: LaunchResult, step: int, reference: Reference, launcher_exit: int = 1
+) -> None:
     __tracebackhide__ = True
-    assert result.returncode == 1, f"ttprun should report the failed job\n{result.output}"
+    assert result.returncode == launcher_exit, f"ttprun exit code\n{result.output}"
     flow = result.flow
     assert flow is not None, f"the runtime wrote no flow-finished.json\n{result.output}"
     assert (flow["outcome"], flow["step"]) == ("saved", step), f"{flow}\n{result.output}"
@@ -147,3 +149,17 @@ def test_fault_during_the_save_marks_nothing_latest(save_fault: Fault, tmp_path:
     assert latest_step(result.ckpt_dir) is None
     assert not (result.ckpt_dir / step_dir_name(KILL_STEP - 1)).exists()
     assert result.load_checkpoint() is None
+
+
+def test_preemption_sigterm_to_ttprun_saves_a_consistent_step(
+    reference: Reference, tmp_path: Path
+) -> None:
+    # no dead rank: ttprun forwards SIGTERM, every rank reports the preemption, and the newest
+    # step that every shard finished is saved (2, or 3 if a rank was already past its sleep)
+    result = launch(tmp_path, STEPS, step_delay=0.3, preempt_after_step=2)
+    assert result.returncode == 143, result.output
+    assert "SIGTERM (preemption)" in result.output
+    flow = result.flow
+    assert flow is not None and flow["outcome"] == "saved", result.output
+    assert flow["step"] in (2, 3)
+    _assert_saved(result, flow["step"], reference, launcher_exit=143)
