@@ -61,7 +61,7 @@ class ReplicatedOptimizer(DistributedOptimizer):
         self._param_group = {
             p: gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]
         }
-        self._cut = Cut(parts=self.num_shards, stock=False)
+        self.shard_cut = Cut(parts=self.num_shards, stock=False)
         super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, params_have_main_grad,
                          use_contiguous_buffers_in_local_ddp, fp16, bf16, params_dtype,
                          grad_scaler, models)
@@ -132,7 +132,7 @@ class ReplicatedOptimizer(DistributedOptimizer):
 
     def _slots_and_tensors(self):
         """(slot, main param tensor) for every param piece this rank's optimizer owns."""
-        groups = layout.optimizer_groups(self.buffer_specs, self._cut, self.shard_index,
+        groups = layout.optimizer_groups(self.buffer_specs, self.shard_cut, self.shard_index,
                                          len(self._orig_groups))
         mains = [p for g in self.optimizer.param_groups for p in g["params"]]
         slots = [s for _, ss in groups for s in ss]
@@ -165,19 +165,18 @@ class ReplicatedOptimizer(DistributedOptimizer):
         return flat
 
     def pack_local(self, keys) -> torch.Tensor:
-        return layout.pack_owned(self.local_flat(keys), self.buffer_specs, self._cut,
+        return layout.pack_owned(self.local_flat(keys), self.buffer_specs, self.shard_cut,
                                  self.shard_index, keys)
 
     def group_hparams(self) -> Dict[int, dict]:
-        """Hyperparameters per original group index (live groups win over stale originals)."""
-        hp = {i: dict(g) for i, g in enumerate(self._orig_groups)}
-        defaults = dict(self.optimizer.defaults)
-        for i in hp:
-            hp[i] = {**defaults, **hp[i]}
-        for g in self.optimizer.param_groups:
-            for i, orig in enumerate(self._orig_groups):
-                if orig is g:
-                    hp[i] = dict(g)
+        """Hyperparameters per original group index, from the live groups (the scheduler sets
+        lr and weight decay there each step). A group with nothing in this shard keeps its
+        construction-time values; Megatron's scheduler overwrites both when it loads."""
+        hp = {i: {**self.optimizer.defaults, **g} for i, g in enumerate(self._orig_groups)}
+        groups = layout.optimizer_groups(self.buffer_specs, self.shard_cut, self.shard_index,
+                                         len(self._orig_groups))
+        for (orig, _), live in zip(groups, self.optimizer.param_groups):
+            hp[orig] = dict(live)
         return hp
 
     def stock_state_dict(self, flat: layout.FlatState, scalars, position: int) -> dict:
@@ -278,12 +277,12 @@ class ReplicatedOptimizer(DistributedOptimizer):
         flat = layout.empty_flat(self.buffer_specs, keys)
         packed = self.pack_local(keys)
         if self.num_shards == 1:
-            layout.unpack_owned(flat, packed, self.buffer_specs, self._cut, 0, keys)
+            layout.unpack_owned(flat, packed, self.buffer_specs, self.shard_cut, 0, keys)
             return flat
         parts = [torch.empty_like(packed) for _ in range(self.num_shards)]
         torch.distributed.all_gather(parts, packed, group=self.replica_group)
         for shard, part in enumerate(parts):
-            layout.unpack_owned(flat, part, self.buffer_specs, self._cut, shard, keys)
+            layout.unpack_owned(flat, part, self.buffer_specs, self.shard_cut, shard, keys)
         return flat
 
     def load_state_dict(self, state_dict):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import itertools
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ from .layout import PARAM_KEY
 from .replicated_optimizer import ReplicatedOptimizer
 
 EXCHANGE_TIMEOUT = timedelta(seconds=120)
+_attempts: Dict[tuple, itertools.count] = {}  # per (step, save ranks): store keys stay fresh
 
 
 def parallel_layout() -> manifest.ParallelLayout:
@@ -55,12 +57,21 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
                            f"{optimizer.current_step}")
     meta = optimizer.step_meta(step)
     chosen = _chosen_in_my_dp_group(optimizer, save_ranks)
+    attempt = _attempts.setdefault((step, tuple(sorted(save_ranks))), itertools.count())
+    tag = f"ttp_save/{step}/{next(attempt)}"
+
+    root = manifest.tmp_root(args.save, step)
+    if torch.distributed.get_rank() == min(save_ranks):
+        shutil.rmtree(root, ignore_errors=True)  # leftovers of an earlier, failed attempt
+    everyone = _gloo_group(sorted(save_ranks), f"{tag}/all/")
+    if everyone is not None:  # nobody writes before the leftovers are gone
+        everyone.allreduce([torch.zeros(1)]).wait()
 
     keys, scalars = optimizer.state_keys()
-    flat = _exchange_shards(optimizer, chosen, keys, step)
+    flat = _exchange_shards(optimizer, chosen, keys, tag)
 
     par = parallel_layout()
-    iter_dir = manifest.tmp_root(args.save, step) / manifest.iter_dir_name(step)
+    iter_dir = root / manifest.iter_dir_name(step)
     iter_dir.mkdir(parents=True, exist_ok=True)
     tp_rank = mpu.get_tensor_model_parallel_rank()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
@@ -100,28 +111,40 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
 def _chosen_in_my_dp_group(optimizer: ReplicatedOptimizer, save_ranks: Sequence[int]) -> List[int]:
     """The chosen ranks of my DP group, ordered by shard; one per shard or refuse."""
     mine = [r for r in save_ranks if r in optimizer.dp_ranks]
-    by_shard = {}
+    by_shard: Dict[int, int] = {}
     for r in mine:
-        by_shard.setdefault(optimizer.dp_ranks.index(r) % optimizer.num_shards, r)
+        shard = optimizer.dp_ranks.index(r) % optimizer.num_shards
+        if shard in by_shard:
+            raise RuntimeError(f"save ranks {sorted(save_ranks)} name two holders "
+                               f"({by_shard[shard]}, {r}) of shard {shard} of DP group "
+                               f"{optimizer.dp_ranks}")
+        by_shard[shard] = r
     if sorted(by_shard) != list(range(optimizer.num_shards)):
         raise RuntimeError(f"save ranks {sorted(save_ranks)} do not hold every shard of DP group "
                            f"{optimizer.dp_ranks}")
     return [by_shard[s] for s in range(optimizer.num_shards)]
 
 
-def _exchange_shards(optimizer: ReplicatedOptimizer, chosen: List[int], keys, step: int):
+def _gloo_group(ranks: List[int], prefix: str):
+    """A gloo group over `ranks` only, rendezvousing on the job's store (the launcher agent's
+    store outlives dead workers); None for a single rank. No collective over the world."""
+    if len(ranks) == 1:
+        return None
+    store = torch.distributed.distributed_c10d._get_default_store()
+    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store),
+                                              ranks.index(torch.distributed.get_rank()),
+                                              len(ranks), EXCHANGE_TIMEOUT)
+
+
+def _exchange_shards(optimizer: ReplicatedOptimizer, chosen: List[int], keys, tag: str):
     """Full flat state of my DP group from the chosen holders, over a private gloo group."""
     packed = optimizer.pack_local(keys)
     flat = layout.empty_flat(optimizer.buffer_specs, keys)
-    cut = optimizer._cut
-    if len(chosen) == 1:
+    cut = optimizer.shard_cut
+    group = _gloo_group(chosen, f"{tag}/dp-{'-'.join(map(str, chosen))}/")
+    if group is None:
         layout.unpack_owned(flat, packed, optimizer.buffer_specs, cut, 0, keys)
         return flat
-    store = torch.distributed.distributed_c10d._get_default_store()
-    prefix = f"ttp_save/{step}/{'-'.join(map(str, chosen))}/"
-    me = chosen.index(torch.distributed.get_rank())
-    group = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), me,
-                                               len(chosen), EXCHANGE_TIMEOUT)
     parts = [torch.empty_like(packed) for _ in chosen]
     group.allgather([parts], [packed]).wait()
     for shard, part in enumerate(parts):

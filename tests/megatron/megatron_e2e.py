@@ -92,3 +92,52 @@ def assert_close_losses(a: Dict[int, str], b: Dict[int, str], rel: float = 1e-5)
     for it in a:
         x, y = float(a[it]), float(b[it])
         assert abs(x - y) <= rel * abs(x), f"iteration {it}: {x} vs {y}"
+
+
+def _walk(obj, prefix=""):
+    if isinstance(obj, dict):
+        for k in obj:
+            yield from _walk(obj[k], f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{prefix}[{i}]")
+    else:
+        yield prefix, obj
+
+
+def assert_same_structure_close_values(a: Path, b: Path, iteration: int,
+                                       rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Checkpoints of two optimizers at `iteration`: same files, same keys, equal non-tensor
+    leaves (param groups, scheduler, RNG), same tensor shapes/dtypes, values close."""
+    import numpy as np
+    import torch
+
+    from mindio_ttp.megatron_testing.checkpoints import load_checkpoint_file
+
+    rel_dir = manifest.iter_dir_name(iteration)
+    files_a = sorted(p.relative_to(a) for p in (a / rel_dir).rglob("*.pt"))
+    files_b = sorted(p.relative_to(b) for p in (b / rel_dir).rglob("*.pt"))
+    assert files_a == files_b
+    for rel in files_a:
+        leaves_a = dict(_walk({k: v for k, v in load_checkpoint_file(a / rel).items()
+                               if k != "args"}))
+        leaves_b = dict(_walk({k: v for k, v in load_checkpoint_file(b / rel).items()
+                               if k != "args"}))
+        assert leaves_a.keys() == leaves_b.keys(), rel
+        for key, x in leaves_a.items():
+            y = leaves_b[key]
+            if torch.is_tensor(x):
+                assert x.shape == y.shape and x.dtype == y.dtype, f"{rel}{key}"
+                assert torch.allclose(x.double(), y.double(), rtol=rtol, atol=atol), f"{rel}{key}"
+            elif isinstance(x, np.ndarray):
+                assert np.array_equal(x, y), f"{rel}{key}"
+            elif key.endswith("/lr") or key.endswith("/weight_decay"):
+                assert x == pytest_approx(y), f"{rel}{key}: {x} != {y}"
+            else:
+                assert x == y, f"{rel}{key}: {x!r} != {y!r}"
+
+
+def pytest_approx(value: float):
+    import pytest
+
+    return pytest.approx(value, rel=1e-12)

@@ -10,7 +10,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from megatron_e2e import assert_close_losses, copy_checkpoints, loss_table, run_job
+from megatron_e2e import (
+    assert_close_losses,
+    assert_same_structure_close_values,
+    copy_checkpoints,
+    loss_table,
+    run_job,
+)
 
 from mindio_ttp.megatron_testing.launch import Launcher
 from mindio_ttp.megatron_ttp import manifest
@@ -67,11 +73,14 @@ def test_each_rank_holds_twice_the_distributed_optimizer_state(replicated_run):
         assert int(state_bytes) == 8 * int(owned)  # Adam exp_avg + exp_avg_sq in fp32
 
 
-def test_replicated_checkpoint_is_in_stock_layout(replicated_run):
+def test_replicated_checkpoint_is_what_distributed_optimizer_writes(stock_run, replicated_run):
+    """Megatron's periodic save through ReplicatedOptimizer.state_dict(): per DP rank the
+    stock shard, param groups and scheduler state; values equal up to reduction order."""
     ckpt = replicated_run[1]
     assert manifest.read_tracker(ckpt)[0] == ITERS
     assert manifest.verify(ckpt / manifest.iter_dir_name(ITERS),
                            manifest.ParallelLayout(tp=1, pp=1, dp=4)) is None
+    assert_same_structure_close_values(ckpt, stock_run[1], ITERS)
 
 
 def test_replicated_optimizer_resumes_a_stock_checkpoint(stock_run, patched_megatron_tree,
