@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +129,22 @@ def _launcher_cmd(launcher: Launcher) -> List[str]:
     return [found]
 
 
+def pick_free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (pick one per launch: the
+    machine is shared, so a port from an earlier launch may be taken by then)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie (an exited orphan waiting for init to reap it is gone)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def worker_env(extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """Environment for a CPU run: deterministic hashing, one OpenMP thread per rank."""
     env = dict(os.environ)
@@ -141,13 +158,15 @@ class PretrainJob:
     """A running launcher (torchrun / ttprun) with its ranks; use as a context manager."""
 
     def __init__(self, tree: Path, megatron_args: Sequence[str], *, nproc: int, log_path: Path,
-                 master_port: int, launcher: Launcher = Launcher.TORCHRUN,
+                 master_port: Optional[int] = None, launcher: Launcher = Launcher.TORCHRUN,
                  inject_adaptor: bool = False, env: Optional[Mapping[str, str]] = None,
                  launcher_args: Sequence[str] = ()) -> None:
         script = str(Path(tree).resolve() / "pretrain_gpt.py")
         target = ["-m", RUNNER_MODULE, script] if inject_adaptor else [script]
+        self.master_port = master_port or pick_free_port()
         self.cmd = [*_launcher_cmd(launcher), "--nproc_per_node", str(nproc),
-                    "--master_addr", "127.0.0.1", "--master_port", str(master_port),
+                    "--master_addr", "127.0.0.1",
+                    "--master_port", str(self.master_port),
                     *launcher_args, *target, *megatron_args]
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,7 +245,7 @@ class PretrainJob:
         self._kill_leftovers()
 
     def _kill_leftovers(self) -> List[int]:
-        alive = [p for p in self._seen.values() if p.is_running()]
+        alive = [p for p in self._seen.values() if _running(p)]
         for proc in alive:
             try:
                 proc.kill()
@@ -247,7 +266,7 @@ class PretrainJob:
 
 
 def run_pretrain(tree: Path, megatron_args: Sequence[str], *, nproc: int, log_path: Path,
-                 master_port: int, timeout_s: float = 300,
+                 master_port: Optional[int] = None, timeout_s: float = 300,
                  launcher: Launcher = Launcher.TORCHRUN, inject_adaptor: bool = False,
                  env: Optional[Mapping[str, str]] = None) -> PretrainResult:
     """Start a job and wait for it (see :class:`PretrainJob`)."""

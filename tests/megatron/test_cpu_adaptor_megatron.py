@@ -30,6 +30,7 @@ LAUNCH_TIMEOUT_S = 300
 def _ok(result: PretrainResult, what: str) -> PretrainResult:
     assert not result.timed_out, f"{what} timed out after {result.wall_s:.0f}s:\n{result.tail()}"
     assert result.returncode == 0, f"{what} exited {result.returncode}:\n{result.tail()}"
+    assert not result.leftovers, f"{what}: launcher left ranks running: {result.leftovers}"
     return result
 
 
@@ -46,14 +47,14 @@ def _report(name: str, full: PretrainResult, first: PretrainResult,
 @pytest.mark.parametrize("nproc,tensor_parallel", [(2, 1), (4, 2)], ids=["dp2", "tp2dp2"])
 def test_unpatched_megatron_resumes_bit_exact_with_adaptor(
     unpatched_megatron_tree: Path, tiny_dataset: TinyDataset, tmp_path: Path,
-    nproc: int, tensor_parallel: int, free_port: int,
+    nproc: int, tensor_parallel: int,
 ) -> None:
     def launch(name: str, ckpt: Path, exit_interval: int | None = None) -> PretrainResult:
         args = tiny_gpt_args(tiny_dataset, train_iters=ITERS, tensor_parallel=tensor_parallel,
                              distributed_optimizer=True, save=ckpt, load=ckpt,
                              save_interval=STOP_AT, exit_interval=exit_interval)
         result = run_pretrain(unpatched_megatron_tree, args, nproc=nproc,
-                              log_path=tmp_path / f"{name}.log", master_port=free_port,
+                              log_path=tmp_path / f"{name}.log",
                               timeout_s=LAUNCH_TIMEOUT_S, inject_adaptor=True)
         return _ok(result, name)
 
