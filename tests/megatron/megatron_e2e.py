@@ -41,12 +41,13 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
             plan: str = "", tp: int = 1, save_interval: int = FAR_AWAY, load: bool = True,
             launcher: Launcher = Launcher.TTPRUN, inject_adaptor: bool = False,
             distributed_optimizer: bool = True, nproc: int = 4, extra: Sequence[str] = (),
-            timeout_s: float = 240) -> PretrainResult:
+            env_extra: Optional[Dict[str, str]] = None, timeout_s: float = 240) -> PretrainResult:
     env: Dict[str, str] = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOK_DIR),
                                                     os.environ.get("PYTHONPATH")])),
         "TTP_OT": str(TTP_OT_S),
         "TTP_CONTROLLER_PORT": str(free_port()),
+        **(env_extra or {}),
     }
     if plan:
         record = log.parent / f"{log.stem}.faults"

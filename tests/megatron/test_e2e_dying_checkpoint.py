@@ -109,6 +109,20 @@ def test_sigkill_of_rank0_saves_the_same_bytes_from_other_holders(killed, patche
     assert comparison.bit_exact, comparison.summary()
 
 
+def test_hung_rank_is_saved_around_while_survivors_block_in_a_collective(
+        killed, patched_megatron_tree, tiny_dataset, work):
+    """SIGSTOP: nothing breaks a connection, the survivors sit in a gloo collective; the
+    controller notices missing heartbeats and the processor threads save anyway."""
+    ckpt = work / "hung_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "hung.log", ckpt,
+                     plan="2:5:sigstop:before", save_interval=3,
+                     env_extra={"TTP_HEARTBEAT_TIMEOUT": "6"})
+    assert result.returncode != 0
+    assert tracker_step(ckpt) == 4, result.tail()
+    comparison = compare_checkpoints(ckpt, killed[1], 4)
+    assert comparison.bit_exact, comparison.summary()
+
+
 def test_sigkill_inside_update_window_saves_that_step(reference, patched_megatron_tree,
                                                       tiny_dataset, work):
     ckpt = work / "inside_ckpt"
