@@ -180,7 +180,8 @@ class Processor:
             sock.close()
             return None
         self.controller_rank = first.controller_rank
-        self._backups = first.backups
+        if first.backups:  # a standby announces none: keep the primary's list for the next loss
+            self._backups = first.backups
         conn = Conn(sock, self.cfg.auth_key, "controller", dec)
         conn.data = msgs[1:]
         return conn
@@ -340,7 +341,7 @@ class Processor:
                         self.rank, m.reason)
             self._closing = True
         elif isinstance(m, P.RegisterAck):
-            self._backups = m.backups
+            self._backups = m.backups or self._backups
         else:
             log.warning("rank %d: unexpected %s from the controller", self.rank, type(m).__name__)
 

@@ -15,7 +15,7 @@ KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
 class FakeRank:
     def __init__(self, addr, rank: int, world: int, dp_ranks: List[int], replica: int,
                  step: Optional[int] = 3, updating: bool = False, save_ok: bool = True,
-                 heartbeat: float = 0.1, key: bytes = KEY) -> None:
+                 heartbeat: float = 0.1, key: bytes = KEY, standby_port: int = 0) -> None:
         self.rank, self.step, self.updating, self.save_ok = rank, step, updating, save_ok
         self.heartbeat = heartbeat
         self.key = key
@@ -25,8 +25,8 @@ class FakeRank:
         self.sock = socket.create_connection(addr, timeout=5)
         self.sock.settimeout(heartbeat)
         self.dec = P.FrameDecoder(key)
-        self.send(P.Register(rank, world, dp_ranks, replica, "127.0.0.1", 0, 0, step, updating,
-                             False, False))
+        self.send(P.Register(rank, world, dp_ranks, replica, "127.0.0.1", standby_port, 0, step,
+                             updating, False, False))
         self._stop = threading.Event()
         self.got_exit = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)

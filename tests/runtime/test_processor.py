@@ -130,3 +130,51 @@ def test_controller_lost_without_backups_ends_with_no_verdict(job):
     with pytest.raises(hooks.TTPForceStop):  # locked itself, then stopped waiting
         hooks.STATE.wait_limit = 0.1
         hooks.start_updating_os(-1)
+
+
+def _die(ctl):
+    """Abrupt controller death: sockets close, no Closing notice."""
+    ctl._stop.set()
+    ctl._mail.wake()
+    ctl._thread.join(5)
+    ctl._close_all()
+
+
+def test_failover_walks_the_primary_backup_list_past_a_dead_standby(tmp_path):
+    hooks.STATE.reset()
+    c = cfg(tmp_path)
+    primary = Controller(c, 4, 2, host_rank=0)
+    primary.listen("127.0.0.1", 0)
+    primary.start()
+    standbys = {r: Controller(c, 4, 2, host_rank=r, standby=True) for r in (1, 2)}
+    for sb in standbys.values():
+        sb.listen("127.0.0.1", 0)
+        sb.start()
+    fakes = [FakeRank(primary.address, r, 4, DP, 2, standby_port=standbys[r].address[1])
+             for r in (1, 2)]
+    proc = Processor(c, 3, DP, 4, 2)
+    proc.exit_fn = lambda code: None
+    try:
+        proc.start("127.0.0.1", primary.address[1])
+        deadline = time.monotonic() + 5
+        while [b[0] for b in proc._backups] != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [b[0] for b in proc._backups] == [1, 2]
+        _die(primary)
+        while standbys[1].registered != [3] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert standbys[1].registered == [3]
+        _die(standbys[1])  # the first backup dies too, before reaching a quorum
+        deadline = time.monotonic() + 5
+        while standbys[2].registered != [3] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert standbys[2].registered == [3], "must fail over to the second backup"
+    finally:
+        for f in fakes:
+            f.close()
+        proc._stop.set()
+        proc._mail.wake()
+        proc.standby.stop()
+        for ctl in (primary, *standbys.values()):
+            ctl.stop()
+        hooks.STATE.reset()
