@@ -36,8 +36,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     """Drop-in for megatron.checkpointing.load_checkpoint with validation and fallback."""
     require_replicated(optimizer)
     args = get_args()
-    load_dir = Path(getattr(args, load_arg))
-    step = choose_checkpoint(load_dir)
+    if getattr(args, load_arg) is None:
+        optimizer.record_loaded_step(0, opt_param_scheduler)
+        return 0
+    step = choose_checkpoint(Path(getattr(args, load_arg)))
     with _pinned_iteration(step):
         iteration = checkpointing.load_checkpoint(model, optimizer, opt_param_scheduler,
                                                   load_arg=load_arg, strict=strict)
