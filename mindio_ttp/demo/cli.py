@@ -137,8 +137,8 @@ def run_demo(args: argparse.Namespace, work: Path) -> int:
         _say(f"      the checkpoint is unusable: {exc}")
         return EXIT_MISMATCH
     if summary is None:
-        _say("      no dying checkpoint was written (nothing marked latest): " + str(flow or
-             "the runtime recorded no outcome"))  # fmt: skip
+        reason = flow.get("reason", "the runtime recorded no outcome")
+        _say(f"      no dying checkpoint was written (nothing marked latest): {reason}")
         _say("RESULT: NO CHECKPOINT - nothing to resume from (see the runtime's reason above)")
         return EXIT_NO_CHECKPOINT
     _say(f"      {summary}")
