@@ -16,24 +16,22 @@ counted twice.
 from __future__ import annotations
 
 import os
-import random
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
-from megatron import get_args
-from megatron.core import mpu, tensor_parallel
+from megatron.core import mpu
 from megatron.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
 from . import layout
 from .layout import PARAM_KEY, BufferSpec, Cut, ParamSpec
+from .step_record import StepRecord
 
 REPLICA_ENV = "TTP_OPTIMIZER_REPLICAS"
 DEFAULT_REPLICAS = 2
 _FLOAT16 = (torch.float16, torch.bfloat16)
 
 
-class ReplicatedOptimizer(DistributedOptimizer):
+class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
     """Drop-in for `DistributedOptimizer` (same constructor) that keeps each shard twice."""
 
     def __init__(self, optimizer, clip_grad, log_num_zeros_in_grad, params_have_main_grad,
@@ -67,13 +65,8 @@ class ReplicatedOptimizer(DistributedOptimizer):
                          grad_scaler, models)
         self.buffer_specs = self._describe_buffers()
         self.replica_group = self._build_replica_groups()
-        self.current_step = 0
         self._pending: Optional[Tuple[bool, Optional[float], Optional[float]]] = None
-        self._step_meta: Dict[int, dict] = {}
-        self._sched_base = 0  # scheduler num_steps when training started
-        self._sched_increments = 0
-        self._last_found_inf = False
-        self._memory_reported = False
+        self._init_step_record()
 
     # ---- layout -------------------------------------------------------------------------
 
@@ -323,29 +316,7 @@ class ReplicatedOptimizer(DistributedOptimizer):
             if slot.param.float16:
                 main.data.copy_(vals[PARAM_KEY].view_as(main))
 
-    # ---- TTP hooks ----------------------------------------------------------------------
-
-    def increase_step(self) -> None:
-        """Called by the patched train_step right after step(). Records what a checkpoint of
-        the new step needs but the live objects reach only later in the iteration: consumed
-        samples, the scheduler's step count, and the RNG state (unused until the next step)."""
-        self.current_step += 1
-        if not self._memory_reported:
-            self._memory_reported = True
-            print(self.memory_report(), flush=True)
-        args = get_args()
-        from megatron import get_num_microbatches
-        increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
-        if not self._last_found_inf:
-            self._sched_increments += increment
-        self._step_meta[self.current_step] = {
-            "consumed_train_samples": args.consumed_train_samples + increment,
-            "consumed_valid_samples": args.consumed_valid_samples,
-            "scheduler_num_steps": self._sched_base + self._sched_increments,
-            "rng_state": local_rng_state(),
-        }
-        for old in [s for s in self._step_meta if s < self.current_step - 1]:
-            del self._step_meta[old]
+    # ---- TTP hooks (see StepRecord) ---------------------------------------------------
 
     def memory_report(self) -> str:
         """Measured optimizer-state bytes on this rank, and what DistributedOptimizer would hold
@@ -367,39 +338,9 @@ class ReplicatedOptimizer(DistributedOptimizer):
                 f"DistributedOptimizer would hold {stock_owned} params = "
                 f"{per_elem * stock_owned / total:.3f} B/param")
 
-    def record_loaded_step(self, iteration: int, scheduler) -> None:
-        """After a load: the loaded iteration is the current step and can be re-saved."""
-        args = get_args()
-        self.current_step = iteration
-        self._sched_base = scheduler.num_steps if scheduler is not None else 0
-        self._sched_increments = 0
-        self._step_meta = {iteration: {
-            "consumed_train_samples": args.consumed_train_samples,
-            "consumed_valid_samples": args.consumed_valid_samples,
-            "scheduler_num_steps": self._sched_base,
-            "rng_state": local_rng_state(),
-        }}
-
-    def step_meta(self, step: int) -> dict:
-        if step not in self._step_meta:
-            raise RuntimeError(f"no record of step {step} on this rank (it knows "
-                               f"{sorted(self._step_meta)}): cannot checkpoint it")
-        return self._step_meta[step]
-
 
 def _offsets(groups):
     offset = 0
     for _, slots in groups:
         yield offset, slots
         offset += len(slots)
-
-
-def local_rng_state() -> dict:
-    """Megatron's get_rng_state() for this rank only (no all-gather: safe in any thread)."""
-    return {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state(),
-        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
