@@ -224,8 +224,10 @@ class Controller(FlowMixin):
         except ConnClosed as exc:
             self._drop(conn, f"connection dropped: {exc}")
             return
-        self._sel.modify(conn.sock, selectors.EVENT_READ if done
-                         else selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        if conn.writing == done:  # change the selector only when the interest changes
+            conn.writing = not done
+            self._sel.modify(conn.sock, selectors.EVENT_READ if done
+                             else selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
 
     def _on_readable(self, conn: Conn) -> None:
         try:

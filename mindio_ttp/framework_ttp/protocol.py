@@ -9,13 +9,12 @@ A stream that produced one bad frame cannot be re-synchronised, so callers close
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import math
 import struct
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Type
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type
 
 MAGIC = b"TP"
 VERSION = 1
@@ -71,6 +70,7 @@ class Message:
 
 
 _REGISTRY: Dict[int, Type[Message]] = {}
+_SCHEMA: Dict[Type[Message], Tuple[Tuple[str, Callable[[Any], bool]], ...]] = {}
 
 
 def _message(code: int) -> Callable[[Type[Message]], Type[Message]]:
@@ -80,6 +80,7 @@ def _message(code: int) -> Callable[[Type[Message]], Type[Message]]:
         for f in fields(cls):
             assert f.type in _CHECKERS, (cls.__name__, f.name, f.type)
         _REGISTRY[code] = cls
+        _SCHEMA[cls] = tuple((f.name, _CHECKERS[f.type]) for f in fields(cls))
         return cls
     return deco
 
@@ -238,12 +239,14 @@ class Closing(Message):
 
 # -- codec ---------------------------------------------------------------------------------------
 def encode(msg: Message, key: bytes) -> bytes:
-    payload = json.dumps(asdict(msg), separators=(",", ":")).encode()
+    body = {name: getattr(msg, name) for name, _ in _SCHEMA[type(msg)]}
+    payload = json.dumps(body, separators=(",", ":")).encode()
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError(f"{type(msg).__name__} payload is {len(payload)} bytes, over "
                             f"{MAX_PAYLOAD}")
     head = HEADER.pack(MAGIC, VERSION, msg.TYPE, len(payload))
-    return head + payload + hmac.new(key, head + payload, hashlib.sha256).digest()
+    data = head + payload
+    return data + hmac.digest(key, data, "sha256")
 
 
 def _decode_payload(code: int, payload: bytes) -> Message:
@@ -256,11 +259,12 @@ def _decode_payload(code: int, payload: bytes) -> Message:
         raise ProtocolError(f"{cls.__name__}: payload is not JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{cls.__name__}: payload is not an object")
-    names = {f.name: f.type for f in fields(cls)}
-    if set(obj) != set(names):
-        raise ProtocolError(f"{cls.__name__}: fields {sorted(obj)} != {sorted(names)}")
-    for name, typ in names.items():
-        if not _CHECKERS[typ](obj[name]):
+    schema = _SCHEMA[cls]
+    if len(obj) != len(schema) or any(name not in obj for name, _ in schema):
+        raise ProtocolError(f"{cls.__name__}: fields {sorted(obj)} != "
+                            f"{sorted(n for n, _ in schema)}")
+    for name, check in schema:
+        if not check(obj[name]):
             raise ProtocolError(f"{cls.__name__}.{name}: bad value {obj[name]!r:.80}")
     return cls(**obj)
 
@@ -291,7 +295,7 @@ class FrameDecoder:
             body = bytes(self._buf[: HEADER.size + length])
             mac = bytes(self._buf[HEADER.size + length: end])
             del self._buf[:end]
-            want = hmac.new(self._key, body, hashlib.sha256).digest()
+            want = hmac.digest(self._key, body, "sha256")
             if not hmac.compare_digest(mac, want):
                 raise ProtocolError("bad HMAC: peer does not share TTP_AUTH_KEY")
             out.append(_decode_payload(code, body[HEADER.size:]))

@@ -24,7 +24,8 @@ class ConnClosed(Exception):
 
 
 class Conn:
-    __slots__ = ("sock", "key", "dec", "out", "peer", "rank", "last_rx", "closed", "data")
+    __slots__ = ("sock", "key", "dec", "out", "peer", "rank", "last_rx", "closed", "data",
+                 "writing")
 
     def __init__(self, sock: socket.socket, key: bytes, peer: str = "",
                  dec: Optional[FrameDecoder] = None) -> None:
@@ -42,6 +43,7 @@ class Conn:
         self.last_rx = time.monotonic()
         self.closed = False
         self.data: Any = None
+        self.writing = False  # registered for EVENT_WRITE in the owner's selector
 
     def read(self) -> List[Message]:
         """Drain what the socket has; raises ConnClosed on EOF/reset, ProtocolError on a bad
