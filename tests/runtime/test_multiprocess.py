@@ -116,5 +116,5 @@ def test_rank0_and_first_backup_killed_second_backup_takes_over(tmp_path):
     res = run_job(tmp_path, {"faults": [fault("kill", 0, "after"), fault("kill", 1, "after")]})
     assert [res.codes[r] for r in (2, 3)] == [SAVED] * 2, res.all_logs()
     check_saved(res, 5, [2, 3])
-    assert "backup controller on rank 1 unreachable" in res.logs[3]
+    assert "now served by the standby controller on rank 2" in res.logs[3]
     assert "standby controller@rank2: standby -> serving" in res.logs[2]
