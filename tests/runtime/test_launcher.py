@@ -43,6 +43,9 @@ WORKER = textwrap.dedent(
         finish_flow()
 
     signal.signal(signal.SIGTERM, on_term)
+    if mode == "restart" and os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+        (out / f"restarted-{rank}").write_text(os.environ["TTP_RUN_DIR"])
+        os._exit(0)
     (out / f"started-{rank}").write_text("x")
     if mode == "preempt":
         while True:
@@ -64,7 +67,9 @@ WORKER = textwrap.dedent(
 )
 
 
-def _launch(tmp_path: Path, mode: str, port: int, ot: str = "30", **env_extra: str):
+def _launch(
+    tmp_path: Path, mode: str, port: int, ot: str = "30", extra_args: tuple = (), **env_extra: str
+):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out"
@@ -74,7 +79,7 @@ def _launch(tmp_path: Path, mode: str, port: int, ot: str = "30", **env_extra: s
     cmd = [
         sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", "--nproc-per-node=4",
         "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-        "--node-rank=0", "--monitor-interval=0.05", str(script), mode, str(out),
+        "--node-rank=0", "--monitor-interval=0.05", *extra_args, str(script), mode, str(out),
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -201,3 +206,17 @@ def test_two_nodes_agree_on_one_generated_auth_key(tmp_path: Path, free_port: in
     assert [n.returncode for n in nodes] == [0, 0], outputs
     keys = {(tmp_path / r).read_text() for r in ("0", "1")}
     assert len(keys) == 1 and len(keys.pop()) == 64, "each node generated its own key"
+
+
+@pytest.mark.slow
+def test_max_restarts_restarts_after_the_grace_with_the_marker_moved_aside(
+    tmp_path: Path, free_port: int
+) -> None:
+    proc, out = _launch(tmp_path, "restart", free_port, extra_args=["--max-restarts=1"])
+    output = _finish(proc)
+    assert proc.returncode == 0, output
+    # the first attempt's survivors were not cut short, then all four restarted
+    assert len(list(out.glob("saved-*"))) == 3 and len(list(out.glob("restarted-*"))) == 4
+    run_dir = Path((out / "restarted-0").read_text())
+    assert (run_dir / "flow-finished.attempt1.json").is_file()
+    assert not (run_dir / "flow-finished.json").exists()
