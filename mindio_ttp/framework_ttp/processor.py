@@ -18,28 +18,18 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 from . import protocol as P
 from .config import FLOW_FINISHED_FILE, Outcome, TTPConfig
 from .controller import Controller
+from .handlers import HANDLERS, HandlerMixin, _Job
 from .hooks import STATE, TTPError
 from .transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 
 log = logging.getLogger("mindio_ttp.processor")
 
-HANDLERS: dict = {"save": None, "rename": None}
-
-
-class _Job:
-    def __init__(self, kind: str, fid: int, limit: float) -> None:
-        self.kind, self.fid = kind, fid
-        self.t0 = time.monotonic()
-        self.deadline = self.t0 + limit
-        self.reported = False
-
-
-class Processor:
+class Processor(HandlerMixin):
     def __init__(self, cfg: TTPConfig, rank: int, dp_ranks: List[int], world_size: int,
                  replica: int) -> None:
         self.cfg, self.rank, self.dp_ranks = cfg, rank, list(dp_ranks)
@@ -344,59 +334,6 @@ class Processor:
             self._backups = m.backups or self._backups
         else:
             log.warning("rank %d: unexpected %s from the controller", self.rank, type(m).__name__)
-
-    def _start_save(self, m: P.SaveOrder) -> None:
-        step, updating = STATE.snapshot()
-        problem = ""
-        if step != m.step or updating:
-            problem = (f"rank {self.rank} holds step {step}{' (updating)' if updating else ''},"
-                       f" not the ordered step {m.step}")
-        elif self.rank not in m.save_ranks:
-            problem = f"rank {self.rank} is not in save_ranks {m.save_ranks[:8]}"
-        if problem:
-            log.error("rank %d: refusing save order: %s", self.rank, problem)
-            self._send(P.SaveResult(m.flow_id, self.rank, False, problem, 0.0))
-            return
-        self._start_job("save", m.flow_id, m.time_limit, HANDLERS["save"],
-                        (m.step, list(m.save_ranks), STATE.ckpt_args))
-
-    def _start_job(self, kind: str, fid: int, limit: float, fn: Optional[Callable[..., Any]],
-                   args: Tuple[Any, ...]) -> None:
-        job = _Job(kind, fid, limit)
-        if fn is None:
-            self._result(job, False, f"no {kind} handler registered on rank {self.rank} "
-                         f"(call ttp_register_{'save_ckpt' if kind == 'save' else kind}_handler)")
-            return
-        self._job = job
-        log.info("rank %d: running the %s handler for step %s", self.rank, kind, args[0])
-        prev = self._job_thread
-
-        def run() -> None:
-            # a flow re-run by a standby controller may order the same save again: never run
-            # two handlers of this rank at once
-            if prev is not None and prev.is_alive():
-                prev.join(max(0.0, job.deadline - time.monotonic()))
-                if prev.is_alive():
-                    self._mail.put("job_done", job, False, "the previous handler of this rank "
-                                   "is still running")
-                    return
-            try:
-                fn(*args)
-            except BaseException as exc:  # report anything; the exit order ends the process
-                log.exception("rank %d: %s handler failed", self.rank, kind)
-                self._mail.put("job_done", job, False, f"{type(exc).__name__}: {exc}"[:2000])
-            else:
-                self._mail.put("job_done", job, True, "")
-        self._job_thread = threading.Thread(target=run, name=f"ttp-{kind}-handler", daemon=True)
-        self._job_thread.start()
-
-    def _result(self, job: _Job, ok: bool, err: str) -> None:
-        secs = time.monotonic() - job.t0
-        cls = P.SaveResult if job.kind == "save" else P.RenameResult
-        (log.info if ok else log.error)("rank %d: %s handler %s in %.3f s%s", self.rank, job.kind,
-                                        "succeeded" if ok else "FAILED", secs,
-                                        f": {err}" if err else "")
-        self._send(cls(job.fid, self.rank, ok, err, secs))
 
     # -- failover and exit -----------------------------------------------------------------------
     def _controller_lost(self, why: str) -> None:
