@@ -13,9 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
-import itertools
 import shutil
-from datetime import timedelta
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -24,12 +22,9 @@ from megatron import get_args
 from megatron.core import mpu
 from megatron.utils import unwrap_model
 
-from . import layout, manifest
+from . import exchange, layout, manifest
 from .layout import PARAM_KEY
 from .replicated_optimizer import ReplicatedOptimizer
-
-EXCHANGE_TIMEOUT = timedelta(seconds=120)
-_attempts: Dict[tuple, itertools.count] = {}  # per (step, save ranks): store keys stay fresh
 
 
 def parallel_layout() -> manifest.ParallelLayout:
@@ -57,15 +52,14 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
                            f"{optimizer.current_step}")
     meta = optimizer.step_meta(step)
     chosen = _chosen_in_my_dp_group(optimizer, save_ranks)
-    attempt = _attempts.setdefault((step, tuple(sorted(save_ranks))), itertools.count())
-    tag = f"ttp_save/{step}/{next(attempt)}"
+    tag = exchange.attempt_tag(step, save_ranks)
+    me = torch.distributed.get_rank()
 
     root = manifest.tmp_root(args.save, step)
-    if torch.distributed.get_rank() == min(save_ranks):
+    if me == min(save_ranks):
         shutil.rmtree(root, ignore_errors=True)  # leftovers of an earlier, failed attempt
-    everyone = _gloo_group(sorted(save_ranks), f"{tag}/all/")
-    if everyone is not None:  # nobody writes before the leftovers are gone
-        everyone.allreduce([torch.zeros(1)]).wait()
+    # nobody writes before the leftovers are gone
+    exchange.barrier(exchange.gloo_group(save_ranks, me, f"{tag}/all/"))
 
     keys, scalars = optimizer.state_keys()
     flat = _exchange_shards(optimizer, chosen, keys, tag)
@@ -125,30 +119,16 @@ def _chosen_in_my_dp_group(optimizer: ReplicatedOptimizer, save_ranks: Sequence[
     return [by_shard[s] for s in range(optimizer.num_shards)]
 
 
-def _gloo_group(ranks: List[int], prefix: str):
-    """A gloo group over `ranks` only, rendezvousing on the job's store (the launcher agent's
-    store outlives dead workers); None for a single rank. No collective over the world."""
-    if len(ranks) == 1:
-        return None
-    store = torch.distributed.distributed_c10d._get_default_store()
-    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store),
-                                              ranks.index(torch.distributed.get_rank()),
-                                              len(ranks), EXCHANGE_TIMEOUT)
-
-
 def _exchange_shards(optimizer: ReplicatedOptimizer, chosen: List[int], keys, tag: str):
     """Full flat state of my DP group from the chosen holders, over a private gloo group."""
     packed = optimizer.pack_local(keys)
     flat = layout.empty_flat(optimizer.buffer_specs, keys)
     cut = optimizer.shard_cut
-    group = _gloo_group(chosen, f"{tag}/dp-{'-'.join(map(str, chosen))}/")
-    if group is None:
-        layout.unpack_owned(flat, packed, optimizer.buffer_specs, cut, 0, keys)
-        return flat
-    parts = [torch.empty_like(packed) for _ in chosen]
-    group.allgather([parts], [packed]).wait()
-    for shard, part in enumerate(parts):
-        layout.unpack_owned(flat, part, optimizer.buffer_specs, cut, shard, keys)
+    me = torch.distributed.get_rank()
+    group = exchange.gloo_group(chosen, me, f"{tag}/dp-{'-'.join(map(str, chosen))}/")
+    parts = exchange.allgather(group, packed, len(chosen))  # in global-rank order
+    for rank, part in zip(sorted(chosen), parts):
+        layout.unpack_owned(flat, part, optimizer.buffer_specs, cut, chosen.index(rank), keys)
     return flat
 
 
