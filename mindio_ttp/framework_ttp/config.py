@@ -31,6 +31,7 @@ ENV_COLLECT_TIMEOUT = "TTP_COLLECT_TIMEOUT"
 ENV_UPDATE_GRACE = "TTP_UPDATE_GRACE"
 ENV_CONNECT_TIMEOUT = "TTP_CONNECT_TIMEOUT"
 ENV_CONTROLLER_PORT = "TTP_CONTROLLER_PORT"
+ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
 
 FLOW_FINISHED_FILE = "flow-finished.json"
 
@@ -81,6 +82,14 @@ def _float_env(env: Mapping[str, str], name: str) -> float:
     return value
 
 
+def _optional_float_env(env: Mapping[str, str], name: str) -> float:
+    """Like _float_env, but 0 or unset means 'off'."""
+    raw = env.get(name, "").strip()
+    if raw in ("", "0"):
+        return 0.0
+    return _float_env({name: raw}, name)
+
+
 def _port_env(env: Mapping[str, str]) -> Optional[int]:
     raw = env.get(ENV_CONTROLLER_PORT)
     if raw is None or raw.strip() == "":
@@ -128,6 +137,7 @@ class TTPConfig:
     controller_port: Optional[int]
     run_dir: Optional[str]
     auth_key: bytes
+    step_timeout: float = 0.0  # 0: off
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> TTPConfig:
@@ -144,6 +154,7 @@ class TTPConfig:
             controller_port=_port_env(env),
             run_dir=env.get(ENV_RUN_DIR) or None,
             auth_key=auth_key_from_env(env),
+            step_timeout=_optional_float_env(env, ENV_STEP_TIMEOUT),
         )
         if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
             raise ValueError(

@@ -77,6 +77,7 @@ class Controller(FlowMixin):
         self._results: Dict[int, P.Message] = {}
         self._backups: List[List[object]] = []
         self._n_alive = 0
+        self._progress_at: Optional[float] = None  # last heartbeat showing a step change
         self._awaiting: Set[int] = set()  # ranks the flow still waits for (see _await)
         self._await_kind: Tuple[str, int] = ("", 0)
 
@@ -283,6 +284,12 @@ class Controller(FlowMixin):
                 self._drop(conn, "no registration")
         if not self.sm.is_in(S.SERVING, S.COLLECTING, S.SAVING, S.RENAMING):
             return
+        stall = self.cfg.step_timeout
+        if stall and self._progress_at is not None and now - self._progress_at > stall \
+                and self.sm.is_in(S.SERVING):
+            with self._cond:  # every rank alive yet none advanced: a job-wide stall
+                self._fault(f"no training progress for {now - self._progress_at:.1f} s "
+                            f"(TTP_STEP_TIMEOUT={stall:g}) while every processor heartbeats")
         limit = self.cfg.heartbeat_timeout
         for info in list(self._ranks.values()):
             if info.status == "alive" and now - info.last_seen > limit:
@@ -308,6 +315,8 @@ class Controller(FlowMixin):
             return
         info.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
+            if msg.step != info.step or msg.updating != info.updating:
+                self._progress_at = info.last_seen  # armed by the first change seen
             info.step, info.updating = msg.step, msg.updating
             conn.queue(P.HeartbeatAck(msg.seq))
             self._flush(conn)

@@ -164,3 +164,27 @@ def test_standby_takes_over_once_half_the_world_registered():
         for f in fakes:
             f.close()
         sb.stop()
+
+
+def test_job_wide_stall_starts_the_flow_when_step_timeout_is_set():
+    c = Controller(TTPConfig.from_env(dict(ENV, TTP_STEP_TIMEOUT="0.5")), 4, 2, host_rank=0)
+    c.listen("127.0.0.1", 0)
+    c.start()
+    fakes = [FakeRank(c.address, r, 4, DP, 2) for r in range(4)]
+    try:
+        time.sleep(0.8)
+        assert c.faults == [], "no step change seen yet: the stall detector is not armed"
+        fakes[0].step = 4  # one step of progress, then every rank stalls
+        d = wait_decision(c)
+        assert "no training progress" in c.faults[0]
+        assert d.outcome is Outcome.SAVED and d.step == 3 and d.ranks == [1, 2]
+    finally:
+        for f in fakes:
+            f.close()
+        c.stop()
+
+
+def test_step_timeout_is_off_by_default():
+    assert TTPConfig.from_env(ENV).step_timeout == 0.0
+    with pytest.raises(ValueError, match="TTP_STEP_TIMEOUT"):
+        TTPConfig.from_env(dict(ENV, TTP_STEP_TIMEOUT="-3"))
