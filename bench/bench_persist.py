@@ -100,10 +100,12 @@ def run(mparams: float, repeats: int, base_dir: Path) -> Dict[str, float]:
     base = med["torch.save"]
     print(f"state: {nbytes / 2**20:.0f} MiB (params + exp_avg + exp_avg_sq, 2 shards), "
           f"{repeats} interleaved repeats, median; disk: {base_dir}")  # fmt: skip
-    print("| method | median s | MiB/s | throughput vs torch.save |")
-    print("|---|---:|---:|---:|")
+    durable = med["torch.save + fsync"]
+    print("| method | median s | MiB/s | vs torch.save | vs torch.save + fsync |")
+    print("|---|---:|---:|---:|---:|")
     for name, t in med.items():
-        print(f"| {name} | {t:.3f} | {nbytes / 2**20 / t:.0f} | {100 * base / t:.0f}% |")
+        print(f"| {name} | {t:.3f} | {nbytes / 2**20 / t:.0f} | {100 * base / t:.0f}% | "
+              f"{100 * durable / t:.0f}% |")  # fmt: skip
     return {name: base / t for name, t in med.items()}
 
 
