@@ -166,6 +166,27 @@ def test_tp2_dp2_sigkill_resumes_bit_exact(patched_megatron_tree, tiny_dataset, 
     assert comparison.bit_exact, comparison.summary()
 
 
+def test_dropout_rng_of_the_saved_step_resumes_bit_exact(patched_megatron_tree, tiny_dataset,
+                                                         work):
+    """With dropout on, the survivors' RNG has moved on (forward of iteration 5) when they
+    save step 4: the checkpoint must carry the RNG state recorded at the end of step 4."""
+    dropout = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+    ref_ckpt = work / "dropout_ref_ckpt"
+    ref = run_job(patched_megatron_tree, tiny_dataset, work / "dropout_ref.log", ref_ckpt,
+                  extra=dropout)
+    assert ref.returncode == 0, ref.tail()
+    ckpt = work / "dropout_killed_ckpt"
+    killed = run_job(patched_megatron_tree, tiny_dataset, work / "dropout_killed.log", ckpt,
+                     plan="2:5:sigkill:before", extra=dropout)
+    assert tracker_step(ckpt) == 4, killed.tail()
+    resumed = run_job(patched_megatron_tree, tiny_dataset, work / "dropout_resumed.log", ckpt,
+                      extra=dropout)
+    print(loss_table({"dropout uninterrupted": ref.losses, "dropout resumed": resumed.losses}))
+    assert resumed.losses == {i: v for i, v in ref.losses.items() if i >= 5}
+    comparison = compare_checkpoints(ckpt, ref_ckpt, N_ITERS)
+    assert comparison.bit_exact, comparison.summary()
+
+
 def test_both_holders_of_a_shard_killed_leaves_previous_checkpoint(patched_megatron_tree,
                                                                     tiny_dataset, work):
     ckpt = work / "both_ckpt"
