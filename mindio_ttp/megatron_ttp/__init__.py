@@ -47,3 +47,7 @@ def _check_startup() -> None:
     if not args.use_distributed_optimizer:
         kind = "Float16OptimizerWithFloat16Params" if (args.fp16 or args.bf16) else "FP32Optimizer"
         raise RuntimeError(NEEDS_REPLICATED.format(kind=kind))
+    if getattr(args, "data_parallel_random_init", False):
+        raise RuntimeError("mindio_ttp: --data-parallel-random-init is not supported by the dying "
+                           "checkpoint (it saves one RNG state per DP rank, the chosen ranks "
+                           "hold only their own); drop the flag")
