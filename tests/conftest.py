@@ -34,8 +34,8 @@ def megatron_dir() -> Path:
     value = os.environ.get(MEGATRON_ENV)
     if not value:
         pytest.skip(
-            f"{MEGATRON_ENV} is not set: point it at a Megatron-LM checkout at {MEGATRON_COMMIT[:7]} "
-            "to run the real-tree tests"
+            f"{MEGATRON_ENV} is not set: point it at a Megatron-LM checkout at "
+            f"{MEGATRON_COMMIT[:7]} to run the real-tree tests"
         )
     path = Path(value).resolve()
     if not (path / "pretrain_gpt.py").is_file():
