@@ -25,6 +25,7 @@ through the rendezvous store before starting workers.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -144,7 +145,27 @@ class TTPElasticAgent(LocalElasticAgent):
         self._hold_survivors(pcontext)
         with _close_deferred(pcontext):
             final = super()._monitor_workers(worker_group)
-        return final if final.state == WorkerState.FAILED else result
+        if final.state != WorkerState.FAILED:
+            return result
+        self._rank_consequences_last(final)
+        return final
+
+    def _rank_consequences_last(self, result: RunResult) -> None:
+        """Torch names the failure with the smallest timestamp (whole seconds) the root cause; a
+        worker that exited with the flow's own exit code did so *because* of the fault, so push
+        those behind the rank that actually failed."""
+        try:
+            flow = json.loads((self._run_dir / FLOW_FINISHED).read_text(encoding="utf-8"))
+            consequence = int(flow["exit_code"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        failures = list(result.failures.values())
+        if not failures:
+            return
+        after = max(f.timestamp for f in failures) + 1
+        for failure in failures:
+            if failure.exitcode == consequence:
+                failure.timestamp = after
 
     def _invoke_run(self, role: str = "default") -> RunResult:
         try:

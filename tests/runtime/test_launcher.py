@@ -30,7 +30,8 @@ WORKER = textwrap.dedent(
     def finish_flow(code=2):
         if rank == 0:
             tmp = run_dir / "flow-finished.json.tmp"
-            tmp.write_text(json.dumps({"outcome": "saved", "step": 3, "ranks": [0, 2, 3]}))
+            flow = {"outcome": "saved", "step": 3, "ranks": [0, 2, 3], "exit_code": code}
+            tmp.write_text(json.dumps(flow))
             os.replace(tmp, run_dir / "flow-finished.json")
         os._exit(code)
 
@@ -125,6 +126,8 @@ def test_survivors_finish_the_flow_and_launcher_exits_early(tmp_path: Path, free
     assert not list(out.glob("term-*")), "survivors got SIGTERM during the grace period"
     assert "dying-checkpoint flow finished" in output
     assert elapsed < 20, f"launcher waited {elapsed:.1f} s although the flow finished"
+    root_cause = output.split("Root Cause", 1)[1]
+    assert "rank      : 1 (local_rank: 1)" in root_cause, "the crashed rank is the root cause"
     envs = {p.read_text() for p in out.glob("env-*")}
     assert len(envs) == 1, "all workers must see the same TTP_RUN_DIR and TTP_AUTH_KEY"
     run_dir, key = envs.pop().split("\n")
