@@ -44,15 +44,17 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.utils.process_state import read_proc_state
 
+from mindio_ttp.framework_ttp.config import (
+    DEFAULTS,
+    ENV_AUTH_KEY,
+    ENV_OT,
+    ENV_RUN_DIR,
+    FLOW_FINISHED_FILE,
+)
+
 logger = logging.getLogger("ttprun")
 
-# Env names from the runtime contract (kept equal to mindio_ttp.framework_ttp.config; repeated here
-# so the launcher does not import the runtime, which may not be importable in the launcher's env).
-ENV_OT = "TTP_OT"
-ENV_AUTH_KEY = "TTP_AUTH_KEY"
-ENV_RUN_DIR = "TTP_RUN_DIR"
-DEFAULT_OT_S = 120.0
-FLOW_FINISHED = "flow-finished.json"
+DEFAULT_OT_S = DEFAULTS[ENV_OT]
 
 # Once the flow has finished, the runtime makes every worker exit on its own; a worker that has not
 # exited this many seconds later is killed (it may be wedged in a collective with a dead peer).
@@ -110,7 +112,7 @@ class TTPElasticAgent(LocalElasticAgent):
 
     # -- worker lifecycle -------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup):  # noqa: D401 - torch's signature
-        marker = self._run_dir / FLOW_FINISHED
+        marker = self._run_dir / FLOW_FINISHED_FILE
         if marker.exists():
             marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
         self._attempt += 1
@@ -155,7 +157,7 @@ class TTPElasticAgent(LocalElasticAgent):
         worker that exited with the flow's own exit code did so *because* of the fault, so push
         those behind the rank that actually failed."""
         try:
-            flow = json.loads((self._run_dir / FLOW_FINISHED).read_text(encoding="utf-8"))
+            flow = json.loads((self._run_dir / FLOW_FINISHED_FILE).read_text(encoding="utf-8"))
             consequence = int(flow["exit_code"])
         except (OSError, ValueError, KeyError, TypeError):
             return
@@ -188,7 +190,7 @@ class TTPElasticAgent(LocalElasticAgent):
         """Wait for the flow to finish and the workers to exit; kill whatever is left after."""
         start = time.monotonic()
         deadline = start + self._ot_s
-        marker = self._run_dir / FLOW_FINISHED
+        marker = self._run_dir / FLOW_FINISHED_FILE
         flow_done_at: Optional[float] = None
         reason = f"TTP_OT ({self._ot_s:.0f} s) ran out before the flow finished"
         try:
