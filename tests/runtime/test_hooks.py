@@ -92,6 +92,81 @@ def test_rank_stuck_in_window_is_reported_updating_after_grace():
     assert 0.15 < time.monotonic() - t0 < 2.0
 
 
+@pytest.mark.parametrize("limit_offset", [1, 0])
+def test_start_that_meets_the_lock_retracts_then_asks(limit_offset):
+    """The Dekker case where both sides see each other: the trainer announced (t, True), the
+    processor's lock read it, then the trainer saw the lock. It must retract and wait for the
+    controller: run the update if the limit covers it, else stop clean at t."""
+    step(1)
+    hooks.STATE.state = (1, True)  # the fast path's announce, before its second look at `locked`
+    assert hooks.STATE.lock() == (1, True)
+    result = {}
+
+    def rest_of_start():  # what the fast path does after it saw `locked`
+        try:
+            hooks._start_locked(-1)
+        except ttp.TTPForceStop:
+            result["stopped"] = True
+            return
+        result["began"] = True
+        ttp.ttp_end_updating_os(2)
+
+    t = threading.Thread(target=rest_of_start)
+    t.start()
+    time.sleep(0.05)
+    assert hooks.STATE.snapshot() == (1, False) and not result  # retracted, waiting
+    limit = 1 + limit_offset
+    assert hooks.STATE.advance_to(limit, grace=5.0) == (limit, False)
+    t.join(5)
+    assert result == ({"began": True} if limit_offset else {"stopped": True})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lock_free_path_races_with_the_two_phase_lock(seed, monkeypatch):
+    """A trainer thread runs the lock-free hooks flat out while this thread plays the processor
+    at random moments (GIL switch interval 1 us to force interleavings): whatever `lock` reports
+    must hold (a rank reported clean at t never moves past t unless the controller allows it),
+    and after `advance_to(limit)` the rank sits clean at exactly `limit` and is force-stopped."""
+    import random
+    import sys
+
+    rng = random.Random(seed)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(60):
+            hooks.STATE.reset()
+            hooks.STATE.wait_limit = 10.0
+            out = {}
+
+            def trainer(out: dict = out) -> None:
+                n = 0
+                try:
+                    while True:
+                        ttp.ttp_start_updating_os(-1)
+                        out["began"] = n + 1
+                        n += 1
+                        ttp.ttp_end_updating_os(n)
+                except ttp.TTPForceStop:
+                    out["stopped_at"] = n
+
+            t = threading.Thread(target=trainer)
+            t.start()
+            time.sleep(rng.uniform(0, 0.002))
+            step, updating = hooks.STATE.lock()
+            if not updating:
+                time.sleep(0.002)  # a clean rank must stay where it was reported
+                assert hooks.STATE.snapshot() == (step, False)
+                assert out.get("began", 0) <= (step or 0)
+            limit = (step or 0) + (1 if updating else 0)
+            assert hooks.STATE.advance_to(limit, grace=5.0) == (limit, False)
+            t.join(5)
+            assert not t.is_alive() and out["stopped_at"] == limit
+            assert out.get("began", 0) == limit
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_decorator_without_runtime_reraises_and_returns():
     @ttp.ttp_to_persist
     def train(x):
