@@ -1,12 +1,12 @@
 """Dying-checkpoint persist time vs a plain ``torch.save`` of the same state on the same disk.
 
-The dying checkpoint path is the demo's: every shard is streamed through sha256 into a ``.part``
-file, fsynced, renamed, then the rename handler writes the manifest, moves the directory into
-place and replaces ``latest``. The baselines are ``torch.save`` of the same tensors into one file
-(page cache only, as most training scripts do) and the same plus ``fsync`` (durable, which is what
-a checkpoint written seconds before the job is killed needs). Runs are interleaved and the median
-is reported, so drift on a shared machine hits all three alike. Goal: >= 90% of torch.save's
-throughput.
+The dying checkpoint path is the demo's: every shard is hashed (sha256) in the same pass as it is
+written into a ``.part`` file, fsynced, renamed, then the rename handler writes the manifest,
+moves the directory into place and replaces ``latest``. The baselines are ``torch.save`` of the
+same tensors into one file (page cache only, as most training scripts do) and the same plus
+``fsync`` (durable, which is what a checkpoint written seconds before the job is killed needs).
+Runs are interleaved and the median is reported, so drift on a shared machine hits all three
+alike. Goal: >= 90% of torch.save's throughput.
 
     python bench/bench_persist.py [--mparams 16] [--repeats 5] [--dir DIR]
 """
