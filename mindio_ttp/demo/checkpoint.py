@@ -16,6 +16,7 @@ loader verifies every sha256.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -24,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -82,6 +83,36 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
 
 
 _START_WRITEBACK = _writeback_starter()
+
+
+_CRC_LOCK = threading.Lock()
+_CRC_USERS = [0, True]  # savers inside _without_torch_crc32, the setting to restore
+
+
+@contextlib.contextmanager
+def _without_torch_crc32() -> Iterator[None]:
+    """Skip the CRC-32 torch.save computes for every zip record. It is a second, weaker checksum
+    of the same bytes our sha256 covers, torch.load never checks it (a flipped byte in a tensor
+    loads silently), and computing it costs about as much as the page-cache write itself. The
+    file stays a normal torch.save file (torch.load reads it); its zip CRC fields are zero.
+    torch's switch is process-wide, so concurrent savers share one reference-counted setting."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # older torch: nothing to switch off
+        yield
+        return
+    with _CRC_LOCK:
+        if _CRC_USERS[0] == 0:
+            _CRC_USERS[1] = config.save.compute_crc32
+            config.save.compute_crc32 = False
+        _CRC_USERS[0] += 1
+    try:
+        yield
+    finally:
+        with _CRC_LOCK:
+            _CRC_USERS[0] -= 1
+            if _CRC_USERS[0] == 0:
+                config.save.compute_crc32 = _CRC_USERS[1]
 
 
 class _HashingWriter(io.RawIOBase):
@@ -195,7 +226,8 @@ def save_shard(
     with open(part, "wb") as f:
         writer = _HashingWriter(f, midway)
         try:
-            torch.save(payload, writer)
+            with _without_torch_crc32():
+                torch.save(payload, writer)
             f.flush()
             os.fsync(f.fileno())
         finally:
