@@ -33,7 +33,12 @@ for _attempt in range(2):  # same step, same ranks, twice
     exchange.barrier(group)
     parts = exchange.allgather(group, torch.full((3,), float(rank)), len(chosen))
     results.append([tag, [p.tolist() for p in parts]])
-print(json.dumps(results))
+print(json.dumps(results), flush=True)
+# The runtime ends every process with os._exit after the flow; do the same: a gloo group still
+# alive at interpreter teardown can abort the process ("terminate called without an active
+# exception") after the work is done.
+import os
+os._exit(0)
 """
 
 
