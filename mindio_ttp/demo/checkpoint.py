@@ -195,6 +195,24 @@ class _HashingWriter(io.RawIOBase):
             self._hasher.join(5.0)
 
 
+def _exact_slice(flat: torch.Tensor, bounds: slice) -> torch.Tensor:
+    """``flat[bounds]`` as a tensor whose storage is exactly that slice, without copying.
+
+    torch.save writes a tensor's whole storage, so a plain view would write the full vector, and
+    a clone costs a 2x-size memcpy with page faults (30 ms for 64 MiB here, ~18% of the write).
+    Like exp_avg / exp_avg_sq, the result reads the live memory: the rank is stopped (no update
+    can start) while it saves, and the parameter all-gather only ever writes the same values
+    into this shard's slice."""
+    base = flat.detach()
+    if base.dim() != 1 or not base.is_contiguous():
+        return base[bounds].clone()
+    size = base.element_size()
+    start, stop, _ = bounds.indices(base.numel())
+    first = (base.storage_offset() + start) * size
+    storage = base.untyped_storage()[first:first + (stop - start) * size]  # a view, no copy
+    return torch.empty(0, dtype=base.dtype, device=base.device).set_(storage, 0, (stop - start,))
+
+
 def save_shard(
     root: Path, step: int, rank: int, state: ShardState, midway: Optional[Callable[[], None]] = None
 ) -> Dict[str, object]:
@@ -216,8 +234,7 @@ def save_shard(
         "world": layout.world,
         "replica": layout.replica,
         "numel": layout.numel,
-        # clone: torch.save of a view would write the whole flat vector
-        "params": state.params.detach()[layout.bounds(state.shard)].clone(),
+        "params": _exact_slice(state.params, layout.bounds(state.shard)),
         "exp_avg": state.exp_avg,
         "exp_avg_sq": state.exp_avg_sq,
     }

@@ -72,6 +72,16 @@ def test_saved_and_finalized_checkpoint_round_trips_bit_exact(tmp_path: Path) ->
     assert sorted(os.listdir(final)) == ["manifest.json", "shard_0.pt", "shard_1.pt"]
 
 
+def test_shard_file_holds_only_its_slice_of_the_parameters(tmp_path: Path) -> None:
+    """The params are saved without a copy, yet not as a view of the whole flat vector."""
+    layout = ShardLayout(4, 2, 2**20, 2**20)
+    st = ShardState(layout, 1, torch.randn(2**20), torch.randn(2**19), torch.randn(2**19), 5)
+    entry = checkpoint.save_shard(tmp_path, 5, 2, st)
+    assert entry["bytes"] < 4 * (3 * 2**19) + 64 * 1024  # a whole-vector save is 4 MiB more
+    part = torch.load(tmp_path / "step_0000005.tmp" / "shard_1.pt", weights_only=True)
+    assert torch.equal(part["params"], st.params[2**19:]) and part["params"].numel() == 2**19
+
+
 def test_finalize_never_replaces_an_existing_step_dir(tmp_path: Path) -> None:
     _save_all(tmp_path, 2)
     first = checkpoint.finalize(tmp_path, 2, LAYOUT)
