@@ -73,7 +73,7 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.sync_file_range
         fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no libc (Windows) or no such call (macOS)
         return lambda fd, offset, nbytes: None
 
     def start(fd: int, offset: int, nbytes: int) -> None:
