@@ -220,6 +220,14 @@ def to_persist(func: F) -> F:
                 log.info("training stopped by the controller; waiting for the exit order")
             elif isinstance(exc, (KeyboardInterrupt, SystemExit)) and not rt.fault_seen:
                 raise
+            elif STATE.step is None and not rt.fault_seen:
+                # No update finished in this process: it holds nothing a dying checkpoint could
+                # use (a start-up error, say a refused configuration), so waiting up to TTP_OT
+                # for a verdict would only delay the error. Dying now is seen as a dead rank.
+                log.error("exception in train before this process finished any optimizer "
+                          "update (nothing to persist): %r", exc)
+                rt.report_exception(exc)
+                raise
             else:
                 log.error("exception in train: %r; reporting it and waiting up to %g s for the "
                           "controller's verdict", exc, rt.ot)

@@ -197,8 +197,32 @@ def test_decorator_reports_then_waits_for_the_verdict(monkeypatch):
 
     @ttp.ttp_to_persist
     def train():
+        step(1)  # one update finished: this rank may serve step 1
         raise ValueError("bad batch")
 
     with pytest.raises(ValueError):  # no exit order came: re-raised after TTP_OT
         train()
     assert isinstance(rt.reported, ValueError) and rt.waited == 0.05
+
+
+def test_decorator_reraises_at_once_before_the_first_update(monkeypatch):
+    class FakeRuntime:
+        running, fault_seen, ot = True, False, 30.0
+        reported = None
+
+        def report_exception(self, exc):
+            self.reported = exc
+
+        def wait_for_exit(self, timeout):
+            raise AssertionError("a rank with nothing to persist must not wait for a verdict")
+
+    rt = FakeRuntime()
+    monkeypatch.setattr(hooks, "RUNTIME", rt)
+
+    @ttp.ttp_to_persist
+    def train():
+        raise ValueError("refused configuration")
+
+    with pytest.raises(ValueError, match="refused configuration"):
+        train()
+    assert isinstance(rt.reported, ValueError)
