@@ -78,10 +78,8 @@ class LaunchResult:
         return {int(k): FullState.from_dict(v) for k, v in data.items()}
 
     def fault_times(self) -> Dict[int, float]:
-        return {
-            int(json.loads(p.read_text())["rank"]): float(json.loads(p.read_text())["time"])
-            for p in self.out_dir.glob("fault-*.json")
-        }
+        records = [json.loads(p.read_text()) for p in self.out_dir.glob("fault-*.json")]
+        return {int(r["rank"]): float(r["time"]) for r in records}
 
     def latest_step(self) -> Optional[int]:
         return checkpoint.latest_step(self.ckpt_dir)

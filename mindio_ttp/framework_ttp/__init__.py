@@ -69,13 +69,12 @@ def _ip(ip: Any) -> str:
                          f"os.getenv('MASTER_ADDR')), got {ip!r}")
     ip = ip.strip()
     try:
-        if ipaddress.ip_address(ip).is_unspecified:
-            raise ValueError(f"ip={ip!r} is the unspecified address: pass the address "
-                             "processors can reach (MASTER_ADDR)")
-    except ValueError as exc:
-        if "unspecified" in str(exc):
-            raise
-        # a host name: fine, resolution errors surface on connect with the name in them
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip  # a host name: fine, resolution errors surface on connect with the name in them
+    if addr.is_unspecified:
+        raise ValueError(f"ip={ip!r} is the unspecified address: pass the address "
+                         "processors can reach (MASTER_ADDR)")
     return ip
 
 
