@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 from . import launch_script
-from .edits import ALL_EDITS, State
+from .edits import TARGET_FILES, State, edits_for
 from .engine import assess_module, parse
 from .errors import EXIT_NOT_APPLIED, EXIT_OK, UnreadableTarget
 from .fileio import sha256
@@ -103,8 +103,8 @@ def status(directory: str, device: Optional[str] = None) -> StatusReport:
         report = StatusReport(
             str(tree.root), tree.checkout.commit, dev.value if dev else None, man is not None
         )
-        for path in dict.fromkeys(e.file for e in ALL_EDITS):
-            edits = [e for e in ALL_EDITS if e.file == path]
+        for path in TARGET_FILES:
+            edits = edits_for(path)
             data = tree.current(path)
             try:
                 if data is None:
