@@ -20,6 +20,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 import numpy as np
 import torch
 
+from ..megatron_ttp.manifest import iter_dir_name
+
 SKIPPED_TOP_KEYS = ("args",)
 
 
@@ -65,13 +67,13 @@ def load_checkpoint_file(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_pickle_module)
 
 
-def _leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+def leaves(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
     if isinstance(obj, dict):
         for key, value in obj.items():
-            yield from _leaves(value, f"{prefix}/{key}")
+            yield from leaves(value, f"{prefix}/{key}")
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            yield from _leaves(value, f"{prefix}/{i}")
+            yield from leaves(value, f"{prefix}/{i}")
     else:
         yield prefix, obj
 
@@ -110,7 +112,7 @@ class CheckpointComparison:
 
 def compare_checkpoints(a: Path, b: Path, iteration: int) -> CheckpointComparison:
     """Compare ``a/iter_N`` with ``b/iter_N`` leaf by leaf (see the module docstring)."""
-    sub = f"iter_{iteration:07d}"
+    sub = iter_dir_name(iteration)
     result = CheckpointComparison()
     files_a = sorted(p.relative_to(a) for p in (Path(a) / sub).glob("*/*.pt"))
     files_b = sorted(p.relative_to(b) for p in (Path(b) / sub).glob("*/*.pt"))
@@ -118,8 +120,8 @@ def compare_checkpoints(a: Path, b: Path, iteration: int) -> CheckpointCompariso
     result.missing += [f"file only in {b}: {f}" for f in files_b if f not in files_a]
     for rel in (f for f in files_a if f in files_b):
         result.files.append(str(rel))
-        left = dict(_leaves(load_checkpoint_file(Path(a) / rel)))
-        right = dict(_leaves(load_checkpoint_file(Path(b) / rel)))
+        left = dict(leaves(load_checkpoint_file(Path(a) / rel)))
+        right = dict(leaves(load_checkpoint_file(Path(b) / rel)))
         for key in sorted(set(left) | set(right)):
             if key.split("/")[1] in SKIPPED_TOP_KEYS:
                 continue

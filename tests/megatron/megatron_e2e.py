@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Dict, Optional, Sequence
@@ -21,6 +20,7 @@ from mindio_ttp.megatron_testing.launch import (
     Launcher,
     PretrainJob,
     PretrainResult,
+    pick_free_port,
     tiny_gpt_args,
 )
 from mindio_ttp.megatron_ttp import manifest
@@ -29,12 +29,6 @@ FAULT_HOOK_DIR = Path(__file__).resolve().parent / "fault_hook"
 TTP_OT_S = 40  # seconds ttprun keeps survivors alive after a fault
 N_ITERS = 10
 FAR_AWAY = 10_000  # periodic save interval that never fires
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int = N_ITERS,
@@ -46,7 +40,7 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
         "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOK_DIR),
                                                     os.environ.get("PYTHONPATH")])),
         "TTP_OT": str(TTP_OT_S),
-        "TTP_CONTROLLER_PORT": str(free_port()),
+        "TTP_CONTROLLER_PORT": str(pick_free_port()),
         **(env_extra or {}),
     }
     if plan:
@@ -56,8 +50,8 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
     args = tiny_gpt_args(data, train_iters=iters, tensor_parallel=tp,
                          distributed_optimizer=distributed_optimizer, save=ckpt,
                          load=ckpt if load else None, save_interval=save_interval, extra=extra)
-    with PretrainJob(tree, args, nproc=nproc, log_path=log, master_port=free_port(),
-                     launcher=launcher, inject_adaptor=inject_adaptor, env=env) as job:
+    with PretrainJob(tree, args, nproc=nproc, log_path=log, launcher=launcher,
+                     inject_adaptor=inject_adaptor, env=env) as job:
         result = job.wait(timeout_s)
     result.ended_at = time.time()  # wall clock, to compare with the fault record's time
     assert not result.timed_out, f"job timed out after {timeout_s} s:\n{result.tail()}"
@@ -95,17 +89,6 @@ def assert_close_losses(a: Dict[int, str], b: Dict[int, str], rel: float = 1e-5)
         assert abs(x - y) <= rel * abs(x), f"iteration {it}: {x} vs {y}"
 
 
-def _walk(obj, prefix=""):
-    if isinstance(obj, dict):
-        for k in obj:
-            yield from _walk(obj[k], f"{prefix}/{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _walk(v, f"{prefix}[{i}]")
-    else:
-        yield prefix, obj
-
-
 def assert_same_structure_close_values(a: Path, b: Path, iteration: int,
                                        rtol: float = 1e-4, atol: float = 1e-6) -> None:
     """Checkpoints of two optimizers at `iteration`: same files, same keys, equal non-tensor
@@ -113,16 +96,16 @@ def assert_same_structure_close_values(a: Path, b: Path, iteration: int,
     import numpy as np
     import torch
 
-    from mindio_ttp.megatron_testing.checkpoints import load_checkpoint_file
+    from mindio_ttp.megatron_testing.checkpoints import leaves, load_checkpoint_file
 
     rel_dir = manifest.iter_dir_name(iteration)
     files_a = sorted(p.relative_to(a) for p in (a / rel_dir).rglob("*.pt"))
     files_b = sorted(p.relative_to(b) for p in (b / rel_dir).rglob("*.pt"))
     assert files_a == files_b
     for rel in files_a:
-        leaves_a = dict(_walk({k: v for k, v in load_checkpoint_file(a / rel).items()
+        leaves_a = dict(leaves({k: v for k, v in load_checkpoint_file(a / rel).items()
                                if k != "args"}))
-        leaves_b = dict(_walk({k: v for k, v in load_checkpoint_file(b / rel).items()
+        leaves_b = dict(leaves({k: v for k, v in load_checkpoint_file(b / rel).items()
                                if k != "args"}))
         assert leaves_a.keys() == leaves_b.keys(), rel
         for key, x in leaves_a.items():
