@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 from . import optimizer_init, parallel_state, pretrain_gpt, training
 from .base import Assessment, Edit, FileIndex, State
@@ -24,10 +24,6 @@ TARGET_FILES: List[str] = [
 
 def edits_for(path: str) -> List[Edit]:
     return [e for e in ALL_EDITS if e.file == path]
-
-
-def by_id() -> Dict[str, Edit]:
-    return {e.id: e for e in ALL_EDITS}
 
 
 __all__ = ["ALL_EDITS", "TARGET_FILES", "Assessment", "Edit", "FileIndex", "State", "edits_for"]

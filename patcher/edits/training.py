@@ -9,6 +9,7 @@ import libcst as cst
 
 from ..options import DEFAULT_PORT, Options
 from .base import DecorateTopLevelDef, InsertAfterAnchor, ReplaceAnchor
+from .statements import EMPTY_MODULE
 
 FILE = "megatron/training.py"
 
@@ -123,7 +124,7 @@ def _port_shown(followers: Sequence[cst.BaseStatement]) -> Optional[int]:
     """The integer a hand-set `port = N` line holds, so detection accepts any port."""
     if len(followers) <= _PORT_POSITION:
         return None
-    tree = ast.parse(node_key_source(followers[_PORT_POSITION]))
+    tree = ast.parse(EMPTY_MODULE.code_for_node(followers[_PORT_POSITION]))
     if (
         len(tree.body) == 1
         and isinstance(tree.body[0], ast.Assign)
@@ -133,10 +134,6 @@ def _port_shown(followers: Sequence[cst.BaseStatement]) -> Optional[int]:
     ):
         return tree.body[0].value.value
     return None
-
-
-def node_key_source(stmt: cst.BaseStatement) -> str:
-    return cst.Module(body=[stmt]).code
 
 
 class SetCheckpointArgs(InsertAfterAnchor):
