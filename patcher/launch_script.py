@@ -49,6 +49,14 @@ _CPU_ADD = (
     "--no-gradient-accumulation-fusion",
 )
 _NPU_ADD = ("--no-gradient-accumulation-fusion",)  # the fused CUDA kernel does not exist there
+# Paths the user fills in once, at the top of the script, not in the launch line.
+_FROM_VARIABLES = {
+    "--save": '"$CHECKPOINT_PATH"',
+    "--load": '"$CHECKPOINT_PATH"',
+    "--data-path": '"$DATA_PATH"',
+    "--vocab-file": '"$VOCAB_FILE"',
+    "--merge-file": '"$MERGE_FILE"',
+}
 
 
 def _parse_example(text: str) -> Tuple[Dict[str, str], List[Arg]]:
@@ -85,14 +93,7 @@ def _parse_example(text: str) -> Tuple[Dict[str, str], List[Arg]]:
 def _megatron_args(args: List[Arg], device: Device) -> List[Arg]:
     out: List[Arg] = []
     for flag, value in args:
-        if flag in ("--save", "--load"):
-            value = '"$CHECKPOINT_PATH"'
-        elif flag == "--data-path":
-            value = '"$DATA_PATH"'
-        elif flag == "--vocab-file":
-            value = '"$VOCAB_FILE"'
-        elif flag == "--merge-file":
-            value = '"$MERGE_FILE"'
+        value = _FROM_VARIABLES.get(flag, value)
         if device is Device.CPU:
             if flag in _CPU_DROP:
                 continue
