@@ -6,11 +6,10 @@ fixture's commit through TTP_PATCH_COMMIT (the documented test-only override).
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 
@@ -49,6 +48,10 @@ def git(root: Path, *args: str) -> str:
     ).stdout
 
 
+def porcelain(root: Path) -> str:
+    return git(root, "status", "--porcelain", "--untracked-files=all")
+
+
 @dataclass
 class FixtureRepo:
     root: Path
@@ -61,7 +64,7 @@ class FixtureRepo:
         (self.root / rel).write_bytes(data)
 
     def porcelain(self) -> str:
-        return git(self.root, "status", "--porcelain", "--untracked-files=all")
+        return porcelain(self.root)
 
     def snapshot(self) -> Dict[str, bytes]:
         """Every work-tree file plus the ttp-patch record, to check that nothing changed."""
@@ -105,14 +108,6 @@ def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FixtureRepo:
     return r
 
 
-def copy_tree(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, symlinks=True)
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """The installed console script, as a user runs it (exit code, stdout, stderr)."""
     return subprocess.run(["ttp-patch", *args], capture_output=True, text=True, timeout=60)
-
-
-def lines(text: str) -> List[str]:
-    return [ln for ln in text.splitlines() if ln.strip()]

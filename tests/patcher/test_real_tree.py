@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import SCRIPT, TARGETS, git
+from conftest import SCRIPT, TARGETS, git, porcelain
 
 from patcher.cli import main
 from patcher.repo import COMMIT_OVERRIDE_ENV, PINNED_COMMIT
@@ -36,10 +36,6 @@ def clone(megatron_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
                     str(dst)], check=True, timeout=120)
     git(dst, "checkout", "-q", "--detach", PINNED_COMMIT)
     return dst
-
-
-def porcelain(root: Path) -> str:
-    return git(root, "status", "--porcelain", "--untracked-files=all")
 
 
 @pytest.mark.parametrize("device", DEVICES)
