@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -158,16 +157,11 @@ def test_patched_parallel_state_tp2_four_gloo_ranks(clone: Path, free_port: int)
         assert results[rank]["dp_world"] == 2
 
 
-def pick_free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_cpu_launch_script_trains_with_ttprun(clone: Path, tmp_path: Path) -> None:
     """The generated script is runnable as is on a CPU machine: a few real iterations, saved."""
     from mindio_ttp.megatron_testing.data import make_tiny_dataset
+    from mindio_ttp.megatron_testing.launch import pick_free_port
 
     assert main(["apply", str(clone), "--device", "cpu"]) == 0
     data = make_tiny_dataset(clone, tmp_path / "data")
