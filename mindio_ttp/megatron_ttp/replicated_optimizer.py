@@ -60,6 +60,7 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
             p: gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]
         }
         self.shard_cut = Cut(parts=self.num_shards, stock=False)
+        self.stock_cut = Cut(parts=dp, stock=True)  # DistributedOptimizer's, for checkpoints
         super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, params_have_main_grad,
                          use_contiguous_buffers_in_local_ddp, fp16, bf16, params_dtype,
                          grad_scaler, models)
@@ -174,8 +175,8 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
 
     def stock_state_dict(self, flat: layout.FlatState, scalars, position: int) -> dict:
         """What Megatron's DistributedOptimizer at DP `position` returns from state_dict()."""
-        cut = Cut(parts=len(self.dp_ranks), stock=True)
-        groups = layout.optimizer_groups(self.buffer_specs, cut, position, len(self._orig_groups))
+        groups = layout.optimizer_groups(self.buffer_specs, self.stock_cut, position,
+                                         len(self._orig_groups))
         values = [layout.gather_slots(flat, slots) for _, slots in groups]
         inner = layout.inner_state_dict(groups, values, scalars, self.group_hparams())
         sd = {"optimizer": inner}
@@ -281,7 +282,7 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
     def load_state_dict(self, state_dict):
         """Load this position's stock file; the DP group exchanges files to re-cut the shards
         (collective over the DP group)."""
-        stock = Cut(parts=len(self.dp_ranks), stock=True)
+        stock = self.stock_cut
         groups = layout.optimizer_groups(self.buffer_specs, stock, self.dp_position,
                                          len(self._orig_groups))
         per_slot, scalars = layout.split_inner_state(groups, state_dict["optimizer"])
@@ -328,8 +329,7 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
                           if torch.is_tensor(v) and v.dim() > 0)
         state_bytes += sum(m.numel() * m.element_size() for s, m in pairs if s.param.float16)
         total = sum(b.numel for b in self.buffer_specs)
-        stock = Cut(parts=len(self.dp_ranks), stock=True)
-        stock_owned = sum(min(stock.part_size(b), b.numel) for b in self.buffer_specs)
+        stock_owned = sum(min(self.stock_cut.part_size(b), b.numel) for b in self.buffer_specs)
         per_elem = state_bytes / owned if owned else 0.0
         return (f"mindio_ttp: ReplicatedOptimizer rank {torch.distributed.get_rank()} "
                 f"(DP position {self.dp_position}, shard {self.shard_index} of "
