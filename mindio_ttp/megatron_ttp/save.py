@@ -139,9 +139,10 @@ def _model_state(step, model, optimizer: ReplicatedOptimizer, flat, meta, args) 
     saved_args.consumed_valid_samples = meta["consumed_valid_samples"]
     saved_args.curr_iteration = step - 1
     rebuilt = {}
+    specs = {b.key: b for b in optimizer.buffer_specs}
     for key, params in optimizer.model_params_by_buffer().items():
         full = flat[key][PARAM_KEY]
-        for spec, param in zip(_buffer_specs(optimizer)[key].params, params):
+        for spec, param in zip(specs[key].params, params):
             rebuilt[param.data_ptr()] = full[spec.start:spec.end].view(param.shape).to(param.dtype)
     state = {"args": saved_args, "checkpoint_version": 3.0, "iteration": step}
     chunks = unwrap_model(model)
@@ -153,10 +154,6 @@ def _model_state(step, model, optimizer: ReplicatedOptimizer, flat, meta, args) 
     if not args.no_save_rng:
         state["rng_state"] = [meta["rng_state"]]
     return state
-
-
-def _buffer_specs(optimizer):
-    return {b.key: b for b in optimizer.buffer_specs}
 
 
 def _replace_tensors(tree, rebuilt):
