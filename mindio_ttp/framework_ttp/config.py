@@ -98,7 +98,7 @@ def _port_env(env: Mapping[str, str]) -> Optional[int]:
         port = int(raw)
     except ValueError:
         raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is not an integer port") from None
-    if not 1 <= port <= 65535:
+    if not 1024 <= port <= 65535:  # the same range the port argument is held to
         raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is out of range: use 1024..65535")
     return port
 

@@ -61,6 +61,13 @@ def test_controller_port_env_must_be_valid(monkeypatch):
         ttp.ttp_start_processor("127.0.0.1", 8000)
 
 
+@pytest.mark.parametrize("port", ["80", "1023", "65536"])
+def test_controller_port_env_has_the_argument_range(port, monkeypatch):
+    monkeypatch.setenv(config.ENV_CONTROLLER_PORT, port)
+    with pytest.raises(ValueError, match=r"out of range: use 1024\.\.65535"):
+        ttp.ttp_start_processor("127.0.0.1", 8000)
+
+
 def test_handlers_must_accept_the_contract_arguments():
     with pytest.raises(ValueError, match=r"fn\(step, save_ranks, ckpt_args\)"):
         ttp.ttp_register_save_ckpt_handler(lambda step: None)
