@@ -15,6 +15,13 @@ Hooks (Megatron-LM 285068c file:line):
 * ``megatron.core.tensor_parallel.random._set_cuda_rng_state`` -> sets the CPU default
   generator. The original (``random.py:31-62``) goes through ``torch.cuda._lazy_call``, which on
   a CPU build queues the call forever, so the RNG state would silently never be set.
+* ``megatron.core.tensor_parallel.utils.gather_split_1d_tensor`` -> the same call under
+  ``torch.no_grad()``: with the default ``--scatter-gather-tensors-in-pipeline`` pipeline
+  parallelism gathers each received activation with it (``p2p_communication.py:237-248``), and
+  gloo's ``_all_gather_base`` (``utils.py:83``) writes into no-grad views of the output, which
+  autograd refuses in grad mode ("A view was created in no_grad mode and is being modified
+  inplace"). The output is created with ``requires_grad=False`` (``utils.py:75-77``) and the
+  caller turns grad on afterwards (``.view(shape).requires_grad_()``), so nothing changes.
 * ``megatron.data.dataset_utils.compile_helper`` -> builds ``helpers.cpp`` out of tree
   (:mod:`.helpers_build`) instead of ``make`` in the checkout (``dataset_utils.py:83-92``,
   called at ``initialize.py:98-100``); ``megatron.data.helpers`` (imported at
@@ -66,6 +73,17 @@ def _hook_random(mod: ModuleType) -> None:
     mod._set_cuda_rng_state = _set_cuda_rng_state
 
 
+def _hook_tensor_parallel_utils(mod: ModuleType) -> None:
+    original = mod.gather_split_1d_tensor
+
+    def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return original(tensor)
+
+    gather_split_1d_tensor.__wrapped__ = original  # type: ignore[attr-defined]
+    mod.gather_split_1d_tensor = gather_split_1d_tensor
+
+
 def _hook_dataset_utils(mod: ModuleType) -> None:
     source = Path(mod.__file__).resolve().parent / "helpers.cpp"
 
@@ -91,6 +109,7 @@ HOOKS: Dict[str, Hook] = {
     "megatron.fused_kernels": _hook_fused_kernels,
     "megatron.initialize": _hook_initialize,
     "megatron.core.tensor_parallel.random": _hook_random,
+    "megatron.core.tensor_parallel.utils": _hook_tensor_parallel_utils,
     "megatron.data.dataset_utils": _hook_dataset_utils,
 }
 STUBS: Dict[str, Hook] = {"megatron.model.vision.knn_monitor": _fill_knn_monitor}

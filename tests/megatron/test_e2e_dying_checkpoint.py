@@ -166,6 +166,27 @@ def test_tp2_dp2_sigkill_resumes_bit_exact(patched_megatron_tree, tiny_dataset, 
     assert comparison.bit_exact, comparison.summary()
 
 
+def test_pp2_dp2_default_pipeline_flags_sigkill_resumes_bit_exact(patched_megatron_tree,
+                                                                  tiny_dataset, work):
+    """Pipeline parallel with Megatron's default ``--scatter-gather-tensors-in-pipeline``."""
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    ref_ckpt = work / "pp2_ref_ckpt"
+    ref = run_job(patched_megatron_tree, tiny_dataset, work / "pp2_ref.log", ref_ckpt, extra=pp2)
+    assert ref.returncode == 0, ref.tail()
+    assert sorted(ref.losses) == list(range(1, N_ITERS + 1)), ref.tail()
+    ckpt = work / "pp2_killed_ckpt"
+    killed = run_job(patched_megatron_tree, tiny_dataset, work / "pp2_killed.log", ckpt,
+                     plan="3:5:sigkill:before", extra=pp2)
+    assert killed.returncode != 0
+    assert tracker_step(ckpt) == 4, killed.tail()
+    resumed = run_job(patched_megatron_tree, tiny_dataset, work / "pp2_resumed.log", ckpt,
+                      extra=pp2)
+    print(loss_table({"pp2 uninterrupted": ref.losses, "pp2 resumed": resumed.losses}))
+    assert resumed.losses == {i: v for i, v in ref.losses.items() if i >= 5}
+    comparison = compare_checkpoints(ckpt, ref_ckpt, N_ITERS)
+    assert comparison.bit_exact, comparison.summary()
+
+
 def test_dropout_rng_of_the_saved_step_resumes_bit_exact(patched_megatron_tree, tiny_dataset,
                                                          work):
     """With dropout on, the survivors' RNG has moved on (forward of iteration 5) when they
