@@ -45,7 +45,8 @@ class StepRecord:
             self._sched_increments += increment
         self._step_meta[self.current_step] = {
             "consumed_train_samples": args.consumed_train_samples + increment,
-            "consumed_valid_samples": args.consumed_valid_samples,
+            "consumed_valid_samples": args.consumed_valid_samples + valid_increment(
+                args, self.current_step, get_num_microbatches()),
             "scheduler_num_steps": self._sched_base + self._sched_increments,
             "rng_state": local_rng_state(),
         }
@@ -70,6 +71,22 @@ class StepRecord:
             raise RuntimeError(f"no record of step {step} on this rank (it knows "
                                f"{sorted(self._step_meta)}): cannot checkpoint it")
         return self._step_meta[step]
+
+
+def valid_increment(args, iteration: int, num_microbatches: int) -> int:
+    """Validation samples the evaluation of `iteration` consumes, if that iteration evaluates.
+
+    Megatron's loop evaluates at ``iteration % eval_interval == 0`` before it saves
+    (``training.py:712-734``), and ``evaluate`` adds one global batch per eval iteration
+    (``:806-808``); so its own checkpoint of that iteration counts that evaluation as done.
+    The dying checkpoint of the iteration must say the same, whether or not the survivors got
+    through the evaluation before the fault.
+    """
+    if not (args.eval_interval and iteration % args.eval_interval == 0
+            and getattr(args, "do_valid", False)):
+        return 0
+    return (args.eval_iters * args.data_parallel_size * args.micro_batch_size
+            * num_microbatches)
 
 
 def local_rng_state() -> dict:

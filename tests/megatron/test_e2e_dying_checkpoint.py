@@ -11,6 +11,7 @@ saved.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from megatron_e2e import (
     tracker_step,
 )
 
-from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints
+from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints, load_checkpoint_file
 from mindio_ttp.megatron_testing.launch import Launcher
 from mindio_ttp.megatron_ttp import manifest
 from mindio_ttp.megatron_ttp.manifest import ParallelLayout
@@ -185,6 +186,41 @@ def test_pp2_dp2_default_pipeline_flags_sigkill_resumes_bit_exact(patched_megatr
     assert resumed.losses == {i: v for i, v in ref.losses.items() if i >= 5}
     comparison = compare_checkpoints(ckpt, ref_ckpt, N_ITERS)
     assert comparison.bit_exact, comparison.summary()
+
+
+def _validation_losses(log: str) -> dict:
+    return {int(it): loss for it, loss in re.findall(
+        r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)", log)}
+
+
+def _saved_args(ckpt: Path, iteration: int):
+    return load_checkpoint_file(
+        ckpt / f"iter_{iteration:07d}" / "mp_rank_00" / "model_rng.pt")["args"]
+
+
+def test_validation_samples_of_the_dying_checkpoint_match_megatrons_own_save(
+        patched_megatron_tree, tiny_dataset, work):
+    """Evaluation every 2 iterations: Megatron's own save of iteration 4 counts the evaluation
+    of iteration 4, so the dying checkpoint of 4 must too, and validation after the resume
+    must see the same batches (same validation losses) as the uninterrupted run."""
+    evaluate = ["--eval-interval", "2", "--eval-iters", "1"]
+    ref_ckpt = work / "eval_ref_ckpt"
+    ref = run_job(patched_megatron_tree, tiny_dataset, work / "eval_ref.log", ref_ckpt,
+                  save_interval=4, extra=evaluate)
+    assert ref.returncode == 0, ref.tail()
+    ckpt = work / "eval_killed_ckpt"
+    killed = run_job(patched_megatron_tree, tiny_dataset, work / "eval_killed.log", ckpt,
+                     plan="1:5:sigkill:before", extra=evaluate)
+    assert tracker_step(ckpt) == 4, killed.tail()
+    megatron_own = _saved_args(ref_ckpt, 4).consumed_valid_samples
+    assert megatron_own > 0
+    assert _saved_args(ckpt, 4).consumed_valid_samples == megatron_own
+    resumed = run_job(patched_megatron_tree, tiny_dataset, work / "eval_resumed.log", ckpt,
+                      extra=evaluate)
+    reference_valid = _validation_losses(ref.log)
+    assert sorted(reference_valid) == [2, 4, 6, 8, 10], ref.tail()
+    assert _validation_losses(resumed.log) == {
+        i: v for i, v in reference_valid.items() if i > 4}, resumed.tail()
 
 
 def test_dropout_rng_of_the_saved_step_resumes_bit_exact(patched_megatron_tree, tiny_dataset,
