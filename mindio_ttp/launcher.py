@@ -296,6 +296,9 @@ def build_parser():
         "SIGTERM, surviving workers get up to TTP_OT seconds (default 120) to write the "
         "checkpoint before they are stopped. Same arguments as torchrun."
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"ttprun {__version__}")
     return parser
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from mindio_ttp import __version__
 from mindio_ttp.demo.checkpoint import CheckpointError
 from mindio_ttp.demo.model import ShardLayout
 from mindio_ttp.demo.runner import WORLD, LaunchResult, launch
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Kill a rank of a 4-rank CPU training job, write the dying checkpoint, resume "
         "from it and check the result bit for bit against an uninterrupted run.",
     )
+    p.add_argument("--version", action="version", version=f"ttp-demo {__version__}")
     p.add_argument("--kill-rank", type=_ranks, default=[1], metavar="R[,R]",
                    help="rank(s) to fault (default 1; 1,2 faults two ranks at once)")
     p.add_argument("--kill-step", type=int, default=5, metavar="K", help="step of the fault (5)")
