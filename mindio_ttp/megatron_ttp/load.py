@@ -49,7 +49,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
 
 def choose_checkpoint(load_dir: Path) -> Optional[int]:
     """The newest usable iteration at or below the tracker's, agreed by all ranks; None when
-    there is no tracker (Megatron then starts from scratch, as it always did)."""
+    there is no tracker (Megatron then starts from scratch, as it always did) or it says
+    `release`. A tracker that says anything else raises `manifest.TrackerError` on every rank
+    (they all read the same file), before Megatron's own reader would `sys.exit(0)`."""
     newest, _reason = manifest.read_tracker(load_dir)
     if newest is None:
         return None

@@ -5,22 +5,43 @@ Layout of step t under the save directory:
 `iter_{t:07d}/mp_rank_TT[_PPP]/model_rng.pt` (one per model-parallel rank) and
 `iter_{t:07d}/mp_rank_TT[_PPP]_DDD/optim.pt` (one per DP rank). A TTP checkpoint also carries
 `ttp_manifest.json`: the sha256 and size of every file, so a half-written or corrupted dying
-checkpoint is refused at load instead of crashing (or silently exiting 0) inside Megatron.
+checkpoint is refused at load instead of crashing (or silently exiting 0) inside Megatron, and
+the marker `ttp_checkpoint`, so a TTP checkpoint whose manifest was deleted is refused instead of
+being taken for a stock one.
+
+Everything read from the checkpoint directory is hostile until checked: the tracker and the
+manifest are read with a size cap, the manifest must match one exact schema, its file names
+must be exactly the layout's (so nothing outside the iteration directory is ever opened), and a
+listed file must be a regular file, not a symlink. With `TTP_CHECKPOINT_KEY` set, the manifest
+also carries an HMAC-SHA256, so a shard altered and re-hashed by someone without the key is
+refused as well. `verify` returns a reason instead of raising, so every rank reaches the
+agreement collective in `load.choose_checkpoint` whatever it found.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 MANIFEST = "ttp_manifest.json"
 PART_PREFIX = "ttp_manifest.rank"
 FORMAT = "ttp-checkpoint/1"
 TRACKER = "latest_checkpointed_iteration.txt"
+MARKER = "ttp_checkpoint"
+CHECKPOINT_KEY_ENV = "TTP_CHECKPOINT_KEY"
+MAX_MANIFEST_BYTES = 64 << 20  # ~400k files; a real manifest is ~150 bytes per file
+MAX_TRACKER_BYTES = 64
+_SHA256_HEX = frozenset("0123456789abcdef")
+
+
+class TrackerError(RuntimeError):
+    """The tracker file exists but does not name an iteration: refuse to guess."""
 
 
 @dataclass(frozen=True)
@@ -101,61 +122,169 @@ def merge_parts(iter_dir: Path, step: int, parallel: ParallelLayout) -> Dict[str
         size = (iter_dir / rel).stat().st_size if (iter_dir / rel).is_file() else -1
         if size != entry["size"]:
             raise RuntimeError(f"{rel}: size {size} on disk, {entry['size']} in the manifest")
-    manifest = {"format": FORMAT, "step": step, "layout": parallel.as_dict(), "files": files}
+    manifest: Dict[str, Any] = {"format": FORMAT, "step": step, "layout": parallel.as_dict(),
+                                "files": files}
+    key = checkpoint_key()
+    if key is not None:
+        manifest["mac"] = manifest_mac(manifest, key)
+    write_atomic(iter_dir / MARKER, FORMAT.encode())
     write_atomic(iter_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     for part in parts:
         part.unlink()
     return manifest
 
 
+def checkpoint_key() -> Optional[bytes]:
+    """The manifest MAC key from the environment, or None (no MAC written or demanded)."""
+    value = os.environ.get(CHECKPOINT_KEY_ENV, "")
+    return value.encode() if value else None
+
+
+def manifest_mac(manifest: Dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in manifest.items() if k != "mac"}
+    return hmac.new(key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+
+def read_capped(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of a regular file; raises ValueError for anything else."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    return data
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_manifest(data: bytes, step: int, parallel: ParallelLayout,
+                   key: Optional[bytes]) -> Dict[str, Dict[str, Any]]:
+    """The manifest's `files`, after checking every field; raises ValueError naming the defect."""
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"a JSON {type(manifest).__name__}, not an object")
+    extra = set(manifest) - {"format", "step", "layout", "files", "mac"}
+    if extra:
+        raise ValueError(f"unexpected keys {sorted(extra)}")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"unknown format {str(manifest.get('format'))[:40]!r}")
+    if manifest.get("step") != step or not _is_count(manifest.get("step")):
+        raise ValueError(f"names step {str(manifest.get('step'))[:20]}, the directory is {step}")
+    if manifest.get("layout") != parallel.as_dict():
+        raise ValueError(f"was written for layout {str(manifest.get('layout'))[:80]}, this run "
+                         f"is {parallel.as_dict()}")
+    if key is not None:
+        mac = manifest.get("mac")
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, manifest_mac(manifest, key)):
+            raise ValueError(f"its MAC does not match {CHECKPOINT_KEY_ENV} (altered, or written "
+                             "with another key or none)")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ValueError("'files' is not an object")
+    expected = set(parallel.expected_files())
+    missing, unknown = sorted(expected - set(files)), sorted(set(files) - expected)
+    if unknown:
+        raise ValueError(f"lists files this layout does not have: {[u[:80] for u in unknown[:3]]}")
+    if missing:
+        raise ValueError(f"is incomplete: it lacks {', '.join(missing)}")
+    for rel, entry in files.items():
+        if (not isinstance(entry, dict) or set(entry) != {"sha256", "size"}
+                or not _is_count(entry["size"]) or not isinstance(entry["sha256"], str)
+                or len(entry["sha256"]) != 64 or not set(entry["sha256"]) <= _SHA256_HEX):
+            raise ValueError(f"entry for {rel} is not {{'sha256': 64 hex digits, 'size': int}}")
+    return files
+
+
 def verify(iter_dir: Path, parallel: ParallelLayout,
            hash_files: Optional[Iterable[str]] = None) -> Optional[str]:
     """None when `iter_dir` is a usable checkpoint for `parallel`, else the reason it is not.
 
-    Without a manifest (a stock Megatron checkpoint) only presence is checked. `hash_files`
-    limits which listed files are re-hashed (ranks split the hashing work).
+    Never raises (a rank that raised would leave the others waiting in the agreement
+    collective). Without a manifest or marker (a stock Megatron checkpoint) only presence is
+    checked. `hash_files` limits which listed files are re-hashed (ranks split the hashing).
     """
+    try:
+        return _verify(iter_dir, parallel, hash_files)
+    except Exception as exc:  # noqa: BLE001 - any defect is a refusal, never a crash
+        return f"{iter_dir} cannot be checked: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _verify(iter_dir: Path, parallel: ParallelLayout,
+            hash_files: Optional[Iterable[str]]) -> Optional[str]:
     if not iter_dir.is_dir():
         return f"{iter_dir} does not exist"
     manifest_path = iter_dir / MANIFEST
-    if not manifest_path.is_file():
+    if not os.path.lexists(manifest_path):
         if any(iter_dir.glob(f"{PART_PREFIX}*.json")):
             return f"{iter_dir} is an unfinished TTP checkpoint (part manifests, no {MANIFEST})"
+        if os.path.lexists(iter_dir / MARKER):
+            return f"{iter_dir} was written by TTP but its {MANIFEST} is gone: not verifiable"
+        if checkpoint_key() is not None:
+            return (f"{iter_dir} has no {MANIFEST}, and {CHECKPOINT_KEY_ENV} is set: only "
+                    "MACed checkpoints are accepted")
         missing = [f for f in parallel.expected_files() if not (iter_dir / f).is_file()]
         return f"{iter_dir} lacks {', '.join(missing)}" if missing else None
     try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        if manifest.get("format") != FORMAT:
-            return f"{manifest_path}: unknown format {manifest.get('format')!r}"
-    except (ValueError, KeyError) as exc:
-        return f"{manifest_path} is unreadable: {exc}"
-    if manifest.get("layout") != parallel.as_dict():
-        return (f"{iter_dir} was written for layout {manifest.get('layout')}, this run is "
-                f"{parallel.as_dict()}")
-    missing = [f for f in parallel.expected_files() if f not in files]
-    if missing:
-        return f"{iter_dir} is incomplete: manifest lacks {', '.join(missing)}"
+        files = parse_manifest(read_capped(manifest_path, MAX_MANIFEST_BYTES),
+                               _step_of(iter_dir), parallel, checkpoint_key())
+    except (OSError, ValueError) as exc:
+        return f"{manifest_path} refused: {exc}"
     wanted = set(files) if hash_files is None else set(hash_files) & set(files)
     for rel in sorted(wanted):
         path = iter_dir / rel
-        if not path.is_file():
-            return f"{path} is missing"
+        if not _regular(path):
+            return f"{path} is missing or not a regular file"
         if path.stat().st_size != files[rel]["size"] or sha256_file(path) != files[rel]["sha256"]:
             return f"{path} fails its checksum"
     return None
 
 
-def read_tracker(save_dir: Path) -> Tuple[Optional[int], Optional[str]]:
-    """(iteration, None) from Megatron's tracker file, or (None, reason)."""
-    tracker = save_dir / TRACKER
-    if not tracker.is_file():
-        return None, f"no {TRACKER} in {save_dir}"
-    text = tracker.read_text().strip()
+def _regular(path: Path) -> bool:
+    """A regular file that is not a symlink (a link could point anywhere)."""
     try:
-        return int(text), None
-    except ValueError:
-        return None, f"{tracker} holds {text!r}, not an iteration"
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _step_of(iter_dir: Path) -> int:
+    name = iter_dir.name
+    if not name.startswith("iter_") or not name[len("iter_"):].isdigit():
+        raise ValueError(f"{iter_dir} is not named iter_NNNNNNN")
+    return int(name[len("iter_"):])
+
+
+def read_tracker(save_dir: Path) -> Tuple[Optional[int], Optional[str]]:
+    """(iteration, None) from Megatron's tracker; (None, reason) when there is none (start from
+    scratch) or it says `release` (Megatron's own release checkpoint). A tracker holding
+    anything else raises TrackerError: Megatron would print "Invalid metadata file" and
+    `sys.exit()` with status 0, and a scheduler would take the job as finished."""
+    tracker = save_dir / TRACKER
+    if not os.path.lexists(tracker):
+        return None, f"no {TRACKER} in {save_dir}"
+    hint = ("write the iteration to load (e.g. the newest complete iter_* directory's number) "
+            "into it, or remove it to start from scratch")
+    try:
+        text = read_capped(tracker, MAX_TRACKER_BYTES).decode("ascii").strip()
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise TrackerError(f"mindio_ttp: cannot read checkpoint tracker {tracker} "
+                           f"({exc}); {hint}") from None
+    if text == "release":
+        return None, f"{tracker} says release"
+    if not text.isdigit():
+        raise TrackerError(f"mindio_ttp: checkpoint tracker {tracker} holds {text[:20]!r}, not "
+                           f"an iteration number or 'release'; {hint}")
+    return int(text), None
 
 
 def candidate_steps(save_dir: Path, newest: int) -> List[int]:

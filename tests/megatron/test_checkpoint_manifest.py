@@ -16,6 +16,14 @@ from mindio_ttp.megatron_ttp.manifest import ParallelLayout
 TP2_DP2 = ParallelLayout(tp=2, pp=1, dp=2)
 
 
+@pytest.fixture
+def it7(tmp_path: Path) -> Path:
+    """An empty directory named like Megatron's iteration 7 (verify checks the name's step)."""
+    path = tmp_path / manifest.iter_dir_name(7)
+    path.mkdir()
+    return path
+
+
 def write_checkpoint(iter_dir: Path, par: ParallelLayout, ranks: int = 2) -> None:
     """Files for every expected name, listed round-robin in `ranks` part manifests."""
     parts: dict = {}
@@ -37,54 +45,54 @@ def test_names_follow_megatron_distributed_optimizer_layout():
     assert manifest.iter_dir_name(42) == "iter_0000042"
 
 
-def test_merged_checkpoint_verifies_and_parts_are_gone(tmp_path):
-    write_checkpoint(tmp_path, TP2_DP2)
-    merged = manifest.merge_parts(tmp_path, 7, TP2_DP2)
+def test_merged_checkpoint_verifies_and_parts_are_gone(it7):
+    write_checkpoint(it7, TP2_DP2)
+    merged = manifest.merge_parts(it7, 7, TP2_DP2)
     assert merged["step"] == 7 and len(merged["files"]) == 6
-    assert not list(tmp_path.glob(f"{manifest.PART_PREFIX}*"))
-    assert manifest.verify(tmp_path, TP2_DP2) is None
+    assert not list(it7.glob(f"{manifest.PART_PREFIX}*"))
+    assert manifest.verify(it7, TP2_DP2) is None
 
 
-def test_merge_refuses_when_a_shard_file_was_never_written(tmp_path):
-    write_checkpoint(tmp_path, TP2_DP2)
-    part = tmp_path / f"{manifest.PART_PREFIX}1.json"
+def test_merge_refuses_when_a_shard_file_was_never_written(it7):
+    write_checkpoint(it7, TP2_DP2)
+    part = it7 / f"{manifest.PART_PREFIX}1.json"
     entries = json.loads(part.read_text())
     entries.pop("mp_rank_01_001/optim.pt", None) or entries.pop("mp_rank_00_001/optim.pt")
     part.write_text(json.dumps(entries))
     with pytest.raises(RuntimeError, match="incomplete: no rank wrote"):
-        manifest.merge_parts(tmp_path, 7, TP2_DP2)
+        manifest.merge_parts(it7, 7, TP2_DP2)
 
 
-def test_flipped_byte_fails_the_checksum(tmp_path):
-    write_checkpoint(tmp_path, TP2_DP2)
-    manifest.merge_parts(tmp_path, 7, TP2_DP2)
-    victim = tmp_path / "mp_rank_01_000/optim.pt"
+def test_flipped_byte_fails_the_checksum(it7):
+    write_checkpoint(it7, TP2_DP2)
+    manifest.merge_parts(it7, 7, TP2_DP2)
+    victim = it7 / "mp_rank_01_000/optim.pt"
     data = bytearray(victim.read_bytes())
     data[3] ^= 0x01
     victim.write_bytes(bytes(data))
-    assert "fails its checksum" in manifest.verify(tmp_path, TP2_DP2)
+    assert "fails its checksum" in manifest.verify(it7, TP2_DP2)
     # ranks split the hashing: one whose share excludes the file does not notice ...
-    assert manifest.verify(tmp_path, TP2_DP2, hash_files=["mp_rank_00/model_rng.pt"]) is None
+    assert manifest.verify(it7, TP2_DP2, hash_files=["mp_rank_00/model_rng.pt"]) is None
     # ... but a missing file is seen by the rank that owns it
     victim.unlink()
-    assert "missing" in manifest.verify(tmp_path, TP2_DP2, hash_files=["mp_rank_01_000/optim.pt"])
+    assert "missing" in manifest.verify(it7, TP2_DP2, hash_files=["mp_rank_01_000/optim.pt"])
 
 
-def test_unfinished_and_mismatched_checkpoints_are_refused(tmp_path):
-    write_checkpoint(tmp_path, TP2_DP2)
-    assert "unfinished TTP checkpoint" in manifest.verify(tmp_path, TP2_DP2)
-    manifest.merge_parts(tmp_path, 7, TP2_DP2)
-    assert "written for layout" in manifest.verify(tmp_path, ParallelLayout(1, 1, 4))
-    assert "does not exist" in manifest.verify(tmp_path / "nope", TP2_DP2)
+def test_unfinished_and_mismatched_checkpoints_are_refused(it7):
+    write_checkpoint(it7, TP2_DP2)
+    assert "unfinished TTP checkpoint" in manifest.verify(it7, TP2_DP2)
+    manifest.merge_parts(it7, 7, TP2_DP2)
+    assert "written for layout" in manifest.verify(it7, ParallelLayout(1, 1, 4))
+    assert "does not exist" in manifest.verify(it7 / "nope", TP2_DP2)
 
 
-def test_stock_checkpoint_without_manifest_is_checked_for_presence(tmp_path):
+def test_stock_checkpoint_without_manifest_is_checked_for_presence(it7):
     for rel in TP2_DP2.expected_files():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_bytes(b"x")
-    assert manifest.verify(tmp_path, TP2_DP2) is None
-    (tmp_path / "mp_rank_00_001/optim.pt").unlink()
-    assert "lacks mp_rank_00_001/optim.pt" in manifest.verify(tmp_path, TP2_DP2)
+        (it7 / rel).parent.mkdir(parents=True, exist_ok=True)
+        (it7 / rel).write_bytes(b"x")
+    assert manifest.verify(it7, TP2_DP2) is None
+    (it7 / "mp_rank_00_001/optim.pt").unlink()
+    assert "lacks mp_rank_00_001/optim.pt" in manifest.verify(it7, TP2_DP2)
 
 
 def test_tracker_and_fallback_candidates(tmp_path):
@@ -96,4 +104,4 @@ def test_tracker_and_fallback_candidates(tmp_path):
     assert manifest.read_tracker(tmp_path) == (8, None)
     assert manifest.candidate_steps(tmp_path, 8) == [8, 3]
     (tmp_path / manifest.TRACKER).write_text("release")
-    assert "not an iteration" in manifest.read_tracker(tmp_path)[1]
+    assert manifest.read_tracker(tmp_path) == (None, f"{tmp_path / manifest.TRACKER} says release")

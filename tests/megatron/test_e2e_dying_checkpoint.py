@@ -281,3 +281,31 @@ def test_stock_megatron_loads_the_dying_checkpoint(killed, reference, unpatched_
     want = {i: v for i, v in reference[0].losses.items() if i >= 5}
     print(loss_table({"ttp uninterrupted": want, "stock from dying ckpt": stock.losses}))
     assert_close_losses(stock.losses, want)  # stock optimizer: fp32 reduction-order noise only
+
+
+@pytest.mark.parametrize("damage", ["manifest_is_a_list", "manifest_deleted"])
+def test_hostile_manifest_is_refused_and_previous_used(killed, reference, patched_megatron_tree,
+                                                       tiny_dataset, work, damage):
+    """Every rank refuses the same way and reaches the agreement collective (none raises)."""
+    ckpt = copy_checkpoints(killed[1], work / f"{damage}_ckpt")
+    target = ckpt / "iter_0000004" / manifest.MANIFEST
+    if damage == "manifest_is_a_list":
+        target.write_text("[]")
+    else:
+        target.unlink()
+    resumed = resume_and_compare(patched_megatron_tree, tiny_dataset, work, damage, ckpt,
+                                 reference, first_resumed=4)
+    expected = "a JSON list" if damage == "manifest_is_a_list" else "its ttp_manifest.json is gone"
+    assert expected in resumed.log, resumed.tail()
+    assert "loading the previous complete checkpoint, iteration 3" in resumed.log
+
+
+def test_garbage_tracker_is_a_clear_nonzero_exit(killed, patched_megatron_tree, tiny_dataset,
+                                                 work):
+    """Megatron's own reader would print "Invalid metadata file" and exit 0."""
+    ckpt = copy_checkpoints(killed[1], work / "garbage_tracker_ckpt")
+    (ckpt / manifest.TRACKER).write_text("5.0")
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "garbage_tracker.log", ckpt)
+    assert result.returncode != 0, result.tail()
+    assert f"checkpoint tracker {ckpt / manifest.TRACKER} holds '5.0'" in result.log
+    assert not result.losses, "training must not start from a guessed iteration"

@@ -1,0 +1,195 @@
+"""Hostile or broken checkpoint directories (mindio_ttp.megatron_ttp.manifest), on small files
+written here: every defect is a refusal with a reason, never an exception (a rank that raised
+would leave the others waiting in the load's agreement collective), nothing outside the
+iteration directory is opened, and a bad tracker is an error instead of Megatron's exit 0."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+
+DP2 = ParallelLayout(tp=1, pp=1, dp=2)
+
+
+def written(tmp_path: Path, step: int = 5) -> Path:
+    """A complete TTP checkpoint of `step` for DP2 (files, parts, merged manifest, marker)."""
+    iter_dir = tmp_path / manifest.iter_dir_name(step)
+    entries = {}
+    for rel in DP2.expected_files():
+        data = f"payload {rel}".encode()
+        (iter_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (iter_dir / rel).write_bytes(data)
+        entries[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    manifest.write_part(iter_dir, 0, entries)
+    manifest.merge_parts(iter_dir, step, DP2)
+    assert manifest.verify(iter_dir, DP2) is None
+    return iter_dir
+
+
+def rewrite_manifest(iter_dir: Path, edit) -> None:
+    path = iter_dir / manifest.MANIFEST
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+def verify_within(iter_dir: Path, timeout_s: float = 20) -> str:
+    """verify in a thread with a deadline: opening a FIFO planted by an attacker would block."""
+    out: dict = {}
+    worker = threading.Thread(target=lambda: out.setdefault("r", manifest.verify(iter_dir, DP2)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    assert not worker.is_alive(), "verify blocked: it opened something it should not have"
+    return out["r"]
+
+
+# -- tracker ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content", [b"garbage", b"5.0", b"", b"-3", b"\xff\xfe", b"9" * 100])
+def test_tracker_that_is_not_an_iteration_is_an_error_naming_the_file(tmp_path, content):
+    (tmp_path / manifest.TRACKER).write_bytes(content)
+    with pytest.raises(manifest.TrackerError, match=str(tmp_path / manifest.TRACKER)) as err:
+        manifest.read_tracker(tmp_path)
+    assert "remove it to start from scratch" in str(err.value)
+
+
+def test_tracker_that_is_a_directory_or_links_to_dev_zero_is_an_error(tmp_path):
+    (tmp_path / manifest.TRACKER).mkdir()
+    with pytest.raises(manifest.TrackerError, match="not a regular file"):
+        manifest.read_tracker(tmp_path)
+    (tmp_path / manifest.TRACKER).rmdir()
+    (tmp_path / manifest.TRACKER).symlink_to("/dev/zero")
+    with pytest.raises(manifest.TrackerError):
+        manifest.read_tracker(tmp_path)
+
+
+def test_tracker_release_and_absent_are_not_errors(tmp_path):
+    assert manifest.read_tracker(tmp_path)[0] is None
+    (tmp_path / manifest.TRACKER).write_text("release\n")
+    assert manifest.read_tracker(tmp_path)[0] is None
+    (tmp_path / manifest.TRACKER).write_text(" 12\n")
+    assert manifest.read_tracker(tmp_path) == (12, None)
+
+
+# -- manifest schema ----------------------------------------------------------------------------
+@pytest.mark.parametrize("text,reason", [
+    ("[]", "a JSON list"),
+    ('"files"', "a JSON str"),
+    ("{not json", "not JSON"),
+    ("[" * 200_000 + "]" * 200_000, "not JSON"),
+])
+def test_manifest_that_is_not_an_object_is_refused(tmp_path, text, reason):
+    iter_dir = written(tmp_path)
+    (iter_dir / manifest.MANIFEST).write_text(text)
+    assert reason in verify_within(iter_dir)
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (lambda m: {**m, "files": list(m["files"])}, "'files' is not an object"),
+    (lambda m: {**m, "files": {k: {"sha256": v["sha256"]} for k, v in m["files"].items()}},
+     "is not {'sha256'"),
+    (lambda m: {**m, "files": {k: {**v, "size": "12"} for k, v in m["files"].items()}},
+     "is not {'sha256'"),
+    (lambda m: {**m, "files": {k: {**v, "size": True} for k, v in m["files"].items()}},
+     "is not {'sha256'"),
+    (lambda m: {**m, "step": 4}, "names step 4"),
+    (lambda m: {**m, "extra": 1}, "unexpected keys"),
+    (lambda m: {**m, "format": "other/9"}, "unknown format"),
+])
+def test_malformed_manifest_fields_are_refused(tmp_path, edit, reason):
+    iter_dir = written(tmp_path)
+    rewrite_manifest(iter_dir, edit)
+    assert reason in verify_within(iter_dir)
+
+
+def test_oversized_manifest_is_refused_without_reading_it_all(tmp_path):
+    iter_dir = written(tmp_path)
+    with open(iter_dir / manifest.MANIFEST, "r+b") as f:
+        f.truncate(manifest.MAX_MANIFEST_BYTES + 1)  # sparse: nothing is allocated
+    assert "larger than" in verify_within(iter_dir)
+
+
+@pytest.mark.parametrize("name", ["../../outside", "/etc/passwd", "mp_rank_00/../../../x"])
+def test_manifest_entries_outside_the_iteration_are_refused_unopened(tmp_path, name):
+    iter_dir = written(tmp_path)
+    fifo = tmp_path / "outside"
+    os.mkfifo(fifo)  # opening it for reading would block verify forever
+    entry = {"sha256": "0" * 64, "size": 0}
+    rewrite_manifest(iter_dir, lambda m: {**m, "files": {**m["files"], name: entry}})
+    assert "lists files this layout does not have" in verify_within(iter_dir)
+
+
+def test_listed_file_replaced_by_a_symlink_is_refused(tmp_path):
+    iter_dir = written(tmp_path)
+    victim = iter_dir / DP2.optim_file(0, 0, 1)
+    outside = tmp_path / "same_bytes"
+    outside.write_bytes(victim.read_bytes())  # same hash: only the link itself is wrong
+    victim.unlink()
+    victim.symlink_to(outside)
+    assert "not a regular file" in verify_within(iter_dir)
+
+
+def test_ttp_checkpoint_without_its_manifest_is_refused_not_taken_for_stock(tmp_path):
+    iter_dir = written(tmp_path)
+    (iter_dir / manifest.MANIFEST).unlink()
+    assert "its ttp_manifest.json is gone" in verify_within(iter_dir)
+    (iter_dir / manifest.MARKER).unlink()  # no trace of TTP left: a stock checkpoint
+    assert verify_within(iter_dir) is None
+
+
+# -- TTP_CHECKPOINT_KEY -------------------------------------------------------------------------
+def test_keyed_manifest_refuses_a_rehashed_tampered_shard(tmp_path, monkeypatch):
+    monkeypatch.setenv(manifest.CHECKPOINT_KEY_ENV, "s3cret")
+    iter_dir = written(tmp_path)
+    assert "mac" in json.loads((iter_dir / manifest.MANIFEST).read_text())
+    victim = DP2.optim_file(0, 0, 0)
+    forged = b"forged optimizer state"
+    (iter_dir / victim).write_bytes(forged)
+
+    def rehash(m):
+        m["files"][victim] = {"sha256": hashlib.sha256(forged).hexdigest(), "size": len(forged)}
+        return m
+
+    rewrite_manifest(iter_dir, rehash)
+    assert "MAC does not match" in verify_within(iter_dir)
+    other = written(tmp_path / "b")  # intact, MACed with s3cret
+    monkeypatch.setenv(manifest.CHECKPOINT_KEY_ENV, "another key")
+    assert "MAC does not match" in verify_within(other)
+
+
+def test_key_set_refuses_unkeyed_manifests_and_stock_checkpoints(tmp_path, monkeypatch):
+    iter_dir = written(tmp_path)  # written without a key
+    monkeypatch.setenv(manifest.CHECKPOINT_KEY_ENV, "s3cret")
+    assert "MAC does not match" in verify_within(iter_dir)
+    (iter_dir / manifest.MANIFEST).unlink()
+    (iter_dir / manifest.MARKER).unlink()
+    assert "only MACed checkpoints are accepted" in verify_within(iter_dir)
+
+
+# -- fuzz ---------------------------------------------------------------------------------------
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=st.one_of(st.binary(max_size=300),
+                         json_values.map(lambda v: json.dumps(v).encode())))
+def test_fuzzed_manifest_is_refused_never_raises(tmp_path, payload):
+    iter_dir = tmp_path / manifest.iter_dir_name(5)
+    if not iter_dir.exists():
+        written(tmp_path)
+    (iter_dir / manifest.MANIFEST).write_bytes(payload)
+    reason = manifest.verify(iter_dir, DP2)
+    assert isinstance(reason, str) and reason
