@@ -18,8 +18,11 @@ difference is the agent, a `LocalElasticAgent` subclass that:
 remain, the worker group is restarted in place (the workers resume from the dying checkpoint);
 otherwise the launcher exits. A fresh ``TTP_RUN_DIR`` is made per launch; before a restart the
 previous attempt's ``flow-finished.json`` is moved aside so it cannot end the next wait early.
-When ``TTP_AUTH_KEY`` is unset every node's launcher generates one and they settle on a single key
-through the rendezvous store before starting workers.
+Control-plane key: on a single node, when neither ``TTP_AUTH_KEY`` nor ``TTP_AUTH_KEY_FILE`` is
+set, the launcher generates one and hands it to its own workers in their environment. Across
+nodes the key must come from the user or the scheduler: nothing secret ever goes through torch's
+rendezvous store, which has no authentication and listens on every interface, so a multi-node
+start without a key is refused with a message that says how to provide one.
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ from torch.distributed.elastic.utils.process_state import read_proc_state
 from mindio_ttp.framework_ttp.config import (
     DEFAULTS,
     ENV_AUTH_KEY,
+    ENV_AUTH_KEY_FILE,
     ENV_OT,
     ENV_RUN_DIR,
     FLOW_FINISHED_FILE,
+    read_key_file,
 )
 
 logger = logging.getLogger("ttprun")
@@ -60,7 +65,18 @@ DEFAULT_OT_S = DEFAULTS[ENV_OT]
 # exited this many seconds later is killed (it may be wedged in a collective with a dead peer).
 POST_FLOW_EXIT_S = 15.0
 POLL_S = 0.05
-_GENERATED_KEY_FLAG = "_TTPRUN_GENERATED_AUTH_KEY"  # launcher-internal, not for workers
+MULTI_NODE_KEY_MESSAGE = (
+    "a multi-node job needs a control-plane key that every node already has: export "
+    f"{ENV_AUTH_KEY}=<64 hex chars> on every node (e.g. generate it once with `python -c "
+    "'import secrets; print(secrets.token_hex(32))'` and pass it through your scheduler's "
+    f"secret store), or point {ENV_AUTH_KEY_FILE} at a chmod-600 file on every node. ttprun "
+    "does not send keys over the network."
+)
+
+
+def is_multi_node(nnodes: str) -> bool:
+    """torchrun's --nnodes is N or MIN:MAX; more than one node may join unless MAX is 1."""
+    return str(nnodes).split(":")[-1].strip() != "1"
 
 
 def overtime_s(environ: Optional[dict] = None) -> float:
@@ -116,18 +132,7 @@ class TTPElasticAgent(LocalElasticAgent):
         if marker.exists():
             marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
         self._attempt += 1
-        self._agree_on_auth_key(worker_group)
         return super()._start_workers(worker_group)
-
-    def _agree_on_auth_key(self, worker_group: WorkerGroup) -> None:
-        """Every node's launcher generated its own key; the first one through the rendezvous store
-        wins, so all workers of the job share one secret (a user-given key is left alone)."""
-        if os.environ.get(_GENERATED_KEY_FLAG) != "1" or worker_group.store is None:
-            return
-        agreed = worker_group.store.compare_set(
-            "ttprun/auth_key", "", os.environ[ENV_AUTH_KEY]
-        )
-        os.environ[ENV_AUTH_KEY] = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         pcontext = self._pcontext
@@ -242,9 +247,21 @@ def _read_marker(path: Path) -> str:
         return f"(unreadable: {exc})"
 
 
+def check_key_source(multi_node: bool) -> None:
+    """Refuse, before anything starts, a key file that is unsafe or unreadable, and a multi-node
+    launch with no key at all (ValueError with what to do)."""
+    if os.environ.get(ENV_AUTH_KEY):
+        return
+    if os.environ.get(ENV_AUTH_KEY_FILE):
+        read_key_file(os.environ[ENV_AUTH_KEY_FILE])
+    elif multi_node:
+        raise ValueError(MULTI_NODE_KEY_MESSAGE)
+
+
 @contextlib.contextmanager
 def ttp_environment() -> Iterator[Path]:
-    """Export a fresh TTP_RUN_DIR and a TTP_AUTH_KEY (generated when unset) to the workers.
+    """Export a fresh TTP_RUN_DIR and, unless the user gave a key, a generated TTP_AUTH_KEY to
+    this node's workers (environment only: never the rendezvous store).
 
     When ``TTP_RUN_DIR`` is already set it is taken as the parent of the per-launch directory,
     which is then kept (so a caller can read ``flow-finished.json``); otherwise a temporary one is
@@ -256,13 +273,11 @@ def ttp_environment() -> Iterator[Path]:
         Path(parent).mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix=f"ttprun-{os.getpid()}-", dir=parent or None))
     os.environ[ENV_RUN_DIR] = str(run_dir)
-    if not saved[ENV_AUTH_KEY]:
-        os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)
-        os.environ[_GENERATED_KEY_FLAG] = "1"
+    if not saved[ENV_AUTH_KEY] and not os.environ.get(ENV_AUTH_KEY_FILE):
+        os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)  # single node (check_key_source)
     try:
         yield run_dir
     finally:
-        os.environ.pop(_GENERATED_KEY_FLAG, None)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -309,6 +324,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         overtime_s()
+    except ValueError as exc:
+        print(f"ttprun: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        check_key_source(is_multi_node(args.nnodes))
     except ValueError as exc:
         print(f"ttprun: error: {exc}", file=sys.stderr)
         return 2

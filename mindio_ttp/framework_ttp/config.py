@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import os
+import stat
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -20,6 +21,8 @@ log = logging.getLogger("mindio_ttp")
 # -- env variable names (the MindIO ones plus ours) -------------------------------------------
 ENV_OT = "TTP_OT"
 ENV_AUTH_KEY = "TTP_AUTH_KEY"
+ENV_AUTH_KEY_FILE = "TTP_AUTH_KEY_FILE"
+ENV_INSECURE = "TTP_INSECURE_NO_AUTH"
 ENV_RUN_DIR = "TTP_RUN_DIR"
 ENV_LOG_LEVEL = "TTP_LOG_LEVEL"
 ENV_LOG_PATH = "TTP_LOG_PATH"
@@ -103,24 +106,58 @@ def _port_env(env: Mapping[str, str]) -> Optional[int]:
     return port
 
 
+def _parse_key(raw: str, source: str) -> bytes:
+    try:
+        key = bytes.fromhex(raw.strip())
+    except ValueError:
+        raise ValueError(f"{source} must be hex (e.g. from `python -c \"import "
+                         f"secrets; print(secrets.token_hex(32))\"`)") from None
+    if len(key) < 16:
+        raise ValueError(f"{source} is {len(key)} bytes: use at least 16 (32 hex chars)")
+    return key
+
+
+def read_key_file(path: str) -> bytes:
+    """The key from a file only its owner can read (a group- or world-readable key is no
+    secret on a shared cluster)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ValueError(f"{ENV_AUTH_KEY_FILE}={path}: cannot open ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{ENV_AUTH_KEY_FILE}={path} is not a regular file")
+        if mode & 0o077:
+            raise ValueError(f"{ENV_AUTH_KEY_FILE}={path} is readable by others (mode "
+                             f"{stat.S_IMODE(mode):o}): run `chmod 600 {path}`")
+        raw = f.read(1025)
+    if len(raw) > 1024:
+        raise ValueError(f"{ENV_AUTH_KEY_FILE}={path} is too large for a key")
+    return _parse_key(raw.decode("ascii", "replace"), f"{ENV_AUTH_KEY_FILE}={path}")
+
+
 def auth_key_from_env(env: Mapping[str, str]) -> bytes:
-    """The per-job HMAC secret. `ttprun` exports TTP_AUTH_KEY; without it every process of the
-    job must still agree on a key, so we derive one from values all ranks share. That key is
-    guessable by anyone who can read the job's environment: it only stops accidents."""
+    """The per-job HMAC secret: TTP_AUTH_KEY (ttprun generates one on a single node), or
+    TTP_AUTH_KEY_FILE. There is no derived default: a key computed from MASTER_ADDR and the
+    like is known to anyone on the network, who could then end the job with one forged fault
+    report. Only an explicit TTP_INSECURE_NO_AUTH=1 gets such a key, logged as insecure."""
     raw = env.get(ENV_AUTH_KEY)
     if raw:
-        try:
-            key = bytes.fromhex(raw.strip())
-        except ValueError:
-            raise ValueError(f"{ENV_AUTH_KEY} must be hex (e.g. from `python -c \"import "
-                             f"secrets; print(secrets.token_hex(32))\"`)") from None
-        if len(key) < 16:
-            raise ValueError(f"{ENV_AUTH_KEY} is {len(key)} bytes: use at least 16 (32 hex chars)")
-        return key
+        return _parse_key(raw, ENV_AUTH_KEY)
+    if env.get(ENV_AUTH_KEY_FILE):
+        return read_key_file(env[ENV_AUTH_KEY_FILE])
+    if env.get(ENV_INSECURE) != "1":
+        raise ValueError(
+            f"no control-plane key: launch with ttprun (it generates one on a single node), or "
+            f"give every rank the same secret in {ENV_AUTH_KEY} (e.g. `export {ENV_AUTH_KEY}="
+            f"$(python -c 'import secrets; print(secrets.token_hex(32))')` distributed by your "
+            f"scheduler) or in a chmod-600 file named by {ENV_AUTH_KEY_FILE}; "
+            f"{ENV_INSECURE}=1 runs without a secret (anyone on the network can end the job)")
     seed = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
-    log.warning("%s is not set (launch with ttprun, or export a random hex secret): using a WEAK "
-                "key derived from MASTER_ADDR/MASTER_PORT/TORCHELASTIC_RUN_ID; anyone who knows "
-                "these can forge control messages", ENV_AUTH_KEY)
+    log.warning("INSECURE: %s=1 and no %s: using a key derived from MASTER_ADDR/MASTER_PORT/"
+                "TORCHELASTIC_RUN_ID; anyone who knows these can forge control messages and end "
+                "the job", ENV_INSECURE, ENV_AUTH_KEY)
     return hashlib.sha256(b"mindio-ttp-weak-key|" + seed.encode()).digest()
 
 

@@ -100,9 +100,10 @@ def test_start_before_init_says_what_to_call(monkeypatch):
 
 
 @pytest.mark.parametrize("env,match", [
-    ({"TTP_OT": "abc"}, "TTP_OT='abc' is not a number"),
-    ({"TTP_HEARTBEAT_INTERVAL": "-1"}, "must be a positive number"),
-    ({"TTP_HEARTBEAT_INTERVAL": "2", "TTP_HEARTBEAT_TIMEOUT": "1"}, "must be larger"),
+    ({"TTP_OT": "abc", "TTP_AUTH_KEY": "00" * 16}, "TTP_OT='abc' is not a number"),
+    ({"TTP_HEARTBEAT_INTERVAL": "-1", "TTP_AUTH_KEY": "00" * 16}, "must be a positive number"),
+    ({"TTP_HEARTBEAT_INTERVAL": "2", "TTP_HEARTBEAT_TIMEOUT": "1", "TTP_AUTH_KEY": "00" * 16},
+     "must be larger"),
     ({"TTP_AUTH_KEY": "xyz"}, "TTP_AUTH_KEY must be hex"),
     ({"TTP_AUTH_KEY": "abcd"}, "use at least 16"),
 ])
@@ -111,12 +112,37 @@ def test_env_config_errors(env, match):
         config.TTPConfig.from_env(env)
 
 
-def test_missing_auth_key_warns_and_derives_a_shared_key(caplog):
-    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+def test_missing_auth_key_is_refused_with_what_to_do():
+    """No derivable default: MASTER_ADDR/MASTER_PORT are known to anyone on the network."""
+    with pytest.raises(ValueError, match="no control-plane key") as err:
+        config.TTPConfig.from_env({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    for hint in ("ttprun", "TTP_AUTH_KEY", "TTP_AUTH_KEY_FILE", "TTP_INSECURE_NO_AUTH=1"):
+        assert hint in str(err.value)
+
+
+def test_insecure_opt_in_derives_a_shared_key_and_says_so(caplog):
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TTP_INSECURE_NO_AUTH": "1"}
     a = config.TTPConfig.from_env(env).auth_key
     assert a == config.TTPConfig.from_env(dict(env)).auth_key
     assert a != config.TTPConfig.from_env(dict(env, MASTER_PORT="29501")).auth_key
-    assert "WEAK" in caplog.text
+    assert "INSECURE" in caplog.text
+
+
+def test_key_file_must_be_private(tmp_path):
+    key_file = tmp_path / "ttp.key"
+    key_file.write_text("ab" * 32 + "\n")
+    key_file.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        config.TTPConfig.from_env({"TTP_AUTH_KEY_FILE": str(key_file)})
+    key_file.chmod(0o600)
+    assert config.TTPConfig.from_env({"TTP_AUTH_KEY_FILE": str(key_file)}).auth_key == \
+        bytes.fromhex("ab" * 32)
+    link = tmp_path / "link.key"
+    link.symlink_to(key_file)
+    with pytest.raises(ValueError, match="cannot open"):
+        config.TTPConfig.from_env({"TTP_AUTH_KEY_FILE": str(link)})
+    with pytest.raises(ValueError, match="cannot open"):
+        config.TTPConfig.from_env({"TTP_AUTH_KEY_FILE": str(tmp_path / "absent")})
 
 
 def test_defaults_match_the_documented_ones():

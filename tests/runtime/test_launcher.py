@@ -189,15 +189,35 @@ def test_clean_run_exits_zero_and_removes_its_run_dir(tmp_path: Path, free_port:
     assert done.returncode == 0, done.stderr
 
 
+def test_multi_node_start_without_a_key_is_refused(tmp_path: Path, free_port: int) -> None:
+    """ttprun never sends a key over the network: across nodes the user or scheduler gives it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY", "TTP_AUTH_KEY_FILE")}
+    cmd = [sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=2", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port}",
+           str(tmp_path / "never_started.py")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "multi-node job needs a control-plane key" in done.stderr
+    assert "TTP_AUTH_KEY_FILE" in done.stderr
+
+
 @pytest.mark.slow
-def test_two_nodes_agree_on_one_generated_auth_key(tmp_path: Path, free_port: int) -> None:
+def test_two_nodes_use_the_given_key_and_none_is_in_the_store(tmp_path: Path,
+                                                              free_port: int) -> None:
     script = tmp_path / "key.py"
     script.write_text(
-        "import os, pathlib\n"
-        "pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(os.environ['TTP_AUTH_KEY'])"
+        "import os, pathlib, datetime\n"
+        "from torch.distributed import TCPStore\n"
+        "store = TCPStore('127.0.0.1', int(os.environ['RDZV_PORT']), is_master=False,\n"
+        "                 timeout=datetime.timedelta(seconds=10))\n"
+        "leaked = store.check(['ttprun/auth_key'])\n"
+        "pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(\n"
+        "    os.environ['TTP_AUTH_KEY'] + ('|LEAKED' if leaked else ''))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY")}
-    env["OUT"] = str(tmp_path)
+    key = os.urandom(32).hex()
+    env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY_FILE")}
+    env.update(OUT=str(tmp_path), TTP_AUTH_KEY=key, RDZV_PORT=str(free_port))
     cmd = [
         sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port}", "--rdzv-id=keytest",
@@ -207,8 +227,7 @@ def test_two_nodes_agree_on_one_generated_auth_key(tmp_path: Path, free_port: in
                               text=True) for _ in range(2)]  # fmt: skip
     outputs = [_finish(node) for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs
-    keys = {(tmp_path / r).read_text() for r in ("0", "1")}
-    assert len(keys) == 1 and len(keys.pop()) == 64, "each node generated its own key"
+    assert {(tmp_path / r).read_text() for r in ("0", "1")} == {key}
 
 
 @pytest.mark.slow
