@@ -65,6 +65,10 @@ class Controller(FlowMixin):
         self._sel = selectors.DefaultSelector()
         self._listener: Optional[socket.socket] = None
         self._pending: Dict[Conn, float] = {}  # accepted, not registered yet
+        self._refused_pending = 0
+        # every rank may connect at once at start-up; beyond that, only floods: memory before
+        # authentication is bounded by _max_pending x pre_auth_max_payload(world_size)
+        self._max_pending = world_size + 64
         self._conns: Dict[int, Conn] = {}  # fileno -> conn
         self._flush_waiters: List[threading.Event] = []
         self._stop = threading.Event()
@@ -184,7 +188,19 @@ class Controller(FlowMixin):
             except OSError as exc:  # e.g. EMFILE: log and keep serving the others
                 log.error("%s: accept failed: %s (raise `ulimit -n`?)", self.name, exc)
                 return
-            conn = Conn(sock, self.cfg.auth_key, f"{addr[0]}:{addr[1]}")
+            if len(self._pending) >= self._max_pending:
+                # an unauthenticated flood: refuse it here, before any byte is buffered
+                self._refused_pending += 1
+                if self._refused_pending in (1, 10, 100, 1000) or \
+                        self._refused_pending % 10000 == 0:
+                    log.warning("%s: %d connections waiting to register; refused %s (%d refused "
+                                "so far)", self.name, len(self._pending), f"{addr[0]}:{addr[1]}",
+                                self._refused_pending)
+                sock.close()
+                continue
+            conn = Conn(sock, self.cfg.auth_key, f"{addr[0]}:{addr[1]}",
+                        P.FrameDecoder(self.cfg.auth_key,
+                                       P.pre_auth_max_payload(self.world_size)))
             self._conns[sock.fileno()] = conn
             self._pending[conn] = time.monotonic()
             self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -365,9 +381,17 @@ class Controller(FlowMixin):
             if old is not None and old.status in ("dead", "hung"):
                 return self._refuse(conn, f"rank {m.rank} was already declared {old.note}")
             if old is not None and old.conn is not None and old.conn is not conn:
+                if now - old.last_seen < self.cfg.heartbeat_timeout:
+                    # the rank's own connection is live and heartbeating: a second Register
+                    # for it is a replay or an impostor, never a reason to drop the real one
+                    log.warning("%s: refused a Register for rank %d from %s: that rank is "
+                                "connected from %s and heartbeating", self.name, m.rank,
+                                conn.peer, old.conn.peer)
+                    return self._refuse(conn, f"rank {m.rank} is already connected")
                 stale, old.conn = old.conn, None
                 self._drop(stale, "replaced by a new connection")
             self._pending.pop(conn, None)
+            conn.dec.authenticated()
             conn.rank = m.rank
             if old is None or old.status != "alive":
                 self._n_alive += 1

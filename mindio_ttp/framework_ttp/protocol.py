@@ -23,6 +23,13 @@ MAC_LEN = 32
 MAX_PAYLOAD = 16 * 1024 * 1024
 
 
+def pre_auth_max_payload(world_size: int) -> int:
+    """The frame cap until a connection has registered: a Register frame carries the rank's DP
+    group (at most 8 bytes a rank in JSON), so this fits the largest legal one, and an
+    unauthenticated peer cannot make the listener buffer more per connection."""
+    return 4096 + 8 * world_size
+
+
 class ProtocolError(ValueError):
     """A frame that is malformed, unauthenticated, of another version or an unknown type."""
 
@@ -300,6 +307,10 @@ class FrameDecoder:
                 raise ProtocolError("bad HMAC: peer does not share TTP_AUTH_KEY")
             out.append(_decode_payload(code, body[HEADER.size:]))
         return out
+
+    def authenticated(self, max_payload: int = MAX_PAYLOAD) -> None:
+        """The peer registered with a valid MAC: lift the pre-authentication frame cap."""
+        self._max = max_payload
 
     @property
     def pending(self) -> int:
