@@ -9,7 +9,7 @@ from . import launch_script
 from .diffs import FileDiff, render
 from .engine import decode
 from .errors import ManifestError, ModifiedTarget
-from .fileio import Change, check_writable, sha256, write_all
+from .fileio import Change, check_writable, sha256
 from .manifest import FileRecord, Manifest
 from .options import Options
 from .tree import Tree
@@ -105,7 +105,7 @@ def apply(directory: str, opts: Options, dry_run: bool = False) -> ApplyOutcome:
                 Change(tree.path(launch_script.SCRIPT), script, launch_script.SCRIPT_MODE)
             )
         changes.append(Change(tree.manifest_path, record.to_json()))
-        write_all(changes)
+        tree.write(changes)
         return outcome
 
 

@@ -10,12 +10,15 @@ or read-only files, corrupt record, failed write).
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
 import sys
-from typing import Optional, Sequence
+import threading
+from typing import Any, Optional, Sequence
 
 from . import __version__
 from .apply import apply, diff
-from .errors import EXIT_ENVIRONMENT, EXIT_OK, PatchError
+from .errors import EXIT_ENVIRONMENT, EXIT_OK, Interrupted, PatchError
 from .options import DEFAULT_PORT, Device, Options
 from .revert import revert
 from .status import status
@@ -131,13 +134,39 @@ def _run(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)  # pragma: no cover - argparse restricts commands
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Interrupted(signum, "terminated (SIGTERM) before anything was written")
+
+
+def _log_to_stderr() -> logging.Handler:
+    """Recovery of an interrupted run reports through logging; the user sees it on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ttp-patch: %(message)s"))
+    log = logging.getLogger("ttp_patch")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    return handler
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(list(argv) if argv is not None else None)
+    in_main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    handler = _log_to_stderr()
     try:
         return _run(args)
+    except KeyboardInterrupt:  # outside the write phase (it blocks signals): nothing written
+        exc = Interrupted(signal.SIGINT, "interrupted (SIGINT) before anything was written")
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
     except PatchError as exc:
         print(exc.render(), file=sys.stderr)
         return exc.exit_code
+    finally:
+        logging.getLogger("ttp_patch").removeHandler(handler)
+        if in_main:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -58,6 +58,22 @@ class WriteFailed(PatchError):
     """Writing failed half-way; every file already written was put back."""
 
 
+class UnsafeTarget(PatchError):
+    """A path we would write is a symlink, under one, not a regular file, or not git mode 100644."""
+
+
+class Busy(PatchError):
+    """Another ttp-patch holds the checkout's lock (.git/ttp-patch.lock)."""
+
+
+class Interrupted(PatchError):
+    """SIGINT/SIGTERM arrived; the tree was left exactly as before (or exactly done)."""
+
+    def __init__(self, signum: int, message: str, hint: Optional[str] = None) -> None:
+        super().__init__(message, hint)
+        self.exit_code = 128 + signum
+
+
 class ManifestError(PatchError):
     """The record of the last apply under .git/ is unreadable or contradicts the tree."""
 

@@ -1,7 +1,11 @@
 """Writes a set of files all-or-nothing: temp file beside each target, fsync, os.replace.
 
 A rename is atomic per file, never across files, so on any failure every file already
-replaced is put back from the bytes read before writing (or removed, if it was new).
+replaced is put back from the bytes read before writing (or removed, if it was new). Against
+what no `except` can catch (SIGKILL, power loss) the caller passes a journal, written before
+the first replace, from which the next command rolls back (patcher/journal.py). SIGINT and
+SIGTERM are blocked while files are replaced and acted on between two files: roll back, then
+raise Interrupted.
 """
 
 from __future__ import annotations
@@ -9,13 +13,31 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import signal
 import stat
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
 
-from .errors import ReadOnlyTarget, WriteFailed
+from .errors import (
+    Interrupted,
+    ModifiedTarget,
+    PatchError,
+    ReadOnlyTarget,
+    UnsafeTarget,
+    WriteFailed,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .journal import Journal
+
+TEMP_SUFFIX = ".ttp-tmp"
+# Test-only: seconds to sleep before each replace, so a test can kill the write phase at a
+# chosen moment. Documented in docs/patcher-safety.md; never set it for real work.
+TEST_PAUSE_ENV = "TTP_PATCH_TEST_PAUSE"
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def sha256(data: bytes) -> str:
@@ -47,13 +69,72 @@ def check_writable(path: Path, shown: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """What is at a path, without following a final symlink: enough to put it back exactly."""
+
+    kind: str  # "absent", "file" or "symlink"
+    data: bytes = b""  # the file's bytes, or the link's target
+    mode: int = 0o644
+
+    @property
+    def content(self) -> Optional[bytes]:
+        """The bytes a reader sees at the path, None when there is no regular file."""
+        return self.data if self.kind == "file" else None
+
+
+def snapshot(path: Path) -> Snapshot:
+    """Refuse anything that is neither a regular file, a symlink, nor absent (a directory...)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return Snapshot("absent")
+    if stat.S_ISLNK(st.st_mode):
+        return Snapshot("symlink", os.fsencode(os.readlink(path)))
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeTarget(
+            f"{path} is not a regular file ({_kind(st.st_mode)})",
+            "move it away; ttp-patch only replaces regular files",
+        )
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        return Snapshot("file", f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode))
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a file"
+
+
+def check_inside(path: Path, roots: Sequence[Path]) -> None:
+    """The real directory of every write is one of ours: no symlinked parent can redirect it."""
+    real = Path(os.path.realpath(path.parent))
+    if not any(real == r or real.is_relative_to(r) for r in (x.resolve() for x in roots)):
+        raise UnsafeTarget(
+            f"{path} resolves to {real / path.name}, outside the work tree",
+            "a directory on the way is a symlink: replace it with the real directory",
+        )
+
+
 def _replace_file(tmp: str, target: Path) -> None:
     """The one rename; a seam the tests use to fail a write half-way."""
     os.replace(tmp, target)
 
 
+def temp_file(path: Path) -> Tuple[int, str]:
+    """A new temp file beside `path`, named so every command can find and remove strays."""
+    return tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+
+
 def _write_one(path: Path, data: bytes, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".ttp-tmp", dir=path.parent)
+    fd, tmp = temp_file(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -65,10 +146,10 @@ def _write_one(path: Path, data: bytes, mode: int) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -77,40 +158,140 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def _apply(change: Change) -> None:
+def restore(path: Path, old: Snapshot) -> None:
+    """Put back exactly what `snapshot` saw (a file with its mode, a link, or nothing)."""
+    if old.kind == "file":
+        _write_one(path, old.data, old.mode)
+    elif old.kind == "symlink":
+        tmp = f"{path.parent}/.{path.name}.{os.getpid()}.link{TEMP_SUFFIX}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        os.symlink(os.fsdecode(old.data), tmp)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    elif os.path.lexists(path):
+        os.unlink(path)
+        fsync_dir(path.parent)
+
+
+def _apply(change: Change, old: Snapshot) -> None:
     if change.new is None:
-        if change.path.exists():
-            change.path.unlink()
-            _fsync_dir(change.path.parent)
-        return
-    mode = stat.S_IMODE(change.path.stat().st_mode) if change.path.exists() else change.mode
-    _write_one(change.path, change.new, mode)
+        restore(change.path, Snapshot("absent"))
+    else:
+        _write_one(change.path, change.new, old.mode if old.kind == "file" else change.mode)
 
 
-def write_all(changes: Sequence[Change]) -> None:
-    """Apply every change or none; raise WriteFailed after rolling back."""
-    originals: List[Tuple[Change, Optional[bytes], int]] = []
+def _pending_signal() -> Optional[int]:
+    pending = signal.sigpending()
+    return next((s for s in _SIGNALS if s in pending), None)
+
+
+def _consume(signum: int) -> None:
+    signal.sigtimedwait([signum], 0)
+
+
+def _test_pause() -> None:
+    raw = os.environ.get(TEST_PAUSE_ENV)
+    if raw:
+        time.sleep(float(raw))
+
+
+def _changed(change: Change, shown: str) -> ModifiedTarget:
+    return ModifiedTarget(
+        f"{shown} changed while ttp-patch was running",
+        [shown],
+        "something else is writing the checkout: let it finish, then run again",
+    )
+
+
+def write_all(
+    changes: Sequence[Change],
+    journal: Optional[Journal] = None,
+    expected: Optional[Mapping[Path, Optional[bytes]]] = None,
+    inside: Sequence[Path] = (),
+) -> None:
+    """Apply every change or none; raise WriteFailed (or Interrupted) after rolling back.
+
+    `expected` holds what preflight read per path; a file that differs now, or right before its
+    replace, was changed under us and is refused. `inside` bounds where writes may land.
+    """
+    originals: List[Tuple[Change, Snapshot]] = []
     for ch in changes:
-        if ch.path.exists():
-            originals.append((ch, ch.path.read_bytes(), stat.S_IMODE(ch.path.stat().st_mode)))
-        else:
-            originals.append((ch, None, ch.mode))
-    done: List[Tuple[Change, Optional[bytes], int]] = []
+        if inside:
+            check_inside(ch.path, inside)
+        old = snapshot(ch.path)
+        if old.kind == "symlink" and ch.new is not None:
+            raise UnsafeTarget(f"{ch.path} is a symlink", "replace it with a regular file")
+        if expected is not None and ch.path in expected and expected[ch.path] != old.content:
+            raise _changed(ch, str(ch.path))
+        originals.append((ch, old))
+    if journal is not None:
+        journal.begin([(ch.path, old, ch.new) for ch, old in originals])
+    done: List[Tuple[Change, Snapshot]] = []
+    caught: Optional[int] = None
+    failing: Optional[Path] = None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     try:
-        for entry in originals:
-            _apply(entry[0])
-            done.append(entry)
-    except Exception as exc:
-        failed = entry[0].path
-        problems = []
-        for ch, old, mode in reversed(done):
-            try:
-                _apply(Change(ch.path, old, mode))
-            except Exception as undo_exc:  # pragma: no cover - disk gone bad during rollback
-                problems.append(f"{ch.path}: {undo_exc}")
-        msg = (
-            f"writing {failed} failed ({exc}); the {len(done)} file(s) written before were restored"
+        try:
+            for entry in originals:
+                caught = _pending_signal()
+                if caught is not None:
+                    raise Interrupted(caught, "interrupted")
+                _test_pause()
+                ch, old = entry
+                failing = ch.path
+                if snapshot(ch.path) != old:
+                    raise _changed(ch, str(ch.path))
+                _apply(ch, old)
+                done.append(entry)
+            caught = _pending_signal()  # the last chance to cancel: before the commit point
+            if caught is not None:
+                raise Interrupted(caught, "interrupted")
+            if journal is not None:
+                journal.end()
+        except BaseException as exc:
+            _roll_back(done, journal, exc, failing)
+        caught = _pending_signal()
+        if caught is not None:
+            _consume(caught)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if caught is not None:
+        raise Interrupted(
+            caught,
+            f"interrupted by {signal.Signals(caught).name} after the last file was written: "
+            "the command completed",
         )
-        if problems:  # pragma: no cover
-            msg += "; could NOT restore: " + "; ".join(problems)
-        raise WriteFailed(msg, "fix the cause (disk full? permissions?) and run again") from exc
+
+
+def _roll_back(
+    done: Sequence[Tuple[Change, Snapshot]],
+    journal: Optional[Journal],
+    exc: BaseException,
+    failing: Optional[Path],
+) -> None:
+    problems = []
+    for ch, old in reversed(done):
+        try:
+            restore(ch.path, old)
+        except Exception as undo_exc:  # pragma: no cover - disk gone bad during rollback
+            problems.append(f"{ch.path}: {undo_exc}")
+    if journal is not None and not problems:
+        journal.end()  # else keep it: the next command retries the rollback
+    restored = f"the {len(done)} file(s) written before were restored"
+    if problems:  # pragma: no cover
+        restored += "; could NOT restore: " + "; ".join(problems)
+    if isinstance(exc, Interrupted):
+        signum = exc.exit_code - 128
+        _consume(signum)
+        raise Interrupted(
+            signum,
+            f"interrupted by {signal.Signals(signum).name}: nothing changed ({restored})",
+        ) from None
+    if isinstance(exc, PatchError):
+        exc.message += f" ({restored})"
+        raise exc
+    raise WriteFailed(
+        f"writing {failing} failed ({exc}); {restored}",
+        "fix the cause (disk full? permissions?) and run again",
+    ) from exc

@@ -7,13 +7,14 @@ else is drift, listed and refused unless --force.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 from . import launch_script
 from .edits import TARGET_FILES
 from .errors import AnchorError, Drifted, ManifestError, UnreadableTarget
-from .fileio import Change, check_writable, sha256, write_all
+from .fileio import Change, check_writable, sha256
 from .manifest import Manifest
 from .tree import Tree
 
@@ -55,7 +56,7 @@ def revert(directory: str, force: bool = False) -> RevertOutcome:
             if not force:
                 raise
             man = None
-        outcome = RevertOutcome(manifest_removed=tree.manifest_path.exists())
+        outcome = RevertOutcome(manifest_removed=os.path.lexists(tree.manifest_path))
         changes: List[Change] = []
         drift: List[str] = []
         for path in TARGET_FILES:
@@ -98,5 +99,5 @@ def revert(directory: str, force: bool = False) -> RevertOutcome:
         for ch in changes:
             if ch.new is not None:
                 check_writable(ch.path, str(ch.path.relative_to(tree.root)))
-        write_all(changes)
+        tree.write(changes)
         return outcome
