@@ -34,6 +34,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -143,12 +144,16 @@ class TTPElasticAgent(LocalElasticAgent):
         if result.state != WorkerState.FAILED:
             return result
         failed = sorted(result.failures)
-        logger.warning(
-            "ttprun: worker rank(s) %s failed; keeping survivors up to %.0f s (TTP_OT) for the "
-            "dying checkpoint",
-            failed,
-            self._ot_s,
-        )
+        if (self._run_dir / FLOW_FINISHED_FILE).exists():
+            logger.warning("ttprun: worker rank(s) %s exited; the flow has already finished",
+                           failed)
+        else:
+            logger.warning(
+                "ttprun: worker rank(s) %s failed; keeping survivors up to %.0f s (TTP_OT) for "
+                "the dying checkpoint",
+                failed,
+                self._ot_s,
+            )
         self._hold_survivors(pcontext)
         with _close_deferred(pcontext):
             final = super()._monitor_workers(worker_group)
@@ -258,6 +263,52 @@ def check_key_source(multi_node: bool) -> None:
         raise ValueError(MULTI_NODE_KEY_MESSAGE)
 
 
+_OUTCOME_WORDS = {
+    "saved": "dying checkpoint of iteration {step} saved and marked latest",
+    "no_consistent_step": "no step had a clean copy of every shard, so nothing was saved "
+    "(the last regular checkpoint stays latest)",
+    "save_failed": "the dying-checkpoint save failed ({reason}); nothing new was marked latest",
+    "no_verdict": "no save decision was reached ({reason}); nothing new was marked latest",
+}
+
+
+def _read_flow(path: Path) -> Optional[dict]:
+    try:
+        flow = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return flow if isinstance(flow, dict) else None
+
+
+def outcome_lines(flow: Optional[dict], failures: dict) -> list:
+    """The last lines of a failed run, in words: which rank failed, what the flow did, what next.
+
+    Ranks that exited with the flow's own exit code did so *because* of the fault (e.g. 83 after
+    saving), so they are not named as failures.
+    """
+    consequence = None if flow is None else flow.get("exit_code")
+    failed = {r: f for r, f in failures.items() if f.exitcode != consequence}
+    parts = []
+    for rank, failure in sorted(failed.items()):
+        when = time.strftime("%H:%M:%S", time.localtime(failure.timestamp))
+        how = (f"was killed by {signal.Signals(-failure.exitcode).name}"
+               if failure.exitcode < 0 else f"exited with code {failure.exitcode}")
+        parts.append(f"rank {rank} (node {socket.gethostname()}) {how} at {when}")
+    lines = ["; ".join(parts) or "the job was stopped"]
+    if flow is None:
+        lines.append("no dying-checkpoint flow ran; exit 1")
+        return lines
+    words = _OUTCOME_WORDS.get(str(flow.get("outcome")), "flow outcome {outcome}: {reason}")
+    lines.append(words.format(step=flow.get("step"), reason=flow.get("reason"),
+                              outcome=flow.get("outcome")) + f" (exit {consequence} on the "
+                 "ranks that took part, not failures)")
+    if flow.get("outcome") == "saved":
+        lines.append("exit 1 so your scheduler restarts the job; run the same command to resume")
+    else:
+        lines.append("exit 1; rerunning the same command resumes from the last checkpoint")
+    return lines
+
+
 @contextlib.contextmanager
 def ttp_environment() -> Iterator[Path]:
     """Export a fresh TTP_RUN_DIR and, unless the user gave a key, a generated TTP_AUTH_KEY to
@@ -337,7 +388,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             run(args)
         except ChildFailedError as exc:
-            print(str(exc), file=sys.stderr)
+            flow = _read_flow(run_dir / FLOW_FINISHED_FILE)
+            if flow is None:
+                print(str(exc), file=sys.stderr)
+            for line in outcome_lines(flow, exc.failures):
+                print(f"ttprun: {line}", file=sys.stderr)
             return 1
         except SignalException as exc:
             return 128 + int(exc.sigval)

@@ -133,6 +133,9 @@ def run_demo(args: argparse.Namespace, work: Path) -> int:
     flow = faulty.flow or {}
     _say(f"      ttprun exited {faulty.returncode} after {faulty.seconds:.1f} s; runtime outcome: "
          f"{flow.get('outcome', 'none recorded')}")  # fmt: skip
+    if faulty.returncode == 1:
+        _say("      (exit 1 is expected: a rank was killed, so ttprun fails the job and a "
+             "scheduler would restart it; the same command then resumes from the dying checkpoint)")
     try:
         summary = _checkpoint_summary(faulty)
     except CheckpointError as exc:
@@ -175,6 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = run_demo(args, work)
     finally:
         if args.workdir is None:
+            _say(f"removing {work} (checkpoints and logs of this demo); pass --workdir DIR to "
+                 "keep them")
             shutil.rmtree(work, ignore_errors=True)
     _say(f"ttp-demo finished in {time.monotonic() - started:.1f} s (exit {code})")
     return code

@@ -208,3 +208,17 @@ def test_demo_command_resumes_bit_exact(tmp_path: Path) -> None:
     assert "RESULT: MATCH" in out
     assert (tmp_path / "faulty" / "ckpt" / "step_0000005" / "manifest.json").is_file()
     print(f"ttp-demo took {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_demo_says_why_exit_1_and_what_it_removes(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mindio_ttp.demo"], capture_output=True, text=True, timeout=240,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "ttprun exited 1" in out and "exit 1 is expected: a rank was killed" in out, out
+    removed = re.search(r"removing (\S+) \(checkpoints and logs of this demo\)", out)
+    assert removed, out
+    assert Path(removed.group(1)).parent == tmp_path and not Path(removed.group(1)).exists()

@@ -93,10 +93,10 @@ def test_single_fault_saves_expected_step(
     step = expected_step(phase, KILL_STEP)
     _assert_saved(result, step, reference)
     if fault is not Fault.EXCEPTION:
-        # ttprun's failure report blames the rank that failed, not the survivors that exited
+        # ttprun's outcome line names the rank that failed first, not the survivors that exited
         # with the flow's exit code afterwards (a stopped rank is the one ttprun killed)
-        root_cause = result.output.split("Root Cause", 1)[1]
-        assert f"rank      : {rank} (local_rank: {rank})" in root_cause, result.output
+        named = [ln for ln in result.output.splitlines() if ln.startswith("ttprun: rank ")]
+        assert named and named[-1].startswith(f"ttprun: rank {rank} (node "), result.output
     if fault is not Fault.EXCEPTION or phase is Phase.INSIDE:
         # dead, hung, or stuck half-updated: never a saver (a rank that threw outside the
         # window is alive with a clean state, so it may serve)
