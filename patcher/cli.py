@@ -156,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     handler = _log_to_stderr()
     try:
         return _run(args)
-    except KeyboardInterrupt:  # outside the write phase (it blocks signals): nothing written
+    except KeyboardInterrupt:  # outside the write phase (it defers signals): nothing written
         exc = Interrupted(signal.SIGINT, "interrupted (SIGINT) before anything was written")
         print(exc.render(), file=sys.stderr)
         return exc.exit_code

@@ -4,8 +4,11 @@ A rename is atomic per file, never across files, so on any failure every file al
 replaced is put back from the bytes read before writing (or removed, if it was new). Against
 what no `except` can catch (SIGKILL, power loss) the caller passes a journal, written before
 the first replace, from which the next command rolls back (patcher/journal.py). SIGINT and
-SIGTERM are blocked while files are replaced and acted on between two files: roll back, then
-raise Interrupted.
+SIGTERM are deferred while files are replaced and acted on between two files: roll back, then
+raise Interrupted. They are deferred with Python-level handlers that only record the signal, not
+with a signal mask: a mask is per thread, and a process-directed signal goes to any thread that
+does not block it, so in a process with other threads (a host program, pytest with torch loaded)
+a mask lets the signal through as KeyboardInterrupt in the middle of a write.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import os
 import signal
 import stat
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from .errors import (
     Interrupted,
@@ -181,13 +185,42 @@ def _apply(change: Change, old: Snapshot) -> None:
         _write_one(change.path, change.new, old.mode if old.kind == "file" else change.mode)
 
 
-def _pending_signal() -> Optional[int]:
-    pending = signal.sigpending()
-    return next((s for s in _SIGNALS if s in pending), None)
+class _Deferred:
+    """The SIGINT/SIGTERM that arrived during the write phase, in arrival order."""
+
+    def __init__(self) -> None:
+        self.caught: List[int] = []
+
+    def pending(self) -> Optional[int]:
+        return self.caught[0] if self.caught else None
+
+    def consume(self) -> None:
+        self.caught.clear()
 
 
-def _consume(signum: int) -> None:
-    signal.sigtimedwait([signum], 0)
+@contextlib.contextmanager
+def _deferred_signals() -> Iterator[_Deferred]:
+    """Record SIGINT/SIGTERM instead of acting on them, until the block ends.
+
+    Python runs signal handlers in the main thread only, whichever thread the kernel picked,
+    so recording handlers defer the signal for the whole process. Called from another thread,
+    the signal cannot interrupt this thread at all (it raises in the main thread), so nothing
+    needs installing.
+    """
+    box = _Deferred()
+    if threading.current_thread() is not threading.main_thread():
+        yield box
+        return
+
+    def record(signum: int, _frame: object) -> None:
+        box.caught.append(signum)
+
+    old = {s: signal.signal(s, record) for s in _SIGNALS}
+    try:
+        yield box
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def _test_pause() -> None:
@@ -230,11 +263,10 @@ def write_all(
     done: List[Tuple[Change, Snapshot]] = []
     caught: Optional[int] = None
     failing: Optional[Path] = None
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-    try:
+    with _deferred_signals() as deferred:
         try:
             for entry in originals:
-                caught = _pending_signal()
+                caught = deferred.pending()
                 if caught is not None:
                     raise Interrupted(caught, "interrupted")
                 _test_pause()
@@ -244,18 +276,14 @@ def write_all(
                     raise _changed(ch, str(ch.path))
                 _apply(ch, old)
                 done.append(entry)
-            caught = _pending_signal()  # the last chance to cancel: before the commit point
+            caught = deferred.pending()  # the last chance to cancel: before the commit point
             if caught is not None:
                 raise Interrupted(caught, "interrupted")
             if journal is not None:
                 journal.end()
         except BaseException as exc:
             _roll_back(done, journal, exc, failing)
-        caught = _pending_signal()
-        if caught is not None:
-            _consume(caught)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        caught = deferred.pending()
     if caught is not None:
         raise Interrupted(
             caught,
@@ -283,7 +311,6 @@ def _roll_back(
         restored += "; could NOT restore: " + "; ".join(problems)
     if isinstance(exc, Interrupted):
         signum = exc.exit_code - 128
-        _consume(signum)
         raise Interrupted(
             signum,
             f"interrupted by {signal.Signals(signum).name}: nothing changed ({restored})",

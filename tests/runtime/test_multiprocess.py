@@ -83,7 +83,10 @@ def test_sigterm_preemption_saves_without_a_dead_rank(tmp_path):
     res = run_job(tmp_path, {"faults": [fault("term", 3, "before")]})
     assert res.codes == {r: SAVED for r in range(4)}, res.all_logs()
     step = res.flow["step"]
-    assert step >= 5  # every rank may run on until the lock arrives
+    # Rank 3 locks itself before step 5's update and every step needs its all-reduce, so no rank
+    # passes step 5; the others may or may not enter step 5's window before the lock reaches
+    # them (on a loaded machine it can reach them first: CI saw 4), and either is consistent.
+    assert step in (4, 5), res.flow
     check_saved(res, step, [0, 1])
     assert "reported preempted" in res.logs[0]
 
