@@ -17,6 +17,7 @@ import os
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
+from . import device as _device
 from . import hooks as _hooks
 from .config import ENV_LOG_LEVEL, ENV_LOG_PATH, ExitCode, Outcome, TTPConfig, _port_env
 from .controller import Controller
@@ -204,6 +205,7 @@ def ttp_start_processor(ip: str, port: int) -> None:
 def ttp_register_save_ckpt_handler(fn: Callable[[int, List[int], tuple], None]) -> None:
     HANDLERS["save"] = _handler("ttp_register_save_ckpt_handler", fn, 3,
                                 "fn(step, save_ranks, ckpt_args)")
+    HANDLERS["device"] = _device.capture()  # the handler threads bind this device (device.py)
 
 
 def ttp_register_rename_handler(fn: Callable[[int, tuple], None]) -> None:

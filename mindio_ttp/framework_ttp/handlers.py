@@ -11,11 +11,13 @@ import time
 from typing import Any, Callable, Optional, Tuple
 
 from . import protocol as P
+from .device import NO_DEVICE
 from .hooks import STATE
 
 log = logging.getLogger("mindio_ttp.processor")
 
-HANDLERS: dict = {"save": None, "rename": None}
+# "device": the DeviceBinding captured when the save handler was registered (device.py)
+HANDLERS: dict = {"save": None, "rename": None, "device": NO_DEVICE}
 
 
 class _Job:
@@ -54,6 +56,7 @@ class HandlerMixin:
         self._job = job
         log.info("rank %d: running the %s handler for step %s", self.rank, kind, args[0])
         prev = self._job_thread
+        binding = HANDLERS.get("device") or NO_DEVICE
 
         def run() -> None:
             # a flow re-run by a standby controller may order the same save again: never run
@@ -65,6 +68,7 @@ class HandlerMixin:
                                    "is still running")
                     return
             try:
+                binding.bind()  # before any device work: a new thread starts on device 0
                 fn(*args)
             except BaseException as exc:  # report anything; the exit order ends the process
                 log.exception("rank %d: %s handler failed", self.rank, kind)

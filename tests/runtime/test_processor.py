@@ -178,3 +178,60 @@ def test_failover_walks_the_primary_backup_list_past_a_dead_standby(tmp_path):
         for ctl in (primary, *standbys.values()):
             ctl.stop()
         hooks.STATE.reset()
+
+
+class PerThreadDevice:
+    """An accelerator module with CUDA's semantics: the current device is per host thread and
+    a new thread starts on device 0 (torch_npu: unbound until set_device)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return getattr(self._local, "index", 0)
+
+    def set_device(self, index: int) -> None:
+        self._local.index = index
+
+
+def test_handler_threads_run_on_the_device_training_set(job, monkeypatch):
+    import torch
+
+    import mindio_ttp.framework_ttp as ttp
+
+    fake = PerThreadDevice()
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    fake.set_device(3)  # what Megatron's initialize does in the main thread (local rank 3)
+    seen = []
+
+    def save(step, ranks, args):
+        seen.append(("save", fake.current_device()))
+
+    def rename(step, args):
+        seen.append(("rename", fake.current_device()))
+
+    ttp.ttp_register_save_ckpt_handler(save)
+    assert HANDLERS["device"].describe() == "npu:3"
+    train_to(3)  # the scripted peers hold step 3
+    ctl, proc, codes, fakes = job(save=save, rename=rename)
+    fakes[1].close()
+    assert proc.exited.wait(10) and codes == [83], ctl.faults
+    assert seen == [("save", 3), ("rename", 3)], ctl.decision
+
+
+def test_no_accelerator_binds_nothing(monkeypatch):
+    import torch
+
+    from mindio_ttp.framework_ttp import device
+
+    monkeypatch.delattr(torch, "npu", raising=False)
+    if torch.cuda.is_available():  # pragma: no cover - CPU CI
+        pytest.skip("a CUDA device is present")
+    assert device.capture() == device.NO_DEVICE
+    device.NO_DEVICE.bind()  # a no-op, not an error
