@@ -48,6 +48,7 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.utils.process_state import read_proc_state
 
+from mindio_ttp import collective_env
 from mindio_ttp.framework_ttp.config import (
     DEFAULTS,
     ENV_AUTH_KEY,
@@ -318,7 +319,8 @@ def ttp_environment() -> Iterator[Path]:
     which is then kept (so a caller can read ``flow-finished.json``); otherwise a temporary one is
     made and removed at exit.
     """
-    saved = {name: os.environ.get(name) for name in (ENV_RUN_DIR, ENV_AUTH_KEY)}
+    saved = {name: os.environ.get(name)
+             for name in (ENV_RUN_DIR, ENV_AUTH_KEY, *collective_env.NAMES)}
     parent = saved[ENV_RUN_DIR]
     if parent:
         Path(parent).mkdir(parents=True, exist_ok=True)
@@ -326,6 +328,7 @@ def ttp_environment() -> Iterator[Path]:
     os.environ[ENV_RUN_DIR] = str(run_dir)
     if not saved[ENV_AUTH_KEY] and not os.environ.get(ENV_AUTH_KEY_FILE):
         os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)  # single node (check_key_source)
+    collective_env.apply_defaults(os.environ)
     try:
         yield run_dir
     finally:
@@ -374,10 +377,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        overtime_s()
+        ot = overtime_s()
     except ValueError as exc:
         print(f"ttprun: error: {exc}", file=sys.stderr)
         return 2
+    warning = collective_env.timeout_warning(args.training_script_args, ot)
+    if warning:
+        print(f"ttprun: warning: {warning}", file=sys.stderr)
     try:
         check_key_source(is_multi_node(args.nnodes))
     except ValueError as exc:

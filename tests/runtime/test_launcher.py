@@ -5,6 +5,7 @@ stragglers and stopped workers are killed, and SIGTERM to the launcher is forwar
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -272,3 +273,53 @@ def test_plain_failure_keeps_torchs_table_and_says_no_flow_ran(
     tail = output.strip().splitlines()[-2:]
     assert tail[0].startswith("ttprun: rank 1 (node ") and "code 3" in tail[0], output
     assert tail[1] == "ttprun: no dying-checkpoint flow ran; exit 1", output
+
+
+ENV_PROBE = (
+    "import json, os, pathlib, sys\n"
+    "names = ('TORCH_NCCL_ASYNC_ERROR_HANDLING', 'HCCL_ASYNC_ERROR_HANDLING')\n"
+    "pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(\n"
+    "    json.dumps({n: os.environ.get(n) for n in names}))\n"
+)
+
+
+def _probe_env(tmp_path: Path, port: int, script_args: tuple = (), **env_extra: str):
+    script = tmp_path / "probe.py"
+    script.write_text(ENV_PROBE)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                        "HCCL_ASYNC_ERROR_HANDLING")}
+    env.update(OUT=str(tmp_path), **env_extra)
+    cmd = [
+        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", "--nproc-per-node=2",
+        "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+        "--node-rank=0", str(script), *script_args,
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [json.loads((tmp_path / r).read_text()) for r in ("0", "1")], done.stderr
+
+
+def test_workers_get_the_collective_settings_a_dying_checkpoint_needs(
+    tmp_path: Path, free_port: int
+) -> None:
+    """torch's NCCL default (3) kills survivors of a hung collective; torch_npu's HCCL default
+    (1) terminates them on a dead peer's error: ttprun's workers get 2 and 0."""
+    seen, err = _probe_env(tmp_path, free_port)
+    assert seen == [{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "HCCL_ASYNC_ERROR_HANDLING": "0"}] * 2
+    assert "warning" not in err
+
+
+def test_a_users_collective_setting_wins(tmp_path: Path, free_port: int) -> None:
+    seen, _ = _probe_env(tmp_path, free_port, TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    assert {s["TORCH_NCCL_ASYNC_ERROR_HANDLING"] for s in seen} == {"1"}
+    assert {s["HCCL_ASYNC_ERROR_HANDLING"] for s in seen} == {"0"}
+
+
+def test_megatron_timeout_shorter_than_the_grace_is_warned(tmp_path: Path, free_port: int) -> None:
+    _, err = _probe_env(tmp_path, free_port, ("--distributed-timeout-minutes", "1"), TTP_OT="300")
+    assert "ttprun: warning: Megatron's --distributed-timeout-minutes (60 s) is shorter than " \
+           "TTP_OT (300 s)" in err, err
+    assert "--distributed-timeout-minutes 5 or more" in err
+    _, err = _probe_env(tmp_path, free_port, ("--distributed-timeout-minutes=10",), TTP_OT="300")
+    assert "warning" not in err, err

@@ -1,0 +1,80 @@
+"""What NCCL and HCCL must be told so that survivors live long enough to write the checkpoint.
+
+A survivor of a fault usually sits in a collective with the dead peer. What the collective
+library does when that collective times out decides whether a dying checkpoint can happen:
+
+* ``TORCH_NCCL_ASYNC_ERROR_HANDLING``: torch's default 3 kills the process without aborting the
+  communicator (PyTorch's ProcessGroupNCCL docs). 2 aborts the communicator and leaves the
+  process alive: the hung collective then raises in the training thread, which the TTP decorator
+  turns into "wait for the verdict", and the hung kernel no longer blocks device work.
+* ``HCCL_ASYNC_ERROR_HANDLING``: torch_npu's default 1 (torch >= 2.1) terminates the process on
+  an ERROR CQE, the error a dead peer's link gives (Ascend's torch_npu environment docs); 0 keeps
+  the process, and the TTP heartbeat detects the fault instead.
+
+ttprun sets these for its workers only where the user has not set them (their value wins and
+is logged). Megatron's process-group timeout (``--distributed-timeout-minutes``, default 10)
+is the other clock: a survivor's hung collective fails when it runs out, so it must not be
+shorter than the grace period ``TTP_OT`` the launcher gives the survivors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, MutableMapping, Optional, Sequence, Tuple
+
+log = logging.getLogger("mindio_ttp.launcher")
+
+# (name, value for the workers, why): the one table of collective settings ttprun gives.
+WORKER_DEFAULTS: Tuple[Tuple[str, str, str], ...] = (
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2",
+     "abort the hung communicator, keep the survivor alive for the dying checkpoint"),
+    ("HCCL_ASYNC_ERROR_HANDLING", "0",
+     "a dead peer's ERROR CQE must not terminate the survivors before they save"),
+)
+NAMES = tuple(name for name, _, _ in WORKER_DEFAULTS)
+MEGATRON_TIMEOUT_FLAG = "--distributed-timeout-minutes"
+MEGATRON_TIMEOUT_DEFAULT_MIN = 10.0
+
+
+def apply_defaults(environ: MutableMapping[str, str]) -> Dict[str, str]:
+    """Set each default the user left unset; return what was set (the user's values stay)."""
+    done = {}
+    for name, value, why in WORKER_DEFAULTS:
+        if name in environ:
+            if environ[name] != value:
+                log.info("ttprun: keeping your %s=%s (ttprun's default %s would %s)", name,
+                         environ[name], value, why)
+            continue
+        environ[name] = value
+        done[name] = value
+    return done
+
+
+def megatron_timeout_s(script_args: Sequence[str]) -> Optional[float]:
+    """Megatron's process-group timeout from the training command line (None: not Megatron's
+    flag, or unreadable)."""
+    args = list(script_args)
+    for i, arg in enumerate(args):
+        raw = None
+        if arg == MEGATRON_TIMEOUT_FLAG and i + 1 < len(args):
+            raw = args[i + 1]
+        elif arg.startswith(MEGATRON_TIMEOUT_FLAG + "="):
+            raw = arg.split("=", 1)[1]
+        if raw is not None:
+            try:
+                return float(raw) * 60.0
+            except ValueError:
+                return None
+    return None
+
+
+def timeout_warning(script_args: Sequence[str], overtime_s: float) -> Optional[str]:
+    """A warning when the collectives' timeout runs out before the survivors' grace period."""
+    timeout = megatron_timeout_s(script_args)
+    if timeout is None or timeout >= overtime_s:
+        return None
+    need = -(-overtime_s // 60)  # ceil, in minutes
+    return (f"Megatron's {MEGATRON_TIMEOUT_FLAG} ({timeout:.0f} s) is shorter than TTP_OT "
+            f"({overtime_s:.0f} s): a survivor's collective hung on the dead rank fails before "
+            f"the dying checkpoint's grace period ends; pass {MEGATRON_TIMEOUT_FLAG} {need:.0f} "
+            "or more, or lower TTP_OT")
