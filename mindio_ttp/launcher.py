@@ -56,6 +56,7 @@ from mindio_ttp.framework_ttp.config import (
     ENV_OT,
     ENV_RUN_DIR,
     FLOW_FINISHED_FILE,
+    RUNTIME_STARTED_DIR,
     read_key_file,
 )
 
@@ -127,14 +128,48 @@ class TTPElasticAgent(LocalElasticAgent):
         self._ot_s = overtime_s()
         self._run_dir = Path(os.environ[ENV_RUN_DIR])
         self._attempt = 0
+        self._attempt_store = None  # the TCPStore this node hosts for the current attempt
 
     # -- worker lifecycle -------------------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """Give every restarted attempt a store of its own (static rendezvous).
+
+        torch's static rendezvous keeps one TCPStore for the whole run and its workers use it
+        without a per-attempt prefix, so a restarted attempt reads the previous attempt's keys
+        (Gloo's peer addresses: "connectFullMesh failed ... Connection refused"; NCCL's unique
+        id). Node 0's agent hosts a fresh store per restart on a free port and publishes the
+        port in the rendezvous store under the attempt's own key; every node's workers get it
+        as MASTER_PORT.
+        """
+        super()._rendezvous(worker_group)
+        spec = worker_group.spec
+        restart = spec.max_restarts - self._remaining_restarts
+        if restart == 0 or spec.rdzv_handler.get_backend() != "static":
+            return  # the first attempt uses torch's store; c10d makes a new one per round
+        from torch.distributed import TCPStore
+
+        key = f"ttprun/attempt{restart}/store_port"
+        if worker_group.group_rank == 0:
+            fresh = TCPStore(host_name=worker_group.master_addr, port=0, is_master=True,
+                             wait_for_workers=False, multi_tenant=True)
+            worker_group.store.set(key, str(fresh.port))
+            self._attempt_store = fresh  # the previous attempt's store closes with its object
+        port = int(worker_group.store.get(key).decode())
+        logger.info("ttprun: restart %d uses its own store %s:%d", restart,
+                    worker_group.master_addr, port)
+        worker_group.master_port = port
+
     def _start_workers(self, worker_group: WorkerGroup):  # noqa: D401 - torch's signature
         marker = self._run_dir / FLOW_FINISHED_FILE
         if marker.exists():
             marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
+        shutil.rmtree(self._run_dir / RUNTIME_STARTED_DIR, ignore_errors=True)  # per attempt
         self._attempt += 1
         return super()._start_workers(worker_group)
+
+    def _runtime_started(self) -> bool:
+        started = self._run_dir / RUNTIME_STARTED_DIR
+        return started.is_dir() and any(started.iterdir())
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         pcontext = self._pcontext
@@ -145,6 +180,13 @@ class TTPElasticAgent(LocalElasticAgent):
         if result.state != WorkerState.FAILED:
             return result
         failed = sorted(result.failures)
+        if not self._runtime_started() and not (self._run_dir / FLOW_FINISHED_FILE).exists():
+            logger.warning(
+                "ttprun: worker rank(s) %s failed and no TTP runtime started in this attempt on "
+                "this node: nothing to save, so the others are not held for TTP_OT",
+                failed,
+            )
+            return result
         if (self._run_dir / FLOW_FINISHED_FILE).exists():
             logger.warning("ttprun: worker rank(s) %s exited; the flow has already finished",
                            failed)

@@ -19,7 +19,15 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from . import device as _device
 from . import hooks as _hooks
-from .config import ENV_LOG_LEVEL, ENV_LOG_PATH, ExitCode, Outcome, TTPConfig, _port_env
+from .config import (
+    ENV_LOG_LEVEL,
+    ENV_LOG_PATH,
+    RUNTIME_STARTED_DIR,
+    ExitCode,
+    Outcome,
+    TTPConfig,
+    _port_env,
+)
 from .controller import Controller
 from .hooks import TTPError, TTPForceStop
 from .processor import HANDLERS, Processor
@@ -197,9 +205,24 @@ def ttp_start_processor(ip: str, port: int) -> None:
         proc = Processor(TTPConfig.from_env(), rank, ranks, world_size, replica)
         proc.start(ip, port)
         _processor = proc
+        _mark_started(proc.cfg.run_dir, rank)
         _hooks.RUNTIME = _RUNTIME
         if threading.current_thread() is threading.main_thread():
             proc.install_sigterm()
+
+
+def _mark_started(run_dir: Optional[str], rank: int) -> None:
+    """Tell the launcher (ttprun) that this attempt has a runtime worth holding for TTP_OT."""
+    if not run_dir:
+        return
+    try:
+        started = os.path.join(run_dir, RUNTIME_STARTED_DIR)
+        os.makedirs(started, exist_ok=True)
+        with open(os.path.join(started, f"rank-{rank}"), "w"):
+            pass
+    except OSError as exc:  # the launcher then stops a failed attempt at once: say so
+        log.warning("cannot mark the runtime started in %s (%s): after a fault the launcher "
+                    "may not wait for the dying checkpoint", run_dir, exc)
 
 
 def ttp_register_save_ckpt_handler(fn: Callable[[int, List[int], tuple], None]) -> None:

@@ -37,6 +37,10 @@ ENV_CONTROLLER_PORT = "TTP_CONTROLLER_PORT"
 ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
 
 FLOW_FINISHED_FILE = "flow-finished.json"
+# In TTP_RUN_DIR: one empty file per rank whose processor started (rank-N). The launcher holds
+# survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
+# rank holds anything a dying checkpoint could use.
+RUNTIME_STARTED_DIR = "runtime-started"
 
 DEFAULTS: dict[str, float] = {
     ENV_OT: 120.0,

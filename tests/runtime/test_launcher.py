@@ -27,6 +27,9 @@ WORKER = textwrap.dedent(
     rank = int(os.environ["RANK"])
     run_dir = Path(os.environ["TTP_RUN_DIR"])
     (out / f"env-{rank}").write_text(os.environ["TTP_RUN_DIR"] + "\\n" + os.environ["TTP_AUTH_KEY"])
+    # what ttp_start_processor marks: this attempt has a runtime worth holding for TTP_OT
+    (run_dir / "runtime-started").mkdir(exist_ok=True)
+    (run_dir / "runtime-started" / f"rank-{rank}").touch()
 
     def finish_flow(code=2):
         if rank == 0:
@@ -323,3 +326,49 @@ def test_megatron_timeout_shorter_than_the_grace_is_warned(tmp_path: Path, free_
     assert "--distributed-timeout-minutes 5 or more" in err
     _, err = _probe_env(tmp_path, free_port, ("--distributed-timeout-minutes=10",), TTP_OT="300")
     assert "warning" not in err, err
+
+
+GLOO_WORKER = textwrap.dedent(
+    """
+    import datetime, os, pathlib, sys
+    import torch
+    import torch.distributed as dist
+
+    out = pathlib.Path(sys.argv[1])
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    (out / f"attempt{attempt}-rank{rank}").write_text(str(t.item()))
+    if attempt < int(os.environ["FAIL_ATTEMPTS"]):
+        if rank == 1:
+            os._exit(3)
+        dist.barrier()  # hangs on the dead rank until the launcher stops this attempt
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_each_restart_attempt_gets_its_own_store(tmp_path: Path, free_port: int) -> None:
+    """torch 2.13's static rendezvous keeps one store for every attempt, so a restarted attempt
+    read attempt 0's addresses ("Gloo connectFullMesh failed"); ttprun gives each its own."""
+    script = tmp_path / "gloo_worker.py"
+    script.write_text(GLOO_WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY")}
+    env.update(FAIL_ATTEMPTS="2", TTP_OT="30")
+    cmd = [
+        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", "--nproc-per-node=3",
+        "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port}",
+        "--node-rank=0", "--max-restarts=2", "--monitor-interval=0.05", str(script), str(tmp_path),
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert done.returncode == 0, done.stderr[-4000:]
+    for attempt in range(3):
+        assert [(tmp_path / f"attempt{attempt}-rank{r}").read_text() for r in range(3)] == \
+            ["3.0"] * 3, (attempt, done.stderr[-4000:])
+    # no TTP runtime ran in these workers, so no attempt was held for TTP_OT (30 s)
+    assert elapsed < 30, (elapsed, done.stderr[-4000:])
+    assert "no TTP runtime started" in done.stderr
