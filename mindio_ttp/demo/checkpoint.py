@@ -125,7 +125,7 @@ class _HashingWriter(io.RawIOBase):
     torch may free it. Small buffers (pickle records, zip headers) are hashed inline. After each
     chunk the kernel is asked to start writing it back (`_START_WRITEBACK`), so the closing fsync
     waits for the tail only. (Measured on the 2-core dev VM against the previous design, copy
-    every buffer and hash on a queue thread: see README, Benchmarks.)
+    every buffer and hash on a queue thread: see docs/benchmarks.md, Persist.)
     ``midway`` runs after the first write (fault injection: a rank that dies there leaves a torn
     ``.part`` file).
     """
