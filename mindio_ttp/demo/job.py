@@ -92,7 +92,10 @@ def train(args: argparse.Namespace, state: ShardState, handlers: DemoHandlers) -
     ttp.ttp_register_rename_handler(handlers.rename)
 
     snapshots = {}
+    batches = _loader(args.loader_workers)
     for step in range(state.step + 1, args.steps + 1):
+        if batches is not None:
+            next(batches)  # the batch is not used: the loader's worker processes are the point
         if args.step_delay:
             time.sleep(args.step_delay)  # stands in for a longer step (preemption tests)
         loss, grad = forward_backward(state.params, step, rank)
@@ -133,6 +136,25 @@ def train(args: argparse.Namespace, state: ShardState, handlers: DemoHandlers) -
     dist.barrier()
 
 
+class _Endless(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        i = 0
+        while True:
+            yield torch.tensor([i])
+            i += 1
+
+
+def _loader(workers: int):
+    """Batches from a DataLoader with `workers` worker processes, as Megatron's default
+    ``--num-workers 2`` has: a preemption signal that kills them must not cost the checkpoint
+    (torch's SIGCHLD handler then raises in the training thread)."""
+    if workers <= 0:
+        return None
+    loader = torch.utils.data.DataLoader(_Endless(), batch_size=None, num_workers=workers,
+                                         persistent_workers=True)
+    return iter(loader)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mindio_ttp.demo.job", description=__doc__)
     p.add_argument("--steps", type=int, required=True, help="train up to this optimizer step")
@@ -142,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="start from the latest checkpoint")
     p.add_argument("--snapshots", action="store_true", help="keep every step's state (rank 0)")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep this long per step")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="draw a batch per step from a DataLoader with this many workers")
     return p
 
 

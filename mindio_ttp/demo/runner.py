@@ -6,6 +6,7 @@ command line. Everything a launch writes stays under its own work directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -101,11 +102,14 @@ def launch(
     timeout: float = 120.0,
     step_delay: float = 0.0,
     preempt_after_step: Optional[int] = None,
+    preempt_every_process: bool = False,
+    loader_workers: int = 0,
 ) -> LaunchResult:
     """Run the 4-rank demo job under ttprun to completion (or its dying checkpoint).
 
     ``preempt_after_step`` sends SIGTERM to ttprun once rank 0 reports that step, as a scheduler
-    preempting the job would.
+    preempting the job would; with ``preempt_every_process`` it goes to every process of the job
+    at once (ttprun, the ranks and their DataLoader workers), as Slurm signals a job step.
     """
     work.mkdir(parents=True, exist_ok=True)
     ckpt = ckpt_dir or work / "ckpt"
@@ -130,6 +134,8 @@ def launch(
         cmd.append("--snapshots")
     if step_delay:
         cmd.append(f"--step-delay={step_delay}")
+    if loader_workers:
+        cmd.append(f"--loader-workers={loader_workers}")
     preempt_line = None if preempt_after_step is None else f"rank 0 | step {preempt_after_step}/"
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -138,12 +144,18 @@ def launch(
     )  # fmt: skip
     lines: List[str] = []
 
+    sent: List[float] = []
+
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if preempt_line is not None and line.startswith(preempt_line):
-                proc.send_signal(signal.SIGTERM)
+            if preempt_line is not None and not sent and line.startswith(preempt_line):
+                sent.append(time.monotonic())
+                targets = [proc.pid, *(_descendants(proc.pid) if preempt_every_process else [])]
+                for pid in targets:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
             if echo is not None:
                 echo(line.rstrip("\n"))
 

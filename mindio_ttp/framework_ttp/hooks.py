@@ -200,6 +200,26 @@ F = TypeVar("F", bound=Callable[..., Any])
 RUNTIME: Optional[Any] = None
 
 
+def _wait_for_verdict(rt: Any) -> None:
+    """Wait up to TTP_OT for the exit order, whatever is raised into this thread meanwhile.
+
+    A preemption signal that reaches every process of the job (Slurm, or ttprun signalling each
+    rank's process group) also kills the DataLoader's worker processes, and torch's SIGCHLD
+    handler raises RuntimeError in the main thread for each: in the middle of this wait, too.
+    Leaving the wait would end the process before the survivors' save; the processor's thread
+    ends the process with the flow's exit code when the verdict comes.
+    """
+    deadline = time.monotonic() + rt.ot
+    while True:
+        try:
+            rt.wait_for_exit(max(0.0, deadline - time.monotonic()))
+            return
+        except BaseException as exc:  # noqa: B902 - anything, see above
+            log.warning("ignoring %r while waiting for the controller's verdict", exc)
+            if time.monotonic() >= deadline:
+                return
+
+
 def to_persist(func: F) -> F:
     """Wrap `train`: a normal return shuts the runtime down; an exception is reported to the
     controller at once, then the process waits for the exit order (the processor thread ends
@@ -232,7 +252,7 @@ def to_persist(func: F) -> F:
                 log.error("exception in train: %r; reporting it and waiting up to %g s for the "
                           "controller's verdict", exc, rt.ot)
                 rt.report_exception(exc)
-            rt.wait_for_exit(rt.ot)
+            _wait_for_verdict(rt)
             log.error("no exit order within TTP_OT=%g s: re-raising", rt.ot)
             raise
         rt = RUNTIME

@@ -20,11 +20,14 @@ from typing import Dict, Optional, Tuple, Union
 
 
 class Fault(str, enum.Enum):
-    """What happens to the rank: it dies, throws, or hangs (stopped, so heartbeats stop too)."""
+    """What happens to the rank: it dies, throws, or hangs (stopped, so heartbeats stop too);
+    or PREEMPT_ALL: SIGTERM to every process of this node's job at once (the launcher, every
+    rank, their DataLoader workers), as Slurm signals a job step."""
 
     SIGKILL = "sigkill"
     EXCEPTION = "exception"
     SIGSTOP = "sigstop"
+    PREEMPT_ALL = "preempt_all"
 
 
 class Phase(str, enum.Enum):
@@ -149,8 +152,26 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.fault is Fault.SIGSTOP:
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.fault is Fault.PREEMPT_ALL:
+            _signal_the_whole_job(signal.SIGTERM)
         else:
             raise InjectedFault(f"injected fault: {spec.describe()}")
+
+
+def _signal_the_whole_job(sig: int) -> None:
+    """`sig` to the launcher that started this rank and to all its descendants, each once, as
+    close to the same instant as a loop allows (this rank last, so it sends them all)."""
+    import psutil
+
+    launcher = psutil.Process(os.getppid())
+    targets = [launcher, *launcher.children(recursive=True)]
+    for proc in targets:
+        if proc.pid != os.getpid():
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+    os.kill(os.getpid(), sig)
 
 
 def _kill_together(rank: int, step: int, phase: Phase, ranks: list, record_dir: Path) -> None:

@@ -309,3 +309,19 @@ def test_garbage_tracker_is_a_clear_nonzero_exit(killed, patched_megatron_tree, 
     assert result.returncode != 0, result.tail()
     assert f"checkpoint tracker {ckpt / manifest.TRACKER} holds '5.0'" in result.log
     assert not result.losses, "training must not start from a guessed iteration"
+
+
+def test_slurm_style_preemption_with_dataloader_workers_saves_and_resumes(
+        reference, patched_megatron_tree, tiny_dataset, work):
+    """Megatron's default --num-workers 2, SIGTERM to every process of the job at once (the
+    launcher, the ranks, their DataLoader workers), as Slurm preempts a job step: torch's
+    SIGCHLD handler raises in the training threads, and the dying checkpoint is still written."""
+    ckpt = work / "preempt_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "preempt.log", ckpt,
+                     plan="1:5:preempt_all:before", extra=["--num-workers", "2"])
+    assert result.returncode == 143, result.tail()  # ttprun itself got the SIGTERM
+    assert "is killed by signal" in result.log  # the DataLoader workers did die
+    step = tracker_step(ckpt)
+    assert step in (4, 5), result.tail()  # every rank stops within the step it was in
+    resume_and_compare(patched_megatron_tree, tiny_dataset, work, "preempt", ckpt, reference,
+                       first_resumed=step + 1)

@@ -168,3 +168,18 @@ def test_preemption_sigterm_to_ttprun_saves_a_consistent_step(
     assert flow is not None and flow["outcome"] == "saved", result.output
     assert flow["step"] in (2, 3)
     _assert_saved(result, flow["step"], reference, launcher_exit=143)
+
+
+@pytest.mark.parametrize("every_process", [False, True], ids=["to-ttprun", "slurm-style"])
+def test_preemption_with_dataloader_workers_saves(
+    reference: Reference, tmp_path: Path, every_process: bool
+) -> None:
+    """Megatron's default --num-workers 2: the preemption kills the DataLoader's workers too
+    (ttprun signals each rank's process group; Slurm signals every process of the step), and
+    torch's SIGCHLD handler raises in the training thread, also while it waits for the verdict."""
+    result = launch(tmp_path, STEPS, step_delay=0.3, preempt_after_step=2, loader_workers=2,
+                    preempt_every_process=every_process)
+    flow = result.flow
+    assert flow is not None and flow["outcome"] == "saved", result.output
+    assert flow["step"] in (2, 3)
+    _assert_saved(result, flow["step"], reference, launcher_exit=143)

@@ -235,3 +235,44 @@ def test_no_accelerator_binds_nothing(monkeypatch):
         pytest.skip("a CUDA device is present")
     assert device.capture() == device.NO_DEVICE
     device.NO_DEVICE.bind()  # a no-op, not an error
+
+
+def test_an_exception_raised_while_waiting_for_the_verdict_does_not_end_the_wait(
+    job, monkeypatch
+):
+    """torch's DataLoader SIGCHLD handler raises in the main thread for every worker the
+    preemption killed, also during the decorator's wait: the wait must go on to the verdict."""
+    import os
+    import signal
+
+    import mindio_ttp.framework_ttp as ttp
+
+    def raise_in_main_thread(signum, frame):
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
+
+    old = signal.signal(signal.SIGUSR1, raise_in_main_thread)
+    try:
+        train_to(3)
+        hooks.set_ckpt_args((3, "model"))
+        saved = threading.Event()
+        ctl, proc, codes, fakes = job(save=lambda s, r, a: saved.set(), rename=lambda s, a: None)
+        monkeypatch.setattr(ttp, "_processor", proc)
+        monkeypatch.setattr(hooks, "RUNTIME", ttp._RUNTIME)
+
+        def during_the_wait():
+            deadline = time.monotonic() + 10
+            while not ctl.faults and time.monotonic() < deadline:  # the first report arrived
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGUSR1)  # the second worker's SIGCHLD, say
+
+        @hooks.to_persist
+        def train():
+            threading.Thread(target=during_the_wait, daemon=True).start()
+            raise RuntimeError("DataLoader worker (pid 0) is killed by signal: Terminated.")
+
+        with pytest.raises(RuntimeError, match=r"pid 0"):  # the first error, after the verdict
+            train()
+        assert codes == [83], ctl.faults
+        assert saved.is_set() or 0 not in ctl.decision.ranks
+    finally:
+        signal.signal(signal.SIGUSR1, old)
