@@ -37,6 +37,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -68,6 +69,7 @@ DEFAULT_OT_S = DEFAULTS[ENV_OT]
 # exited this many seconds later is killed (it may be wedged in a collective with a dead peer).
 POST_FLOW_EXIT_S = 15.0
 POLL_S = 0.05
+RDZV_WAIT_NOTICE_S = float(os.environ.get("TTPRUN_RDZV_NOTICE_S", "10"))
 MULTI_NODE_KEY_MESSAGE = (
     "a multi-node job needs a control-plane key that every node already has: export "
     f"{ENV_AUTH_KEY}=<64 hex chars> on every node (e.g. generate it once with `python -c "
@@ -129,6 +131,41 @@ class TTPElasticAgent(LocalElasticAgent):
         self._run_dir = Path(os.environ[ENV_RUN_DIR])
         self._attempt = 0
         self._attempt_store = None  # the TCPStore this node hosts for the current attempt
+        self._store_lost = False
+        self._guard_rendezvous()
+
+    # -- the rendezvous ---------------------------------------------------------------------
+    def _guard_rendezvous(self) -> None:
+        """Losing the rendezvous store must not stop this node's workers.
+
+        The store lives on one node (c10d: the first agent at the endpoint; static: node 0).
+        When that node is lost, torch's monitor loop asks the store for waiting nodes, gets a
+        RendezvousConnectionError and shuts this node's workers down (SIGTERM, SIGKILL 30 s
+        later): the survivors die before their dying checkpoint. Here the loss is logged and
+        the workers get the same grace as after a worker failure (TTP_OT), then the run ends.
+        """
+        handler = self._worker_group.spec.rdzv_handler
+        asked = handler.num_nodes_waiting
+
+        def num_nodes_waiting() -> int:
+            if self._store_lost:
+                return 0
+            try:
+                return asked()
+            except Exception as exc:  # RendezvousConnectionError, DistNetworkError, ...
+                self._store_lost = True
+                logger.warning(
+                    "ttprun: lost the rendezvous store (%s: %s): the node that hosts it is gone "
+                    "or unreachable; keeping this node's workers up to %.0f s (TTP_OT) for the "
+                    "dying checkpoint",
+                    type(exc).__name__, exc, self._ot_s,
+                )
+                pcontext = self._pcontext
+                if isinstance(pcontext, SubprocessContext):
+                    self._hold_survivors(pcontext)
+                return 0
+
+        handler.num_nodes_waiting = num_nodes_waiting
 
     # -- worker lifecycle -------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -141,8 +178,9 @@ class TTPElasticAgent(LocalElasticAgent):
         port in the rendezvous store under the attempt's own key; every node's workers get it
         as MASTER_PORT.
         """
-        super()._rendezvous(worker_group)
         spec = worker_group.spec
+        with _say_what_we_wait_for(spec):
+            super()._rendezvous(worker_group)
         restart = spec.max_restarts - self._remaining_restarts
         if restart == 0 or spec.rdzv_handler.get_backend() != "static":
             return  # the first attempt uses torch's store; c10d makes a new one per round
@@ -286,6 +324,37 @@ class TTPElasticAgent(LocalElasticAgent):
         for handler in pcontext.subprocess_handlers.values():
             with contextlib.suppress(Exception):
                 handler.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def _say_what_we_wait_for(spec) -> Iterator[None]:
+    """While the rendezvous blocks (torch waits up to 600 s for absent nodes, silently), say
+    every RDZV_WAIT_NOTICE_S what it waits for, where, and how to bound the wait."""
+    done = threading.Event()
+    handler = spec.rdzv_handler
+    backend = handler.get_backend()
+    where = getattr(handler, "master_addr", None)
+    where = f"{where}:{handler.master_port}" if where else "the --rdzv-endpoint"
+    bound = ("--rdzv-conf join_timeout=SECONDS" if backend != "static"
+             else "--rdzv-conf timeout=SECONDS")
+
+    def notice() -> None:
+        waited = 0.0
+        while not done.wait(RDZV_WAIT_NOTICE_S):
+            waited += RDZV_WAIT_NOTICE_S
+            logger.warning(
+                "ttprun: waited %.0f s for the other nodes of run %r (%s rendezvous at %s): "
+                "start ttprun on every node with the same --nnodes, --rdzv-id and endpoint; "
+                "bound the wait with %s",
+                waited, handler.get_run_id(), backend, where, bound,
+            )
+
+    thread = threading.Thread(target=notice, name="ttprun-rdzv-notice", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _read_marker(path: Path) -> str:

@@ -5,6 +5,7 @@ stragglers and stopped workers are killed, and SIGTERM to the launcher is forwar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -372,3 +373,120 @@ def test_each_restart_attempt_gets_its_own_store(tmp_path: Path, free_port: int)
     # no TTP runtime ran in these workers, so no attempt was held for TTP_OT (30 s)
     assert elapsed < 30, (elapsed, done.stderr[-4000:])
     assert "no TTP runtime started" in done.stderr
+
+
+NODE_WORKER = textwrap.dedent(
+    """
+    import json, os, pathlib, sys, time
+    out, node = pathlib.Path(sys.argv[1]), os.environ["NODE"]
+    run_dir = pathlib.Path(os.environ["TTP_RUN_DIR"])
+    (run_dir / "runtime-started").mkdir(exist_ok=True)
+    (run_dir / "runtime-started" / f"rank-{os.environ['RANK']}").touch()
+    (out / f"up-{node}").write_text(str(os.getpid()))
+    if node == "A":
+        time.sleep(600)  # killed with its whole node
+    deadline = time.monotonic() + 60
+    while not (out / "node-A-lost").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # the dying checkpoint: torch's agent would have stopped us by now
+    (out / "saved-B").write_text("x")
+    tmp = run_dir / "flow.tmp"
+    tmp.write_text(json.dumps({"outcome": "saved", "step": 3, "ranks": [int(os.environ["RANK"])],
+                               "exit_code": 83}))
+    os.replace(tmp, run_dir / "flow-finished.json")
+    os._exit(83)
+    """
+)
+
+
+def _node_cmd(script: Path, out: Path, port: int, notice: str = "10") -> list:
+    return [
+        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nodeloss",
+        "--monitor-interval=0.05", str(script), str(out),
+    ]  # fmt: skip
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    pytest.fail(f"the first agent never listened on {port}")
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait(10)
+
+
+@pytest.mark.slow
+def test_losing_the_node_that_hosts_the_store_keeps_the_other_nodes_workers(
+    tmp_path: Path, free_port: int
+) -> None:
+    """c10d: node A hosts the rendezvous store; when A is lost, torch's agent on B got a
+    RendezvousConnectionError in its monitor loop and stopped B's workers before they saved."""
+    script = tmp_path / "node.py"
+    script.write_text(NODE_WORKER)
+    base = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY_FILE")}
+    base.update(TTP_AUTH_KEY=os.urandom(32).hex(), TTP_OT="30")
+    cmd = _node_cmd(script, tmp_path, free_port)
+    a = subprocess.Popen(cmd, env=dict(base, NODE="A"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    b = None
+    try:
+        _wait_listening(free_port, a)
+        b = subprocess.Popen(cmd, env=dict(base, NODE="B"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"up-{n}").exists() for n in "AB"):
+            assert time.monotonic() < deadline and b.poll() is None and a.poll() is None
+            time.sleep(0.05)
+        _kill_tree(a)  # node A: its agent (the store) and its worker, at once
+        (tmp_path / "node-A-lost").touch()
+        output = _finish(b, timeout=90)
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                _kill_tree(proc)
+    assert (tmp_path / "saved-B").exists(), output
+    assert "ttprun: lost the rendezvous store" in output, output
+    assert b.returncode == 1, output
+
+
+def test_a_node_waiting_for_absent_peers_says_what_it_waits_for(
+    tmp_path: Path, free_port: int
+) -> None:
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('never started: the other node never came')")
+    env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY_FILE")}
+    env.update(TTP_AUTH_KEY=os.urandom(32).hex(), TTPRUN_RDZV_NOTICE_S="0.3")
+    proc = subprocess.Popen(_node_cmd(script, tmp_path, free_port), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if "ttprun: waited" in line or time.monotonic() > deadline:
+                break
+    finally:
+        _kill_tree(proc)
+    line = next((s for s in seen if "ttprun: waited" in s), None)
+    assert line is not None, "".join(seen)
+    assert "'nodeloss'" in line and "c10d rendezvous" in line
+    assert "join_timeout" in line and "--rdzv-id" in line
