@@ -370,9 +370,10 @@ def test_each_restart_attempt_gets_its_own_store(tmp_path: Path, free_port: int)
     for attempt in range(3):
         assert [(tmp_path / f"attempt{attempt}-rank{r}").read_text() for r in range(3)] == \
             ["3.0"] * 3, (attempt, done.stderr[-4000:])
-    # no TTP runtime ran in these workers, so no attempt was held for TTP_OT (30 s)
-    assert elapsed < 30, (elapsed, done.stderr[-4000:])
-    assert "no TTP runtime started" in done.stderr
+    # no TTP runtime ran in these workers, so no attempt was held for TTP_OT
+    assert done.stderr.count("no TTP runtime started") == 2, done.stderr[-4000:]
+    assert "keeping survivors up to" not in done.stderr
+    print(f"3 attempts, 2 failures, no hold: {elapsed:.1f} s")
 
 
 NODE_WORKER = textwrap.dedent(
