@@ -131,6 +131,27 @@ def _setup_logging(rank: int) -> None:
 
 
 # -- controller -----------------------------------------------------------------------------------
+# Shards per DP group as the optimizer that holds them declared (ReplicatedOptimizer); None
+# without one. The `replica` the training code passes must agree: one source for the layout.
+_optimizer_shards: Optional[int] = None
+
+
+def declare_optimizer_shards(shards: Optional[int]) -> None:
+    """Called by the optimizer that keeps the replicated shards, when it is built (before
+    train() initialises the runtime), so a `replica` argument that disagrees is refused."""
+    global _optimizer_shards
+    _optimizer_shards = None if shards is None else _int("shards", shards, 1, MAX_WORLD)
+
+
+def _check_shards(where: str, replica: int) -> None:
+    if _optimizer_shards is not None and replica != _optimizer_shards:
+        raise ValueError(
+            f"{where}: replica={replica} shards per DP group, but the optimizer keeps "
+            f"{_optimizer_shards}: the controller would call a step consistent that no holder "
+            f"has; pass the optimizer's shard count (ReplicatedOptimizer.num_shards)"
+        )
+
+
 def ttp_init_controller(rank: int, world_size: int, replica: int,
                         enable_local_copy: bool) -> None:
     """Prepare the controller on this rank (the guide: rank 0)."""
@@ -140,6 +161,7 @@ def ttp_init_controller(rank: int, world_size: int, replica: int,
     replica = _int("replica", replica, 1, world_size,
                    " (number of distinct optimizer shards per DP group: len(dp_ranks)//2; "
                    "a DP size of 1 has no replica to save from, use DP >= 2)")
+    _check_shards("ttp_init_controller", replica)
     _bool("enable_local_copy", enable_local_copy)
     _controller_args = (rank, world_size, replica)
 
@@ -185,6 +207,7 @@ def ttp_init_processor(rank: int, dp_ranks: Sequence[int], dp_size: int, world_s
     replica = _int("replica", replica, 1, len(ranks),
                    f" (shards per DP group; for DP={len(ranks)} pass len(dp_ranks)//2; DP 1 has "
                    "no replica to save from, use DP >= 2)")
+    _check_shards("ttp_init_processor", replica)
     _bool("enable_local_copy", enable_local_copy)
     _processor_args = (rank, ranks, world_size, replica)
 

@@ -15,18 +15,17 @@ counted twice.
 
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import mpu
 from megatron.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
+from .. import framework_ttp
 from . import layout
 from .layout import PARAM_KEY, BufferSpec, Cut, ParamSpec
 from .step_record import StepRecord
 
-REPLICA_ENV = "TTP_OPTIMIZER_REPLICAS"
 DEFAULT_REPLICAS = 2
 _FLOAT16 = (torch.float16, torch.bfloat16)
 
@@ -39,15 +38,16 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
                  models, replica_count: Optional[int] = None):
         dp = mpu.get_data_parallel_world_size()
         if replica_count is None:
-            replica_count = int(os.environ.get(REPLICA_ENV, DEFAULT_REPLICAS))
+            replica_count = DEFAULT_REPLICAS  # what the guide's len(dp_ranks)//2 means
         if replica_count < 1 or dp % replica_count:
             raise ValueError(
                 f"ReplicatedOptimizer: data-parallel size {dp} is not divisible by the replica "
-                f"count {replica_count}; choose a DP size that is a multiple of {replica_count} "
-                f"(or set {REPLICA_ENV})"
+                f"count {replica_count}; choose a DP size that is a multiple of {replica_count}"
             )
         self.replica_count = replica_count
         self.num_shards = dp // replica_count
+        # One source for the layout: the runtime refuses a `replica` that disagrees.
+        framework_ttp.declare_optimizer_shards(self.num_shards)
         self.dp_position = mpu.get_data_parallel_rank()
         self.shard_index = self.dp_position % self.num_shards
         self.replica_index = self.dp_position // self.num_shards

@@ -149,3 +149,18 @@ def test_defaults_match_the_documented_ones():
     cfg = config.TTPConfig.from_env({"TTP_AUTH_KEY": "00" * 16})
     assert cfg.ot == 120 and cfg.heartbeat_interval == 2 and cfg.heartbeat_timeout == 6
     assert [c.value for c in config.ExitCode] == [83, 84, 85, 86]
+
+
+def test_replica_must_agree_with_the_optimizers_shards(monkeypatch):
+    """One source for the layout: ReplicatedOptimizer declares its shard count when built; a
+    `replica` that disagrees would make the controller pick steps no holder has."""
+    monkeypatch.setattr(ttp, "_optimizer_shards", None)
+    ttp.declare_optimizer_shards(4)  # DP 8, two replicas
+    with pytest.raises(ValueError, match=r"replica=2 shards per DP group, but the optimizer "
+                                         r"keeps 4"):
+        ttp.ttp_init_processor(0, list(range(8)), 8, 8, 2, False)
+    with pytest.raises(ValueError, match=r"ttp_init_controller: replica=2"):
+        ttp.ttp_init_controller(0, 8, 2, False)
+    monkeypatch.setattr(ttp, "_processor_args", None)
+    ttp.ttp_init_processor(0, list(range(8)), 8, 8, 4, False)  # agrees: accepted
+    assert ttp._processor_args == (0, list(range(8)), 8, 4)
