@@ -35,7 +35,8 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
             plan: str = "", tp: int = 1, save_interval: int = FAR_AWAY, load: bool = True,
             launcher: Launcher = Launcher.TTPRUN, inject_adaptor: bool = False,
             distributed_optimizer: bool = True, nproc: int = 4, extra: Sequence[str] = (),
-            env_extra: Optional[Dict[str, str]] = None, timeout_s: float = 240) -> PretrainResult:
+            env_extra: Optional[Dict[str, str]] = None, timeout_s: float = 240,
+            launcher_args: Sequence[str] = ()) -> PretrainResult:
     env: Dict[str, str] = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOK_DIR),
                                                     os.environ.get("PYTHONPATH")])),
@@ -51,7 +52,7 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
                          distributed_optimizer=distributed_optimizer, save=ckpt,
                          load=ckpt if load else None, save_interval=save_interval, extra=extra)
     with PretrainJob(tree, args, nproc=nproc, log_path=log, launcher=launcher,
-                     inject_adaptor=inject_adaptor, env=env) as job:
+                     inject_adaptor=inject_adaptor, env=env, launcher_args=launcher_args) as job:
         result = job.wait(timeout_s)
     result.ended_at = time.time()  # wall clock, to compare with the fault record's time
     assert not result.timed_out, f"job timed out after {timeout_s} s:\n{result.tail()}"

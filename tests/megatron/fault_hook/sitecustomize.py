@@ -12,6 +12,10 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
 
 ``TTP_FAULT_RECORD_DIR`` (optional) is where the plan records the fault time and coordinates
 ranks killed together.
+
+Under ``ttprun --max-restarts``, ``|`` separates the plans of successive attempts
+(``1:3:sigkill:before|2:6:sigkill:inside``: attempt 0 kills rank 1, the restarted attempt 1
+kills rank 2, later attempts run clean); the attempt is torch's TORCHELASTIC_RESTART_COUNT.
 """
 
 from __future__ import annotations
@@ -84,7 +88,9 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def _install() -> None:
-    text = os.environ.get("TTP_FAULT_PLAN", "")
+    plans = os.environ.get("TTP_FAULT_PLAN", "").split("|")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    text = plans[attempt] if attempt < len(plans) else ""
     if not text:
         return
     from pathlib import Path
