@@ -103,8 +103,17 @@ def train(args: argparse.Namespace, state: ShardState, handlers: DemoHandlers) -
         grads = [torch.empty_like(grad) for _ in range(world)]
         dist.all_gather(grads, grad)  # summed in rank order below: bit-reproducible
         grad, norm = clip(reduce_grads(grads))
+
+        def update(grad: torch.Tensor = grad, step: int = step) -> None:
+            adam_update(state, grad, step)
+            state.step = step
+
+        # every collective of this update is done: should this rank leave the step before its
+        # update (the barrier below failing for it), it may still run it (ttp_offer_update)
+        ttp.ttp_offer_update(step, update)
         # all rank need to barrier (the guide's barrier after reduce_model_grads)
         dist.barrier()
+        plan.check(rank, step, Phase.BARRIER, out)
         ttp.ttp_start_updating_os(-1)
         adam_update(state, grad, step)
         plan.check(rank, step, Phase.INSIDE, out)

@@ -33,6 +33,7 @@ from .hooks import TTPError, TTPForceStop
 from .processor import HANDLERS, Processor
 
 __all__ = [
+    "ttp_offer_update",
     "ttp_init_controller", "ttp_start_controller", "ttp_init_processor", "ttp_start_processor",
     "ttp_register_save_ckpt_handler", "ttp_register_rename_handler", "ttp_set_ckpt_args",
     "ttp_start_updating_os", "ttp_end_updating_os", "ttp_to_persist", "ttp_shutdown",
@@ -259,6 +260,16 @@ def ttp_register_rename_handler(fn: Callable[[int, tuple], None]) -> None:
 
 
 # -- hot path -------------------------------------------------------------------------------------
+def ttp_offer_update(step: int, fn: Callable[[], None]) -> None:
+    """Not in MindIO's API: call it once the update of `step` is ready (its collectives are
+    done, e.g. right after the gradient all-reduce) with `fn` that runs it locally, so a rank
+    that leaves the step before its update (the guide's barrier failing for it) can still
+    catch up to `step` when the controller allows it. See hooks.offer_update."""
+    if not callable(fn):
+        raise ValueError(f"ttp_offer_update needs a callable fn(), got {type(fn).__name__}")
+    _hooks.offer_update(_int("step", step, 1, 2**62), fn)
+
+
 def ttp_set_ckpt_args(args: Any) -> None:
     if type(args) is not tuple:
         if not isinstance(args, (tuple, list)):
@@ -317,9 +328,8 @@ class _Runtime:
         if _processor is not None:
             _processor.report_exception(exc)
 
-    def wait_for_exit(self, timeout: float) -> None:
-        if _processor is not None:
-            _processor.wait_for_exit(timeout)
+    def wait_for_exit(self, timeout: float) -> bool:
+        return _processor.wait_for_exit(timeout) if _processor is not None else True
 
     def shutdown(self) -> None:
         ttp_shutdown()

@@ -67,7 +67,7 @@ class HotState:
     advance to `limit`; at or past it (or once `stopped`) it raises TTPForceStop."""
 
     __slots__ = ("cond", "state", "locked", "limit", "stopped", "ckpt_args", "backup_step",
-                 "wait_limit")
+                 "wait_limit", "offer")
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
@@ -81,6 +81,9 @@ class HotState:
         self.ckpt_args: Tuple[Any, ...] = ()
         self.backup_step = -1
         self.wait_limit = 120.0  # TTP_OT: longest a locked rank waits for a decision
+        # (step, fn): the update of `step` is ready (its collectives are done) and `fn` runs it
+        # locally; see offer_update. Withdrawn when the normal path starts an update.
+        self.offer: Optional[Tuple[int, Callable[[], None]]] = None
 
     @property
     def step(self) -> Optional[int]:
@@ -147,6 +150,7 @@ STATE = HotState()
 def _start_locked(backup_step: int) -> None:
     """The slow path: the processor has locked training (or there is no GIL)."""
     st = STATE
+    st.offer = None
     with st.cond:
         step, updating = st.state
         if updating:  # announced by the fast path, then it saw the lock: retract, then ask
@@ -168,6 +172,7 @@ def _end_locked(step: int) -> None:
 
 def _start_fast(backup_step: int) -> None:
     st = STATE
+    st.offer = None  # the normal path runs this update itself
     if not st.locked:
         st.state = (st.state[0], True)  # announce, THEN look at the lock (module docstring)
         if not st.locked:
@@ -192,11 +197,53 @@ def set_ckpt_args(args: Tuple[Any, ...]) -> None:
     STATE.ckpt_args = args
 
 
+def offer_update(step: int, fn: Callable[[], None]) -> None:
+    """Say that the update of `step` is ready to run locally (every collective it needs has
+    finished) and that `fn()` runs it, should this rank leave the step before it gets there.
+
+    Why: a rank dying inside the guide's barrier (after the gradient all-reduce, before
+    ``ttp_start_updating_os``) can let some survivors through the barrier, to update `step`,
+    while the barrier raises on others, which stay one step behind; a shard whose only live
+    holder stayed behind then has no clean replica at any step. A rank that left with the
+    update ready runs `fn` while it waits for the verdict, when the controller allows this
+    step (the catch-up a rank locked at the gate gets), so every shard can serve `step`.
+    """
+    STATE.offer = (step, fn)
+
+
+def _catch_up_if_allowed() -> None:
+    """In the decorator's wait (main thread, after an exception): run the offered update if
+    the controller's limit allows exactly that step; report it done like end_updating_os."""
+    st = STATE
+    with st.cond:
+        offer = st.offer
+        if offer is None or st.stopped or st.limit is None or st.updating:
+            return
+        step, fn = offer
+        if (st.step or 0) + 1 != step or step > st.limit:
+            return
+        st.offer = None
+        st.state = (st.step, True)  # inside the update window, as start_updating_os would say
+    log.warning("catching up: running the ready update of step %d the controller allows", step)
+    try:
+        fn()
+    except BaseException:
+        log.exception("the update of step %d failed while catching up: this rank stays "
+                      "marked as updating (not clean)", step)
+        return
+    with st.cond:
+        st.state = (step, False)
+        st.cond.notify_all()
+
+
 # -- decorator -----------------------------------------------------------------------------------
+# How often the wait for the verdict looks for a catch-up the controller allowed; well inside
+# TTP_UPDATE_GRACE (default 5 s), the time the controller gives a rank to catch up.
+CATCH_UP_POLL_S = 0.02
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Set by the package when the processor starts: object with report_exception(exc) and
-# wait_for_exit(timeout) -> None (returns only if no exit order came), shutdown(), ot.
+# wait_for_exit(timeout) -> bool (True: the exit order was carried out), shutdown(), ot.
 RUNTIME: Optional[Any] = None
 
 
@@ -212,8 +259,10 @@ def _wait_for_verdict(rt: Any) -> None:
     deadline = time.monotonic() + rt.ot
     while True:
         try:
-            rt.wait_for_exit(max(0.0, deadline - time.monotonic()))
-            return
+            left = deadline - time.monotonic()
+            if left <= 0 or rt.wait_for_exit(min(left, CATCH_UP_POLL_S)):
+                return
+            _catch_up_if_allowed()
         except BaseException as exc:  # noqa: B902 - anything, see above
             log.warning("ignoring %r while waiting for the controller's verdict", exc)
             if time.monotonic() >= deadline:

@@ -118,8 +118,9 @@ class Processor(HandlerMixin):
             self._preempted = True
             self._mail.put("fault", "preempted", "SIGTERM received (preemption)")
 
-    def wait_for_exit(self, timeout: float) -> None:
-        self.exited.wait(timeout)
+    def wait_for_exit(self, timeout: float) -> bool:
+        """True once the exit order was carried out (tests replace the process exit)."""
+        return self.exited.wait(timeout)
 
     def install_sigterm(self) -> None:
         """SIGTERM = preemption. The wakeup fd reports it to our thread even while the main

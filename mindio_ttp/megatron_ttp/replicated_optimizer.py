@@ -226,6 +226,18 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
             if self.log_num_zeros_in_grad:
                 num_zeros = self.count_zeros()
         self._pending = (found_inf, grad_norm, num_zeros)
+        # Every collective of this update is done. Should this rank leave the step before its
+        # update (the guide's barrier, next, fails for it while its partners pass it), the
+        # runtime may still run the update while the rank waits for the verdict.
+        framework_ttp.ttp_offer_update(self.current_step + 1, self._catch_up)
+
+    def _catch_up(self) -> None:
+        """What the patched train_step runs between ttp_start/end_updating_os: step() and
+        increase_step() (the record of the step: consumed samples, scheduler count, RNG)."""
+        from megatron import get_args
+
+        self.step(get_args(), None)  # purely local; the timers are not used
+        self.increase_step()
 
     @torch.no_grad()
     def step(self, args, timers):

@@ -34,6 +34,8 @@ class Phase(str, enum.Enum):
     """Where in step ``k`` the fault fires.
 
     BEFORE: after forward/backward, before the gradient exchange (survivors last finished k-1).
+    BARRIER: right after the guide's barrier of step k, before ``ttp_start_updating_os``: with
+    EXCEPTION, what a rank sees when the barrier fails for it while its partners passed it.
     INSIDE: inside the update window, after this rank's shard is updated but before
     ``ttp_end_updating_os(k)`` (the replica partner finishes k).
     AFTER: right after ``ttp_end_updating_os(k)``, before the parameter all-gather (k).
@@ -41,6 +43,7 @@ class Phase(str, enum.Enum):
     """
 
     BEFORE = "before"
+    BARRIER = "barrier"
     INSIDE = "inside"
     AFTER = "after"
     SAVE = "save"
@@ -60,6 +63,7 @@ class FaultSpec:
     def describe(self) -> str:
         where = {
             Phase.BEFORE: "before the update of",
+            Phase.BARRIER: "right after the barrier of",
             Phase.INSIDE: "inside the update window of",
             Phase.AFTER: "after the update of",
             Phase.SAVE: "while saving the checkpoint of",

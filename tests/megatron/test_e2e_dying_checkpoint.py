@@ -356,3 +356,21 @@ def test_max_restarts_recovers_by_itself_through_three_random_faults(
     assert {i: ref_result.losses[i] for i in result.losses} == result.losses, table
     comparison = compare_checkpoints(ckpt, ref_ckpt, N_ITERS)
     assert comparison.bit_exact, f"seed {seed} {plan}: {comparison.summary()}"
+
+
+def test_death_inside_the_guides_barrier_still_saves_and_resumes(
+        reference, patched_megatron_tree, tiny_dataset, work):
+    """Ranks 0, 2, 3 pass the guide's barrier of iteration 5 and update (rank 3 then dies);
+    the barrier raises on rank 1, shard 1's only live holder, with iteration 5's update ready:
+    it catches up (ReplicatedOptimizer offers the update), so a checkpoint is written and the
+    resume is bit-exact. (If the lock reaches the others first, everyone saves iteration 4.)"""
+    ckpt = work / "barrier_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "barrier.log", ckpt,
+                     plan="1:5:exception:barrier,3:5:sigkill:after")
+    assert result.returncode != 0
+    step = tracker_step(ckpt)
+    assert step in (4, 5), result.tail()
+    if step == 5:
+        assert "catching up: running the ready update of step 5" in result.log
+    resume_and_compare(patched_megatron_tree, tiny_dataset, work, "barrier", ckpt, reference,
+                       first_resumed=step + 1)

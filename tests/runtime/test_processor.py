@@ -33,7 +33,7 @@ def job(tmp_path):
     saved = dict(HANDLERS)
     made = {"fakes": [], "procs": [], "ctls": []}
 
-    def start(rank=0, save=None, rename=None, **over):
+    def start(rank=0, save=None, rename=None, fake_step=3, **over):
         c = cfg(tmp_path, **over)
         ctl = Controller(c, 4, 2, host_rank=rank)
         ctl.listen("127.0.0.1", 0)
@@ -45,7 +45,8 @@ def job(tmp_path):
         proc.exit_fn = codes.append
         proc.start("127.0.0.1", ctl.address[1])
         made["procs"].append(proc)
-        fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4) if r != rank]
+        fakes = [FakeRank(ctl.address, r, 4, DP, 2, step=fake_step) for r in range(4)
+                 if r != rank]
         made["fakes"] += fakes
         while len(ctl.registered) < 4:
             time.sleep(0.01)
@@ -247,32 +248,103 @@ def test_an_exception_raised_while_waiting_for_the_verdict_does_not_end_the_wait
 
     import mindio_ttp.framework_ttp as ttp
 
+    delivered = threading.Event()
+
     def raise_in_main_thread(signum, frame):
+        delivered.set()
         raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
 
     old = signal.signal(signal.SIGUSR1, raise_in_main_thread)
+    sender = None
     try:
         train_to(3)
         hooks.set_ckpt_args((3, "model"))
-        saved = threading.Event()
-        ctl, proc, codes, fakes = job(save=lambda s, r, a: saved.set(), rename=lambda s, a: None)
+        # the save waits for the signal, so it lands while train() waits for the verdict
+        ctl, proc, codes, fakes = job(save=lambda s, r, a: delivered.wait(5),
+                                      rename=lambda s, a: None)
         monkeypatch.setattr(ttp, "_processor", proc)
         monkeypatch.setattr(hooks, "RUNTIME", ttp._RUNTIME)
+        waiting = threading.Event()
+        real_wait = proc.wait_for_exit
+
+        def wait_for_exit(timeout):
+            waiting.set()
+            return real_wait(timeout)
+
+        monkeypatch.setattr(proc, "wait_for_exit", wait_for_exit)
 
         def during_the_wait():
-            deadline = time.monotonic() + 10
-            while not ctl.faults and time.monotonic() < deadline:  # the first report arrived
-                time.sleep(0.01)
-            os.kill(os.getpid(), signal.SIGUSR1)  # the second worker's SIGCHLD, say
+            if waiting.wait(10):  # the decorator is in its wait for the verdict
+                os.kill(os.getpid(), signal.SIGUSR1)  # the second worker's SIGCHLD, say
 
         @hooks.to_persist
         def train():
-            threading.Thread(target=during_the_wait, daemon=True).start()
+            nonlocal sender
+            sender = threading.Thread(target=during_the_wait, daemon=True)
+            sender.start()
             raise RuntimeError("DataLoader worker (pid 0) is killed by signal: Terminated.")
 
         with pytest.raises(RuntimeError, match=r"pid 0"):  # the first error, after the verdict
             train()
-        assert codes == [83], ctl.faults
-        assert saved.is_set() or 0 not in ctl.decision.ranks
+        assert delivered.is_set() and codes == [83], ctl.faults
     finally:
+        if sender is not None:
+            sender.join(15)
         signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_rank_the_barrier_failed_for_catches_up_to_its_ready_update(job, monkeypatch):
+    """Rank 2 dies inside the guide's barrier: its partners 1 and 3 passed it and finished
+    step 4, while the barrier raised on rank 0, still at step 3 with step 4's update ready.
+    Rank 0 is shard 0's only live holder: without the catch-up no step has every shard."""
+    import mindio_ttp.framework_ttp as ttp
+
+    train_to(3)
+    ran, saved = [], []
+    ctl, proc, codes, fakes = job(save=lambda s, r, a: saved.append((s, r)),
+                                  rename=lambda s, a: None, fake_step=4)
+    monkeypatch.setattr(ttp, "_processor", proc)
+    monkeypatch.setattr(hooks, "RUNTIME", ttp._RUNTIME)
+
+    @hooks.to_persist
+    def train():
+        ttp.ttp_offer_update(4, lambda: ran.append(threading.current_thread().name))
+        fakes[2].close()  # dies inside the barrier
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        train()
+    assert ran == ["MainThread"]  # the update ran once, on the training thread
+    assert codes == [83], ctl.decision
+    assert ctl.decision.step == 4 and 0 in ctl.decision.ranks, ctl.decision
+    assert saved and saved[0][0] == 4
+
+
+def test_an_offer_is_not_run_past_the_controllers_limit(job, monkeypatch):
+    """The partners are at step 3 like this rank: the limit is 3, so the offered update of 4
+    must not run (it would make this rank disagree with every other holder)."""
+    import mindio_ttp.framework_ttp as ttp
+
+    train_to(3)
+    ran = []
+    ctl, proc, codes, fakes = job(save=lambda s, r, a: None, rename=lambda s, a: None)
+    monkeypatch.setattr(ttp, "_processor", proc)
+    monkeypatch.setattr(hooks, "RUNTIME", ttp._RUNTIME)
+
+    @hooks.to_persist
+    def train():
+        ttp.ttp_offer_update(4, lambda: ran.append(4))
+        raise RuntimeError("barrier failed")
+
+    with pytest.raises(RuntimeError, match="barrier failed"):
+        train()
+    assert ran == [] and codes == [83] and ctl.decision.step == 3, ctl.decision
+
+
+def test_the_normal_path_withdraws_the_offer():
+    hooks.STATE.reset()
+    hooks.offer_update(1, lambda: None)
+    hooks.start_updating_os(-1)
+    assert hooks.STATE.offer is None
+    hooks.end_updating_os(1)
+    hooks.STATE.reset()

@@ -7,6 +7,8 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
 
 * ``before``: in the forward step of iteration k (first micro-batch), before any gradient
   exchange: the survivors last finished step k-1;
+* ``barrier``: right after the guide's barrier (the first ``torch.distributed.barrier`` after
+  ``reduce_model_grads``), before ``ttp_start_updating_os``;
 * ``inside``: after the optimizer step of iteration k, still inside the update window;
 * ``after``: after ``ttp_end_updating_os(k)``, before the parameter all-gather.
 
@@ -56,11 +58,30 @@ def _wrap_train_step(train_step, get_args, plan, record_dir):
             plan.check(rank, step, Phase.AFTER, record_dir)
             return cls.gather_model_params(optimizer, args, timers)
 
+        reduced = []
+
+        def reduce(args, timers):
+            out = cls.reduce_model_grads(optimizer, args, timers)
+            reduced.append(True)
+            return out
+
+        real_barrier = torch.distributed.barrier
+
+        def barrier(*args, **kwargs):
+            out = real_barrier(*args, **kwargs)
+            if reduced and len(reduced) == 1:
+                reduced.append(True)  # only the guide's barrier, right after the reduce
+                plan.check(rank, step, Phase.BARRIER, record_dir)
+            return out
+
         optimizer.step, optimizer.gather_model_params = opt_step, gather
+        optimizer.reduce_model_grads = reduce
+        torch.distributed.barrier = barrier
         try:
             return train_step(forward_step, data_iterator, model, optimizer, opt_param_scheduler)
         finally:
-            del optimizer.step, optimizer.gather_model_params
+            del optimizer.step, optimizer.gather_model_params, optimizer.reduce_model_grads
+            torch.distributed.barrier = real_barrier
 
     return fault_injecting_train_step
 
