@@ -9,11 +9,7 @@ the ratio compares the median step times. The guide's barrier is a collective of
 hook, and is left out of both. A tight loop of the three calls alone gives their absolute cost;
 the no-hook blocks split in two groups give the noise floor of the comparison (A/A).
 
-``--compare locks`` instead alternates the hooks' two implementations, both making the calls:
-the lock-free fast path against the plain-lock path (``hooks._start_locked``), on the same jobs
-plus one with a realistic step (>= 50 ms), to decide whether the lock-free path earns its keep.
-
-    python bench/bench_hooks.py [--blocks 40] [--steps 50] [--compare hooks|locks]
+    python bench/bench_hooks.py [--blocks 40] [--steps 50]
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ JOBS = {  # name: (layer widths, batch)
     "tiny MLP (the demo's 212 params)": ([8, 16, 4], 16),
     "MLP 4x512 (0.8M params)": ([512, 512, 512, 512], 32),
 }
-REALISTIC = {"MLP 6x1536 (11.8M params, a step of >= 50 ms here)": ([1536] * 6, 256)}
 
 
 def _free_port() -> int:
@@ -49,11 +44,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import mindio_ttp.framework_ttp as ttp
-    from mindio_ttp.framework_ttp import hooks as ttp_hooks
 
-    impls = {"fast": (ttp_hooks._start_fast, ttp_hooks._end_fast),
-             "locked": (ttp_hooks._start_locked, ttp_hooks._end_locked)}
-    jobs = dict(JOBS, **REALISTIC) if args.compare == "locks" else JOBS
     torch.set_num_threads(1)
     rank, world = args.rank, 2
     dist.init_process_group(
@@ -74,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
         ttp.ttp_register_rename_handler(lambda step, ckpt_args: None)
         dist.barrier()
         step = 0
-        for name, (widths, batch) in jobs.items():
+        for name, (widths, batch) in JOBS.items():
             layers: List[torch.nn.Module] = []
             for a, b in zip(widths, widths[1:]):
                 layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
@@ -86,21 +77,17 @@ def worker(args: argparse.Namespace) -> None:
             control: Dict[int, List[float]] = {0: [], 1: []}  # no-hook blocks split in two
             for block in range(-1, args.blocks):  # block -1 warms up and is not counted
                 hooks = block in (-1,) or block % 4 in (0, 3)  # ABBA: order effects cancel
-                # --compare locks: A = fast path, B = plain lock; both make the calls
-                calls = args.compare == "locks" or hooks
-                start, end = impls["fast" if hooks else "locked"] if args.compare == "locks" \
-                    else (ttp.ttp_start_updating_os, ttp.ttp_end_updating_os)
                 for _ in range(args.steps):
                     t0 = time.perf_counter()
                     loss = torch.nn.functional.mse_loss(model(x), y)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
-                    if calls:
-                        start(-1)
+                    if hooks:
+                        ttp.ttp_start_updating_os(-1)
                     opt.step()
                     step += 1
-                    if calls:
-                        end(step)
+                    if hooks:
+                        ttp.ttp_end_updating_os(step)
                         ttp.ttp_set_ckpt_args((step, model, opt))
                     if block >= 0:
                         times[hooks].append(time.perf_counter() - t0)
@@ -110,14 +97,13 @@ def worker(args: argparse.Namespace) -> None:
             a, b = statistics.median(control[0]), statistics.median(control[1])
             results[name] = {"with": with_h, "without": without, "aa": abs(a - b) / min(a, b)}
         n = 200_000
-        for impl, (start, end) in impls.items():
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step += 1
-                start(-1)
-                end(step)
-                ttp.ttp_set_ckpt_args((step, None))
-            results[f"_calls_{impl}"] = {"ns": 1e9 * (time.perf_counter() - t0) / n}
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step += 1
+            ttp.ttp_start_updating_os(-1)
+            ttp.ttp_end_updating_os(step)
+            ttp.ttp_set_ckpt_args((step, None))
+        results["_calls"] = {"ns": 1e9 * (time.perf_counter() - t0) / n}
         dist.barrier()
 
     train()
@@ -130,8 +116,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=40)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--compare", choices=["hooks", "locks"], default="hooks",
-                   help="hooks vs none (default), or the lock-free vs the plain-lock hooks")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dist-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -149,8 +133,7 @@ def main() -> None:
         procs = [
             subprocess.Popen(
                 [sys.executable, __file__, "--worker", f"--rank={r}", f"--dist-port={dist_port}",
-                 f"--out={out}", f"--blocks={args.blocks}", f"--steps={args.steps}",
-                 f"--compare={args.compare}"], env=env,
+                 f"--out={out}", f"--blocks={args.blocks}", f"--steps={args.steps}"], env=env,
             )  # fmt: skip
             for r in range(2)
         ]
@@ -164,19 +147,16 @@ def main() -> None:
         if codes != [0, 0] or not out.is_file():
             raise SystemExit(f"bench workers failed: exit codes {codes}")
         results = json.loads(out.read_text())
-    calls = {impl: results.pop(f"_calls_{impl}")["ns"] for impl in ("fast", "locked")}
+    calls = results.pop("_calls")["ns"]
     print(f"runtime up (controller + 2 processors, default heartbeats); {args.blocks} alternating "
           f"blocks of {args.steps} steps; median step time")  # fmt: skip
-    a, b = ("plain lock", "lock-free") if args.compare == "locks" else ("without hooks",
-                                                                        "with hooks")
-    print(f"| job | step {a} | step {b} | difference | noise floor (A/A) |")
+    print("| job | step without hooks | step with hooks | overhead | noise floor (A/A) |")
     print("|---|---:|---:|---:|---:|")
     for name, r in results.items():
         ratio = (r["with"] - r["without"]) / r["without"]
         print(f"| {name} | {1e6 * r['without']:.1f} us | {1e6 * r['with']:.1f} us | "
               f"{100 * ratio:+.2f}% | {100 * r['aa']:.2f}% |")  # fmt: skip
-    print(f"the three hook calls alone: {calls['fast']:.0f} ns per step lock-free, "
-          f"{calls['locked']:.0f} ns with the plain lock (tight loop, 200k steps)")
+    print(f"the three hook calls alone: {calls:.0f} ns per step (tight loop, 200k steps)")
 
 
 if __name__ == "__main__":

@@ -1,55 +1,28 @@
 """The per-step hot path and the `ttp_to_persist` decorator.
 
 `start_updating_os` / `end_updating_os` / `set_ckpt_args` run every training step, so they
-touch only this process's `HotState`: no I/O, no messages, and on the common path (no fault) no
-lock either, because taking a `threading.Condition` twice per step cost 1.5-4 us in a training
-loop (caches cold after backward), more than 1% of a small step.
+touch only this process's `HotState`: no I/O, no messages, one plain lock (a Condition).
 
-Why the lock-free path is safe (CPython with the GIL; without it the locked path is used):
+A lock-free variant (a Dekker handshake on one attribute under the GIL) existed until the hook
+benchmark on a realistic step said it does not matter: `bench/bench_hooks.py --compare locks`
+(commit 21dea35, 2026-12-03, 2 cores): 163 ns per step lock-free against 755 ns with the lock in
+a tight loop, and on a 245 ms step (an 11.8M-parameter MLP) +0.01% under a 6.11% noise floor.
+The lock is also correct without the GIL (free-threaded CPython) with no second code path.
 
-* The rank's state is ONE attribute, ``state = (step, updating)``, written only by the training
-  (main) thread; attribute loads and stores are atomic under the GIL, so every reader (heartbeat
-  snapshot, `lock`, `advance_to`) sees a pair that really existed, never a new step with an old
-  flag. Bytecodes run one at a time under the GIL, so all threads see one order of these loads
-  and stores (sequential consistency).
-* Entering the window is a Dekker handshake. The trainer stores ``state = (t, True)`` THEN loads
-  ``locked``; the processor thread (`lock`, `advance_to`) stores ``locked = True`` THEN loads
-  ``state``. In any single order of those four operations at least one side sees the other's
-  store. (a) The trainer sees ``locked``: it takes the slow path below (retract, wait for
-  permission under the condition, as before). (b) The processor sees ``updating``: it reports
-  the rank as inside its window, which is exactly what it would have reported had the trainer
-  taken the old lock a moment earlier; the controller's limit then covers that update. Both may
-  happen at once: the processor reported (t, True), the trainer retracts to (t, False) under the
-  condition and waits. The controller's limit is then >= t + 1, so the trainer is allowed to run
-  that update (the same outcome as a real start), or it is stopped and `advance_to` returns the
-  clean (t, False), which is truthful. Hence: once `lock` has returned (t, False), this rank
-  cannot begin an update without the controller's permission, the guarantee selection needs.
-* Leaving the window stores ``state = (t + 1, False)`` THEN loads ``locked``; `advance_to` sets
-  ``locked`` and then checks ``state`` while holding the condition until it waits. By the same
-  argument either `advance_to` sees the new state, or the trainer sees ``locked`` and notifies
-  under the condition, which it can only acquire once `advance_to` is waiting (or done): no lost
-  wake-up. Waits are bounded by the grace anyway.
-* `set_ckpt_args` is a single attribute store, read by the processor thread only when saving.
-
-Once locked, everything goes through the condition exactly as before: the two-phase lock, the
-wait for the controller's limit (at most TTP_OT), TTPForceStop at or past the limit or once
-stopped, and the update grace `advance_to` gives a rank inside its window.
+Once a fault locks the rank: the two-phase lock (`lock`, then `advance_to`), the wait for the
+controller's limit (at most TTP_OT), TTPForceStop at or past the limit or once stopped, and the
+update grace `advance_to` gives a rank inside its window.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
 log = logging.getLogger("mindio_ttp")
-
-# Free-threaded CPython (3.13t) gives no ordering guarantee for plain attribute stores: there
-# the hooks always take the condition.
-GIL_ENABLED: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 class TTPError(RuntimeError):
@@ -99,7 +72,7 @@ class HotState:
     def lock(self) -> Tuple[Optional[int], bool]:
         """Phase 1: no new update may start until the controller decides; returns the state."""
         with self.cond:
-            self.locked = True  # store locked, THEN load state (see the module docstring)
+            self.locked = True
             return self.state
 
     def advance_to(self, limit: int, grace: float) -> Tuple[Optional[int], bool]:
@@ -147,50 +120,23 @@ class HotState:
 STATE = HotState()
 
 
-def _start_locked(backup_step: int) -> None:
-    """The slow path: the processor has locked training (or there is no GIL)."""
+def start_updating_os(backup_step: int) -> None:
+    """Enter the update window; after a fault, only with the controller's permission."""
     st = STATE
-    st.offer = None
+    st.offer = None  # the normal path runs this update itself
     with st.cond:
-        step, updating = st.state
-        if updating:  # announced by the fast path, then it saw the lock: retract, then ask
-            st.state = (step, False)
-            st.cond.notify_all()
         if st.locked:
             st._wait_for_permission()
         st.backup_step = backup_step
         st.state = (st.state[0], True)
 
 
-def _end_locked(step: int) -> None:
+def end_updating_os(step: int) -> None:
     st = STATE
     with st.cond:
         st.state = (step, False)
         if st.locked:
             st.cond.notify_all()
-
-
-def _start_fast(backup_step: int) -> None:
-    st = STATE
-    st.offer = None  # the normal path runs this update itself
-    if not st.locked:
-        st.state = (st.state[0], True)  # announce, THEN look at the lock (module docstring)
-        if not st.locked:
-            st.backup_step = backup_step
-            return
-    _start_locked(backup_step)
-
-
-def _end_fast(step: int) -> None:
-    st = STATE
-    st.state = (step, False)  # store, THEN look at the lock: no lost wake-up of advance_to
-    if st.locked:
-        with st.cond:
-            st.cond.notify_all()
-
-
-start_updating_os: Callable[[int], None] = _start_fast if GIL_ENABLED else _start_locked
-end_updating_os: Callable[[int], None] = _end_fast if GIL_ENABLED else _end_locked
 
 
 def set_ckpt_args(args: Tuple[Any, ...]) -> None:

@@ -92,38 +92,9 @@ def test_rank_stuck_in_window_is_reported_updating_after_grace():
     assert 0.15 < time.monotonic() - t0 < 2.0
 
 
-@pytest.mark.parametrize("limit_offset", [1, 0])
-def test_start_that_meets_the_lock_retracts_then_asks(limit_offset):
-    """The Dekker case where both sides see each other: the trainer announced (t, True), the
-    processor's lock read it, then the trainer saw the lock. It must retract and wait for the
-    controller: run the update if the limit covers it, else stop clean at t."""
-    step(1)
-    hooks.STATE.state = (1, True)  # the fast path's announce, before its second look at `locked`
-    assert hooks.STATE.lock() == (1, True)
-    result = {}
-
-    def rest_of_start():  # what the fast path does after it saw `locked`
-        try:
-            hooks._start_locked(-1)
-        except ttp.TTPForceStop:
-            result["stopped"] = True
-            return
-        result["began"] = True
-        ttp.ttp_end_updating_os(2)
-
-    t = threading.Thread(target=rest_of_start)
-    t.start()
-    time.sleep(0.05)
-    assert hooks.STATE.snapshot() == (1, False) and not result  # retracted, waiting
-    limit = 1 + limit_offset
-    assert hooks.STATE.advance_to(limit, grace=5.0) == (limit, False)
-    t.join(5)
-    assert result == ({"began": True} if limit_offset else {"stopped": True})
-
-
 @pytest.mark.parametrize("seed", range(3))
-def test_lock_free_path_races_with_the_two_phase_lock(seed, monkeypatch):
-    """A trainer thread runs the lock-free hooks flat out while this thread plays the processor
+def test_hooks_race_with_the_two_phase_lock(seed, monkeypatch):
+    """A trainer thread runs the hooks flat out while this thread plays the processor
     at random moments (GIL switch interval 1 us to force interleavings): whatever `lock` reports
     must hold (a rank reported clean at t never moves past t unless the controller allows it),
     and after `advance_to(limit)` the rank sits clean at exactly `limit` and is force-stopped."""
@@ -184,13 +155,17 @@ def test_decorator_reports_then_waits_for_the_verdict(monkeypatch):
     class FakeRuntime:
         running, fault_seen, ot = True, False, 0.05
         reported = None
-        waited = None
+
+        def __init__(self):
+            self.waits = []
 
         def report_exception(self, exc):
             self.reported = exc
 
-        def wait_for_exit(self, timeout):
-            self.waited = timeout
+        def wait_for_exit(self, timeout):  # no exit order comes
+            self.waits.append(timeout)
+            time.sleep(timeout)
+            return False
 
     rt = FakeRuntime()
     monkeypatch.setattr(hooks, "RUNTIME", rt)
@@ -202,7 +177,10 @@ def test_decorator_reports_then_waits_for_the_verdict(monkeypatch):
 
     with pytest.raises(ValueError):  # no exit order came: re-raised after TTP_OT
         train()
-    assert isinstance(rt.reported, ValueError) and rt.waited == 0.05
+    assert isinstance(rt.reported, ValueError)
+    # the whole TTP_OT, in slices short enough to run an allowed catch-up in time
+    assert sum(rt.waits) == pytest.approx(0.05, abs=0.02)
+    assert max(rt.waits) <= hooks.CATCH_UP_POLL_S
 
 
 def test_decorator_reraises_at_once_before_the_first_update(monkeypatch):
