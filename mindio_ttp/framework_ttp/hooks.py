@@ -186,11 +186,25 @@ def _catch_up_if_allowed() -> None:
 # How often the wait for the verdict looks for a catch-up the controller allowed; well inside
 # TTP_UPDATE_GRACE (default 5 s), the time the controller gives a rank to catch up.
 CATCH_UP_POLL_S = 0.02
+# How often a report is retried when exceptions keep being raised into it (one per dead worker)
+SHIELD_RETRIES = 64
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Set by the package when the processor starts: object with report_exception(exc) and
 # wait_for_exit(timeout) -> bool (True: the exit order was carried out), shutdown(), ot.
 RUNTIME: Optional[Any] = None
+
+
+def _shielded(fn: Callable[..., Any], *args: Any) -> None:
+    """Run `fn` to the end although exceptions are raised into this thread meanwhile (torch's
+    DataLoader SIGCHLD handler, once per killed worker: see _wait_for_verdict). A report cut
+    short is sent again; a duplicate report is harmless, a missing one is not."""
+    for _ in range(SHIELD_RETRIES):
+        try:
+            fn(*args)
+            return
+        except BaseException as exc:  # noqa: B902 - anything raised into this thread
+            log.warning("ignoring %r raised while handling the fault", exc)
 
 
 def _wait_for_verdict(rt: Any) -> None:
@@ -244,9 +258,9 @@ def to_persist(func: F) -> F:
                 rt.report_exception(exc)
                 raise
             else:
-                log.error("exception in train: %r; reporting it and waiting up to %g s for the "
-                          "controller's verdict", exc, rt.ot)
-                rt.report_exception(exc)
+                _shielded(log.error, "exception in train: %r; reporting it and waiting up to %g "
+                          "s for the controller's verdict", exc, rt.ot)
+                _shielded(rt.report_exception, exc)
             _wait_for_verdict(rt)
             log.error("no exit order within TTP_OT=%g s: re-raising", rt.ot)
             raise

@@ -348,3 +348,35 @@ def test_the_normal_path_withdraws_the_offer():
     assert hooks.STATE.offer is None
     hooks.end_updating_os(1)
     hooks.STATE.reset()
+
+
+def test_an_exception_raised_into_the_report_does_not_lose_it(job, monkeypatch):
+    """The second killed DataLoader worker's SIGCHLD can raise while the decorator is still
+    reporting the first error (seen in a Slurm-style preemption of real Megatron): the report
+    must still go out and the wait must follow."""
+    import mindio_ttp.framework_ttp as ttp
+
+    train_to(3)
+    hooks.set_ckpt_args((3, "model"))
+    ctl, proc, codes, fakes = job(save=lambda s, r, a: None, rename=lambda s, a: None)
+    monkeypatch.setattr(ttp, "_processor", proc)
+    monkeypatch.setattr(hooks, "RUNTIME", ttp._RUNTIME)
+    real_report = proc.report_exception
+    calls = []
+
+    def report_exception(exc):
+        calls.append(exc)
+        if len(calls) == 1:  # interrupted before it reached the processor
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
+        real_report(exc)
+
+    monkeypatch.setattr(proc, "report_exception", report_exception)
+
+    @hooks.to_persist
+    def train():
+        raise RuntimeError("DataLoader worker (pid 0) is killed by signal: Terminated.")
+
+    with pytest.raises(RuntimeError, match=r"pid 0"):
+        train()
+    assert len(calls) == 2 and codes == [83], ctl.faults
+    assert any("pid 0" in f for f in map(str, ctl.faults)), ctl.faults
