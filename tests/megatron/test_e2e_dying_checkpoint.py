@@ -322,7 +322,8 @@ def test_slurm_style_preemption_with_dataloader_workers_saves_and_resumes(
     result = run_job(patched_megatron_tree, tiny_dataset, work / "preempt.log", ckpt,
                      plan="1:5:preempt_all:before", extra=["--num-workers", "2"])
     assert result.returncode == 143, result.tail()  # ttprun itself got the SIGTERM
-    assert "is killed by signal" in result.log  # the DataLoader workers did die
+    # the DataLoader workers die too; whether torch's SIGCHLD handler raises in a rank (it
+    # usually does: "is killed by signal") depends on which process the signal reaches first
     step = tracker_step(ckpt)
     assert step in (4, 5), result.tail()  # every rank stops within the step it was in
     resume_and_compare(patched_megatron_tree, tiny_dataset, work, "preempt", ckpt, reference,
