@@ -31,7 +31,8 @@ WORKER = textwrap.dedent(
         if rank == 0:
             tmp = run_dir / "flow-finished.json.tmp"
             outcome = "no_consistent_step" if mode == "nostep" else "saved"
-            flow = {"outcome": outcome, "step": 3, "ranks": [0, 2, 3], "exit_code": code}
+            flow = {"outcome": outcome, "step": 3, "ranks": [0, 2, 3], "exit_code": code,
+                    "reason": "scripted", "rank": rank, "time": time.time()}
             tmp.write_text(json.dumps(flow))
             os.replace(tmp, run_dir / "flow-finished.json")
         os._exit(code)
