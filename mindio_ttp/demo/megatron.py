@@ -81,8 +81,9 @@ def check_source(source: Path) -> List[str]:
                        f"megatron/ in it); give the top folder of a clone at {pinned}")
     if shutil.which("git") is None:
         raise BadInput("git is not installed: the demo copies the tree with git clone --shared")
+    top = _git(source, "rev-parse", "--show-toplevel")
     head = _git(source, "rev-parse", "HEAD")
-    if head is None:
+    if head is None or top is None or Path(top).resolve() != source.resolve():
         raise BadInput(f"--megatron {source}: not a git checkout; the demo clones it at "
                        f"{pinned} and ttp-patch needs a git tree: git clone "
                        f"https://github.com/NVIDIA/Megatron-LM && git -C Megatron-LM checkout "
@@ -174,7 +175,7 @@ class MegatronRehearsal:
                  f"GPT on {WORLD} CPU ranks (gloo, --use-distributed-optimizer), {o.iters} "
                  f"iterations; {o.kill_signal.name} to rank {victims} once iteration "
                  f"{o.kill_after} is logged; work directory {self.work}")
-        with self._build_dir():
+        with self._child_environment():
             self._prepare_tree()
             data = self._make_dataset()
             faulty = self._train_with_fault(data)
@@ -261,10 +262,10 @@ class MegatronRehearsal:
                  f"{manifest.MANIFEST}; written by ranks {list(flow.ranks)} (rank "
                  f"{', '.join(map(str, faulty.killed))} was dead)")
         if faulty.killed_at is not None:
-            self.say(f"      the newest iteration every optimizer shard had a clean copy of "
-                     f"among the survivors; from the kill (after iteration "
-                     f"{faulty.killed_after} was logged) to the checkpoint in place and the "
-                     f"ranks told to exit: {flow.time - faulty.killed_at:.2f} s")
+            self.say(f"      why iteration {step}: the newest one of which every optimizer "
+                     "shard still had a clean copy on a live rank")
+            self.say(f"      from the kill (after iteration {faulty.killed_after} was logged) "
+                     f"to the checkpoint in place: {flow.time - faulty.killed_at:.2f} s")
         return step, Verdict.MATCH
 
     def _resume(self, data, saved: int) -> Optional[TrainingRun]:
@@ -377,22 +378,30 @@ class MegatronRehearsal:
             return
         shown = None if mode == "none" else story_line(line)
         if shown is not None:
-            self.say(f"    | {shown[:180]}{'...' if len(shown) > 180 else ''}")
+            self.say(f"    | {shown}")
 
     @contextlib.contextmanager
-    def _build_dir(self) -> Iterator[None]:
-        """Megatron's dataset helpers are compiled into the work directory (so nothing outside
-        it is left behind), unless the user already set TTP_CPU_BUILD_DIR."""
-        if os.environ.get(BUILD_DIR_ENV):
-            self.say(f"      dataset helpers are built in (and kept in) ${BUILD_DIR_ENV}="
-                     f"{os.environ[BUILD_DIR_ENV]}")
-            yield
-            return
-        os.environ[BUILD_DIR_ENV] = str(self.work / "build")
+    def _child_environment(self) -> Iterator[None]:
+        """Everything the children write goes into the work directory: their temp dir (torch
+        elastic's per-launch log folders, torch's compile cache) and the build of Megatron's
+        dataset helpers, unless the user set TTP_CPU_BUILD_DIR (then that is used and kept)."""
+        saved = {name: os.environ.get(name) for name in ("TMPDIR", BUILD_DIR_ENV)}
+        tmp = self.work / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        os.environ["TMPDIR"] = str(tmp)
+        if saved[BUILD_DIR_ENV]:
+            self.say(f"      Megatron's dataset helpers are built in (and kept in) "
+                     f"${BUILD_DIR_ENV}={saved[BUILD_DIR_ENV]}")
+        else:
+            os.environ[BUILD_DIR_ENV] = str(self.work / "build")
         try:
             yield
         finally:
-            os.environ.pop(BUILD_DIR_ENV, None)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 _RUNTIME_LINE = re.compile(r"^\S+ \S+ \[ttp rank \d+\] \w+ mindio_ttp\.controller: (.*)$")
@@ -407,7 +416,9 @@ def story_line(line: str) -> Optional[str]:
     match = _RUNTIME_LINE.match(line)
     if match:
         text = match.group(1)
-        return None if any(q in text for q in _QUIET_RUNTIME) else f"runtime | {text}"
+        if any(q in text for q in _QUIET_RUNTIME):
+            return None
+        return f"runtime | {text[:160]}{'...' if len(text) > 160 else ''}"
     if line.startswith("ttprun: "):
         return line.split(": {", 1)[0]  # the flow record itself is said in words below it
     if (line.startswith("ttp: ") or "successfully loaded checkpoint" in line
