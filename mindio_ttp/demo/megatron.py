@@ -226,13 +226,14 @@ class MegatronRehearsal:
                      f"{o.kill_after} was logged, so nothing was killed; see {run.log}")
         else:
             self.say(f"      ttprun exited {run.returncode} after {run.seconds:.1f} s"
-                     + (" (1 is deliberate: a rank died, so a scheduler would restart the job; "
-                        "the same command then resumes)" if run.returncode == 1 else ""))
+                     + (" (1 is deliberate: a rank was lost, so a scheduler would restart the "
+                        "job; the same command then resumes)" if run.returncode == 1 else ""))
         return run
 
     def _show_checkpoint(self, faulty: TrainingRun) -> Tuple[Optional[int], Verdict]:
         from mindio_ttp.megatron_ttp import manifest
 
+        o = self.opts
         self.say("[4/6] the dying checkpoint ...")
         flow = faulty.flow
         if flow is None or flow.outcome is not Outcome.SAVED:
@@ -247,7 +248,8 @@ class MegatronRehearsal:
         tracked, problem = manifest.read_tracker(self.ckpt)
         iter_dir = self.ckpt / manifest.iter_dir_name(step)
         layout = manifest.ParallelLayout(tp=1, pp=1, dp=WORLD)
-        refused = manifest.verify(iter_dir, layout) if iter_dir.is_dir() else "it is missing"
+        refused = (manifest.verify(iter_dir, layout) if (iter_dir / manifest.MANIFEST).is_file()
+                   else f"has no {manifest.MANIFEST}")
         if tracked != step or refused:
             self.say(f"      the runtime says iteration {step} was saved in {flow.checkpoint}, "
                      f"but {manifest.TRACKER} names {tracked} ({problem or 'no problem'}) and "
@@ -260,11 +262,12 @@ class MegatronRehearsal:
                  f"({manifest.TRACKER} says {tracked})")
         self.say(f"      {len(files)} files, {size / 1024:.0f} KiB, each sha256 checked against "
                  f"{manifest.MANIFEST}; written by ranks {list(flow.ranks)} (rank "
-                 f"{', '.join(map(str, faulty.killed))} was dead)")
+                 f"{', '.join(map(str, faulty.killed))} was lost)")
         if faulty.killed_at is not None:
             self.say(f"      why iteration {step}: the newest one of which every optimizer "
                      "shard still had a clean copy on a live rank")
-            self.say(f"      from the kill (after iteration {faulty.killed_after} was logged) "
+            self.say(f"      from the {o.kill_signal.name} (after iteration "
+                     f"{faulty.killed_after} was logged) "
                      f"to the checkpoint in place: {flow.time - faulty.killed_at:.2f} s")
         return step, Verdict.MATCH
 
@@ -300,17 +303,18 @@ class MegatronRehearsal:
                               for i in differ[:5])
             self.say(f"      losses differ at {len(differ)} of {n} iterations ({shown})")
         else:
-            self.say(f"      losses: all {n} printed values equal (1-{saved} from the killed run, "
-                     f"{saved + 1}-{n} from the resumed one)")
+            self.say(f"      losses: all {n} printed values equal (1-{saved} from the "
+                     f"interrupted run, {saved + 1}-{n} from the resumed one)")
         comparison = compare_checkpoints(self.ckpt, self.ref_ckpt, n)
         self.say(f"      final checkpoint, iteration {n}: {comparison.summary()}")
         if differ or not comparison.bit_exact:
             self.say("RESULT: MISMATCH - the resumed run differs from the uninterrupted one "
                      "(see above)")
             return Verdict.MISMATCH
-        self.say(f"RESULT: MATCH - killed at iteration {faulty.killed_after}, resumed from the "
-                 f"dying checkpoint of iteration {saved}: the losses and every tensor of the "
-                 "final checkpoint are bit-for-bit those of the uninterrupted run")
+        self.say(f"RESULT: MATCH - {self.opts.kill_signal.name} after iteration "
+                 f"{faulty.killed_after}, resumed from the dying checkpoint of iteration "
+                 f"{saved}: the losses and every tensor of the final checkpoint are bit for bit "
+                 "those of the uninterrupted run")
         return Verdict.MATCH
 
     # -- one training run ------------------------------------------------------------------------

@@ -69,11 +69,11 @@ def test_demo_megatron_kills_resumes_and_matches_leaving_nothing(megatron_dir: P
     assert "    | ttprun: rank 1 (node " in out and "was killed by SIGKILL" in out
     assert f"Megatron loads iteration {step} from {work}/ckpt" in out
     assert f"iterations {step + 1}-10" in out
-    assert (f"losses: all 10 printed values equal (1-{step} from the killed run, "
+    assert (f"losses: all 10 printed values equal (1-{step} from the interrupted run, "
             f"{step + 1}-10 from the resumed one)") in out
     assert re.search(r"final checkpoint, iteration 10: \d+ files, \d+ tensors, \d+ leaves: "
                      r"BIT-EXACT", out), out
-    assert re.search(rf"^RESULT: MATCH - killed at iteration \d+, resumed from the dying "
+    assert re.search(rf"^RESULT: MATCH - SIGKILL after iteration \d+, resumed from the dying "
                      rf"checkpoint of iteration {step}:", out, re.M), out
 
     # nothing the user was told about is deleted silently, and nothing else is left
