@@ -24,13 +24,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from mindio_ttp import __version__
-from mindio_ttp.demo.checkpoint import CheckpointError
-from mindio_ttp.demo.model import ShardLayout
-from mindio_ttp.demo.runner import WORLD, LaunchResult, launch
 from mindio_ttp.testing.faults import Fault, FaultPlan, Phase
+
+if TYPE_CHECKING:
+    from mindio_ttp.demo.runner import LaunchResult
+
+# Ranks of both jobs (mindio_ttp.demo.runner.WORLD, mindio_ttp.demo.megatron.WORLD). The jobs'
+# modules import torch, which takes seconds: they are imported only once the input is checked.
+WORLD = 4
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_USAGE, EXIT_NO_CHECKPOINT = 0, 1, 2, 3
 
@@ -122,6 +126,10 @@ def _checkpoint_summary(faulty: LaunchResult) -> Optional[str]:
 
 def run_demo(args: argparse.Namespace, work: Path) -> int:
     """The toy job (``args`` resolved by ``main``: every option has its value)."""
+    from mindio_ttp.demo.checkpoint import CheckpointError
+    from mindio_ttp.demo.model import ShardLayout
+    from mindio_ttp.demo.runner import launch
+
     layout = ShardLayout.for_world(WORLD)
     phase, fault = Phase(args.phase), Fault(args.fault)
     plan = FaultPlan()

@@ -225,6 +225,12 @@ def test_demo_says_why_exit_1_and_what_it_removes(tmp_path: Path) -> None:
 
 
 # -- ttp-demo --megatron: input it refuses before writing anything ----------------------------
+def test_the_cli_checks_ranks_against_both_jobs_world() -> None:
+    from mindio_ttp.demo import cli, megatron, runner
+
+    assert cli.WORLD == runner.WORLD == megatron.WORLD
+
+
 def _fake_megatron(root: Path, *, git: bool = True) -> Path:
     """Shaped like a Megatron-LM checkout (pretrain_gpt.py, megatron/) but not at 285068c."""
     (root / "megatron").mkdir(parents=True)
