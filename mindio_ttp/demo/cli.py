@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +281,10 @@ def _check_megatron_input(args: argparse.Namespace) -> List[str]:
     return notes
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -295,6 +300,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     for note in notes:
         _say(note)
+    # a scheduler's or a user's SIGTERM unwinds like Ctrl-C: the jobs' ranks are killed and the
+    # work directory is accounted for (their own sessions would not get the signal)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     code: Optional[int] = None
     try:
         if args.megatron is not None:

@@ -170,10 +170,9 @@ class MegatronRehearsal:
     # -- the stages ----------------------------------------------------------------------------
     def run(self) -> Verdict:
         o = self.opts
-        victims = ", ".join(map(str, o.kill_ranks))
         self.say(f"ttp-demo --megatron: Megatron-LM {MEGATRON_COMMIT[:7]} from {o.source}, tiny "
                  f"GPT on {WORLD} CPU ranks (gloo, --use-distributed-optimizer), {o.iters} "
-                 f"iterations; {o.kill_signal.name} to rank {victims} once iteration "
+                 f"iterations; {o.kill_signal.name} to {_ranks(o.kill_ranks)} once iteration "
                  f"{o.kill_after} is logged; work directory {self.work}")
         with self._child_environment():
             self._prepare_tree()
@@ -216,14 +215,14 @@ class MegatronRehearsal:
 
     def _train_with_fault(self, data) -> TrainingRun:
         o = self.opts
-        victims = ", ".join(map(str, o.kill_ranks))
         self.say(f"[3/6] training on {WORLD} CPU ranks under ttprun ({o.iters} iterations, "
-                 f"--save/--load {self.ckpt}); {o.kill_signal.name} to rank {victims} once "
+                 f"--save/--load {self.ckpt}); {o.kill_signal.name} to {_ranks(o.kill_ranks)} once "
                  f"iteration {o.kill_after} is logged ...")
         run = self._train("faulty", data, self.ckpt, kill=True)
         if not run.killed:
             self.say(f"      the run ended (exit {run.returncode}) before iteration "
-                     f"{o.kill_after} was logged, so nothing was killed; see {run.log}")
+                     f"{o.kill_after} was logged, so nothing was killed")
+            self._tail(run.log)
         else:
             self.say(f"      ttprun exited {run.returncode} after {run.seconds:.1f} s"
                      + (" (1 is deliberate: a rank was lost, so a scheduler would restart the "
@@ -262,7 +261,7 @@ class MegatronRehearsal:
                  f"({manifest.TRACKER} says {tracked})")
         self.say(f"      {len(files)} files, {size / 1024:.0f} KiB, each sha256 checked against "
                  f"{manifest.MANIFEST}; written by ranks {list(flow.ranks)} (rank "
-                 f"{', '.join(map(str, faulty.killed))} was lost)")
+                 f"{', '.join(map(str, faulty.killed))} lost)")
         if faulty.killed_at is not None:
             self.say(f"      why iteration {step}: the newest one of which every optimizer "
                      "shard still had a clean copy on a live rank")
@@ -278,7 +277,8 @@ class MegatronRehearsal:
         first = min(run.losses, default=None)
         if run.returncode != 0 or first != saved + 1:
             self.say(f"      the resumed run failed: exit {run.returncode}, first iteration "
-                     f"logged {first} (expected {saved + 1}); see {run.log}")
+                     f"logged {first} (expected {saved + 1})")
+            self._tail(run.log)
             self.say("RESULT: MISMATCH - the resumed run did not continue from the checkpoint")
             return None
         self.say(f"      done in {run.seconds:.1f} s: iterations {first}-{max(run.losses)}")
@@ -292,7 +292,8 @@ class MegatronRehearsal:
                  f"{self.ref_ckpt}) and the comparison ...")
         ref = self._train("reference", data, self.ref_ckpt, kill=False)
         if ref.returncode != 0 or sorted(ref.losses) != list(range(1, n + 1)):
-            self.say(f"      the reference run failed (exit {ref.returncode}); see {ref.log}")
+            self.say(f"      the reference run failed (exit {ref.returncode})")
+            self._tail(ref.log)
             self.say("RESULT: MISMATCH - no reference to compare with")
             return Verdict.MISMATCH
         self.say(f"      done in {ref.seconds:.1f} s")
@@ -374,6 +375,16 @@ class MegatronRehearsal:
             self.say(f"      iteration {run.killed_after} logged: sent "
                      f"{self.opts.kill_signal.name} to rank {who}")
 
+    def _tail(self, log: Path, n: int = 20) -> None:
+        """The end of a failed run's log, where Megatron's or ttprun's error is."""
+        try:
+            lines = log.read_text(errors="replace").splitlines()[-n:]
+        except OSError as exc:
+            lines = [f"(cannot read it: {exc})"]
+        self.say(f"      the last {len(lines)} lines of {log}:")
+        for line in lines:
+            self.say(f"    | {line}")
+
     def _echo(self, line: str) -> None:
         """Show the lines that tell the story (all of them with --verbose)."""
         mode = self.opts.echo
@@ -412,6 +423,10 @@ _RUNTIME_LINE = re.compile(r"^\S+ \S+ \[ttp rank \d+\] \w+ mindio_ttp\.controlle
 # controller lines that are bookkeeping, not the story: state changes, timings, echoes of the
 # survivors' own gloo errors once the flow has started, the standbys
 _QUIET_RUNTIME = (" -> ", "further fault during the flow", " done in ", "standby", "listening")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def story_line(line: str) -> Optional[str]:

@@ -97,3 +97,53 @@ def test_keep_dir_inside_the_megatron_checkout_is_refused(megatron_dir: Path,
     after = subprocess.run(["git", "-C", str(megatron_dir), "status", "--porcelain"],
                            capture_output=True, text=True, check=True).stdout
     assert after == before
+
+
+def _processes_mentioning(text: str) -> list:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append((int(entry.name), cmdline[:200]))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_demo_stops_every_rank_and_says_what_it_keeps(megatron_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """A scheduler's SIGTERM mid-training: ttprun and all four ranks (in sessions of their own)
+    are gone, and the output says the work directory is kept."""
+    keep = tmp_path / "keep"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env.pop("TTP_CPU_BUILD_DIR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "mindio_ttp.demo", "--megatron",
+                             str(megatron_dir), "--keep", str(keep), "--steps", "200",
+                             "--kill-step", "150"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        log = keep / "logs" / "faulty.log"
+        deadline = time.monotonic() + 240
+        while not (log.is_file() and "iteration        3/" in log.read_text(errors="replace")):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "training did not reach iteration 3"
+            time.sleep(0.2)
+        assert len(_processes_mentioning(str(keep / "Megatron-LM"))) >= 4, "ranks not found"
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + 15, out
+    assert f"kept {keep} (the patched copy of Megatron-LM, the dataset, checkpoints and logs)" \
+        in out
+    deadline = time.monotonic() + 15
+    while _processes_mentioning(str(keep)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_mentioning(str(keep)) == [], "processes of the demo left running"
