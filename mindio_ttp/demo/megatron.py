@@ -27,11 +27,15 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from mindio_ttp.framework_ttp.config import FLOW_FINISHED_FILE, Outcome
 from mindio_ttp.framework_ttp.flow_record import FlowRecord, FlowRecordError, read_flow_record
+from mindio_ttp.megatron_testing.data import TinyDataset
 from mindio_ttp.megatron_testing.tree import MEGATRON_COMMIT
+
+if TYPE_CHECKING:
+    from mindio_ttp.megatron_testing.launch import PretrainJob  # imports psutil
 
 WORLD = 4
 DEFAULT_ITERS = 10
@@ -175,11 +179,16 @@ class MegatronRehearsal:
                  f"iterations; {o.kill_signal.name} to {_ranks(o.kill_ranks)} once iteration "
                  f"{o.kill_after} is logged; work directory {self.work}")
         with self._child_environment():
-            self._prepare_tree()
-            data = self._make_dataset()
+            try:
+                self._prepare_tree()
+                data = self._make_dataset()
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                self.say(f"      failed: {exc}")
+                self.say("RESULT: FAILED - the demo could not prepare the tree or the data")
+                return Verdict.MISMATCH
             faulty = self._train_with_fault(data)
             if not faulty.killed:
-                self.say("RESULT: MISMATCH - the run was not interrupted, so there is nothing "
+                self.say("RESULT: FAILED - the run was not interrupted, so there is nothing "
                          "to show")
                 return Verdict.MISMATCH
             saved, verdict = self._show_checkpoint(faulty)
@@ -201,7 +210,7 @@ class MegatronRehearsal:
         self.say(f"      {said[-1] if said else 'ttp-patch: applied'} "
                  f"({time.monotonic() - t0:.1f} s)")
 
-    def _make_dataset(self):
+    def _make_dataset(self) -> TinyDataset:
         from mindio_ttp.megatron_testing.data import make_tiny_dataset
 
         self.say(f"[2/6] generating a small dataset in {self.data_dir} (synthetic text, a BPE "
@@ -213,7 +222,7 @@ class MegatronRehearsal:
                  f"{time.monotonic() - t0:.1f} s)")
         return data
 
-    def _train_with_fault(self, data) -> TrainingRun:
+    def _train_with_fault(self, data: TinyDataset) -> TrainingRun:
         o = self.opts
         self.say(f"[3/6] training on {WORLD} CPU ranks under ttprun ({o.iters} iterations, "
                  f"--save/--load {self.ckpt}); {o.kill_signal.name} to {_ranks(o.kill_ranks)} once "
@@ -253,7 +262,7 @@ class MegatronRehearsal:
             self.say(f"      the runtime says iteration {step} was saved in {flow.checkpoint}, "
                      f"but {manifest.TRACKER} names {tracked} ({problem or 'no problem'}) and "
                      f"{iter_dir} {refused or 'verifies'}")
-            self.say("RESULT: MISMATCH - the dying checkpoint is not usable")
+            self.say("RESULT: FAILED - the dying checkpoint is not usable")
             return None, Verdict.MISMATCH
         files = [p for p in iter_dir.rglob("*.pt")]
         size = sum(p.stat().st_size for p in files)
@@ -270,7 +279,7 @@ class MegatronRehearsal:
                      f"to the checkpoint in place: {flow.time - faulty.killed_at:.2f} s")
         return step, Verdict.MATCH
 
-    def _resume(self, data, saved: int) -> Optional[TrainingRun]:
+    def _resume(self, data: TinyDataset, saved: int) -> Optional[TrainingRun]:
         self.say(f"[5/6] resuming: the same command again; Megatron loads iteration {saved} from "
                  f"{self.ckpt} and trains to {self.opts.iters} ...")
         run = self._train("resumed", data, self.ckpt, kill=False)
@@ -279,12 +288,13 @@ class MegatronRehearsal:
             self.say(f"      the resumed run failed: exit {run.returncode}, first iteration "
                      f"logged {first} (expected {saved + 1})")
             self._tail(run.log)
-            self.say("RESULT: MISMATCH - the resumed run did not continue from the checkpoint")
+            self.say("RESULT: FAILED - the resumed run did not continue from the checkpoint")
             return None
         self.say(f"      done in {run.seconds:.1f} s: iterations {first}-{max(run.losses)}")
         return run
 
-    def _compare(self, data, faulty: TrainingRun, resumed: TrainingRun, saved: int) -> Verdict:
+    def _compare(self, data: TinyDataset, faulty: TrainingRun, resumed: TrainingRun,
+                 saved: int) -> Verdict:
         from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints
 
         n = self.opts.iters
@@ -294,7 +304,7 @@ class MegatronRehearsal:
         if ref.returncode != 0 or sorted(ref.losses) != list(range(1, n + 1)):
             self.say(f"      the reference run failed (exit {ref.returncode})")
             self._tail(ref.log)
-            self.say("RESULT: MISMATCH - no reference to compare with")
+            self.say("RESULT: FAILED - no reference to compare with")
             return Verdict.MISMATCH
         self.say(f"      done in {ref.seconds:.1f} s")
         combined = {**faulty.losses, **resumed.losses}
@@ -319,7 +329,7 @@ class MegatronRehearsal:
         return Verdict.MATCH
 
     # -- one training run ------------------------------------------------------------------------
-    def _train(self, name: str, data, ckpt: Path, *, kill: bool) -> TrainingRun:
+    def _train(self, name: str, data: TinyDataset, ckpt: Path, *, kill: bool) -> TrainingRun:
         from mindio_ttp.megatron_testing.launch import (
             Launcher,
             PretrainJob,
@@ -353,7 +363,8 @@ class MegatronRehearsal:
         run.flow, run.flow_problem = _flow_of(run_dir)
         return run
 
-    def _follow(self, lines: Sequence[str], run: TrainingRun, job) -> None:
+    def _follow(self, lines: Sequence[str], run: TrainingRun,
+                job: Optional[PretrainJob]) -> None:
         from mindio_ttp.megatron_testing.launch import parse_losses
 
         for line in lines:
