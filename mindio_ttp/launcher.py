@@ -28,7 +28,6 @@ start without a key is refused with a message that says how to provide one.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -40,7 +39,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -58,8 +57,10 @@ from mindio_ttp.framework_ttp.config import (
     ENV_RUN_DIR,
     FLOW_FINISHED_FILE,
     RUNTIME_STARTED_DIR,
+    Outcome,
     read_key_file,
 )
+from mindio_ttp.framework_ttp.flow_record import FlowRecord, FlowRecordError, read_flow_record
 
 logger = logging.getLogger("ttprun")
 
@@ -247,11 +248,10 @@ class TTPElasticAgent(LocalElasticAgent):
         """Torch names the failure with the smallest timestamp (whole seconds) the root cause; a
         worker that exited with the flow's own exit code did so *because* of the fault, so push
         those behind the rank that actually failed."""
-        try:
-            flow = json.loads((self._run_dir / FLOW_FINISHED_FILE).read_text(encoding="utf-8"))
-            consequence = int(flow["exit_code"])
-        except (OSError, ValueError, KeyError, TypeError):
+        flow, _ = read_flow(self._run_dir / FLOW_FINISHED_FILE)
+        if flow is None:
             return
+        consequence = flow.exit_code
         failures = list(result.failures.values())
         if not failures:
             return
@@ -376,7 +376,7 @@ def check_key_source(multi_node: bool) -> None:
 
 
 _OUTCOME_WORDS = {
-    "saved": "dying checkpoint of iteration {step} saved and marked latest",
+    "saved": "dying checkpoint of iteration {step} saved{where} and marked latest",
     "no_consistent_step": "no step had a clean copy of every shard, so nothing was saved "
     "(the last regular checkpoint stays latest)",
     "save_failed": "the dying-checkpoint save failed ({reason}); nothing new was marked latest",
@@ -384,21 +384,25 @@ _OUTCOME_WORDS = {
 }
 
 
-def _read_flow(path: Path) -> Optional[dict]:
+def read_flow(path: Path) -> Tuple[Optional[FlowRecord], Optional[str]]:
+    """``(record, None)``; ``(None, None)`` when no flow finished (no file); ``(None, why)``
+    when the file is there but unusable, so the outcome lines say so instead of "no flow"."""
     try:
-        flow = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return flow if isinstance(flow, dict) else None
+        return read_flow_record(path), None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, FlowRecordError) as exc:
+        return None, f"{path} {exc}" if isinstance(exc, FlowRecordError) else str(exc)
 
 
-def outcome_lines(flow: Optional[dict], failures: dict) -> list:
+def outcome_lines(flow: Optional[FlowRecord], failures: dict,
+                  unreadable: Optional[str] = None) -> List[str]:
     """The last lines of a failed run, in words: which rank failed, what the flow did, what next.
 
     Ranks that exited with the flow's own exit code did so *because* of the fault (e.g. 83 after
     saving), so they are not named as failures.
     """
-    consequence = None if flow is None else flow.get("exit_code")
+    consequence = None if flow is None else flow.exit_code
     failed = {r: f for r, f in failures.items() if f.exitcode != consequence}
     parts = []
     for rank, failure in sorted(failed.items()):
@@ -408,13 +412,18 @@ def outcome_lines(flow: Optional[dict], failures: dict) -> list:
         parts.append(f"rank {rank} (node {socket.gethostname()}) {how} at {when}")
     lines = ["; ".join(parts) or "the job was stopped"]
     if flow is None:
-        lines.append("no dying-checkpoint flow ran; exit 1")
+        if unreadable:
+            lines.append(f"the dying-checkpoint flow left an unusable record ({unreadable}); "
+                         "see the workers' log lines for what was saved; exit 1")
+        else:
+            lines.append("no dying-checkpoint flow ran; exit 1")
         return lines
-    words = _OUTCOME_WORDS.get(str(flow.get("outcome")), "flow outcome {outcome}: {reason}")
-    lines.append(words.format(step=flow.get("step"), reason=flow.get("reason"),
-                              outcome=flow.get("outcome")) + f" (exit {consequence} on the "
-                 "ranks that took part, not failures)")
-    if flow.get("outcome") == "saved":
+    outcome = flow.outcome.value
+    where = f" in {flow.checkpoint}" if flow.checkpoint else ""
+    words = _OUTCOME_WORDS.get(outcome, "flow outcome {outcome}: {reason}")
+    lines.append(words.format(step=flow.step, reason=flow.reason, outcome=outcome, where=where)
+                 + f" (exit {consequence} on the ranks that took part, not failures)")
+    if flow.outcome is Outcome.SAVED:
         lines.append("exit 1 so your scheduler restarts the job; run the same command to resume")
     else:
         lines.append("exit 1; rerunning the same command resumes from the last checkpoint")
@@ -505,10 +514,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             run(args)
         except ChildFailedError as exc:
-            flow = _read_flow(run_dir / FLOW_FINISHED_FILE)
+            flow, unreadable = read_flow(run_dir / FLOW_FINISHED_FILE)
             if flow is None:
                 print(str(exc), file=sys.stderr)
-            for line in outcome_lines(flow, exc.failures):
+            for line in outcome_lines(flow, exc.failures, unreadable):
                 print(f"ttprun: {line}", file=sys.stderr)
             return 1
         except SignalException as exc:

@@ -328,6 +328,18 @@ def latest_step(root: Path) -> Optional[int]:
     return int(json.loads(marker.read_text(encoding="utf-8"))["step"])
 
 
+def latest_dir(root: Path, step: int) -> Optional[Path]:
+    """The directory ``latest`` names if it names ``step`` (``finalize`` may have picked a
+    suffixed name), else None; never raises, it is asked on a rank's way out."""
+    try:
+        pointer = json.loads((root / LATEST).read_text(encoding="utf-8"))
+        if pointer["step"] == step and isinstance(pointer["dir"], str):
+            return (root / pointer["dir"]).absolute()
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
 def load(root: Path, layout: ShardLayout) -> Optional[LoadedCheckpoint]:
     """Load the checkpoint ``latest`` names after checking it completely; None when none exists.
 

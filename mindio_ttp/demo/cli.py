@@ -1,8 +1,16 @@
 """`ttp-demo` command line: reference run, faulty run with a dying checkpoint, resume, compare.
 
+Two jobs: the toy 4-rank job (default, seconds), or with ``--megatron DIR`` the real Megatron-LM
+285068c tiny GPT on a patched copy of DIR (mindio_ttp.demo.megatron, a minute or two).
+
 Exit codes: 0 the resumed run matched the uninterrupted one bit for bit; 1 it did not, or a run
-misbehaved; 2 bad arguments; 3 no dying checkpoint was written (e.g. both holders of a shard were
-lost, which the runtime refuses by design), so there was nothing to resume.
+misbehaved; 2 bad arguments or input (e.g. DIR is not a Megatron-LM 285068c checkout); 3 no
+dying checkpoint was written (e.g. both holders of a shard were lost, which the runtime refuses
+by design), so there was nothing to resume.
+
+Files: everything goes into one work directory. ``--keep DIR`` puts it in DIR (new or empty) and
+keeps it; otherwise it is a temporary directory, removed after a MATCH and kept (and said so)
+after anything else, so the logs of a failure are there to read.
 """
 
 from __future__ import annotations
@@ -10,17 +18,24 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from mindio_ttp import __version__
-from mindio_ttp.demo.checkpoint import CheckpointError
-from mindio_ttp.demo.model import ShardLayout
-from mindio_ttp.demo.runner import WORLD, LaunchResult, launch
 from mindio_ttp.testing.faults import Fault, FaultPlan, Phase
+
+if TYPE_CHECKING:
+    from mindio_ttp.demo.runner import LaunchResult
+
+# Ranks of both jobs (mindio_ttp.demo.runner.WORLD, mindio_ttp.demo.megatron.WORLD). The jobs'
+# modules import torch, which takes seconds: they are imported only once the input is checked.
+WORLD = 4
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_USAGE, EXIT_NO_CHECKPOINT = 0, 1, 2, 3
 
@@ -48,17 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
         "from it and check the result bit for bit against an uninterrupted run.",
     )
     p.add_argument("--version", action="version", version=f"ttp-demo {__version__}")
+    p.add_argument("--megatron", type=Path, metavar="DIR",
+                   help="run the real Megatron-LM tiny GPT instead of the toy job: DIR is a git "
+                   "checkout of Megatron-LM 285068c (only read: a copy is patched and trained)")
     p.add_argument("--kill-rank", type=_ranks, default=[1], metavar="R[,R]",
                    help="rank(s) to fault (default 1; 1,2 faults two ranks at once)")
-    p.add_argument("--kill-step", type=int, default=5, metavar="K", help="step of the fault (5)")
-    p.add_argument("--fault", choices=[f.value for f in Fault], default=Fault.SIGKILL.value,
-                   help="sigkill: the rank dies; exception: train raises; sigstop: the rank hangs")
+    p.add_argument("--kill-step", type=int, metavar="K", help="step of the fault (toy: 5); "
+                   "with --megatron the ranks are signalled once iteration K is logged (4)")
+    p.add_argument("--fault", choices=[f.value for f in Fault], help="sigkill (default): the "
+                   "rank dies; exception: train raises (toy only); sigstop: the rank hangs")
     p.add_argument("--phase", choices=[Phase.BEFORE.value, Phase.INSIDE.value, Phase.AFTER.value],
-                   default=Phase.INSIDE.value, help="where in the step (default inside the "
-                   "optimizer-update window)")
-    p.add_argument("--steps", type=int, default=8, help="steps of the whole run (8)")
-    p.add_argument("--workdir", type=Path, help="keep checkpoints and logs here (default: a "
-                   "temporary directory, removed at the end)")
+                   help="where in the step (toy only; default inside the optimizer-update "
+                   "window)")
+    p.add_argument("--steps", type=int, help="steps (iterations) of the whole run (toy: 8, "
+                   "--megatron: 10)")
+    p.add_argument("--keep", "--workdir", dest="keep", type=Path, metavar="DIR",
+                   help="write everything (tree copy, dataset, checkpoints, logs) into DIR, new "
+                   "or empty, and keep it (default: a temporary directory, removed after a "
+                   "MATCH)")
     p.add_argument("--verbose", action="store_true", help="show every line the job prints "
                    "(default: progress lines, the runtime's decisions and ttprun's)")
     p.add_argument("--quiet", action="store_true", help="hide the job's output")
@@ -104,6 +126,11 @@ def _checkpoint_summary(faulty: LaunchResult) -> Optional[str]:
 
 
 def run_demo(args: argparse.Namespace, work: Path) -> int:
+    """The toy job (``args`` resolved by ``main``: every option has its value)."""
+    from mindio_ttp.demo.checkpoint import CheckpointError
+    from mindio_ttp.demo.model import ShardLayout
+    from mindio_ttp.demo.runner import launch
+
     layout = ShardLayout.for_world(WORLD)
     phase, fault = Phase(args.phase), Fault(args.fault)
     plan = FaultPlan()
@@ -167,20 +194,124 @@ def run_demo(args: argparse.Namespace, work: Path) -> int:
     return EXIT_MATCH
 
 
+@dataclass(frozen=True)
+class WorkDir:
+    """Where the demo writes, and whether it was asked to keep it."""
+
+    path: Path
+    keep: bool
+    contents: str  # what the user is told it holds
+
+    @classmethod
+    def choose(cls, keep: Optional[Path], contents: str) -> WorkDir:
+        if keep is None:
+            return cls(Path(tempfile.mkdtemp(prefix="ttp-demo-")), False, contents)
+        path = keep.absolute()
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ValueError(f"--keep {keep}: exists and is not an empty directory; give a new "
+                             "or empty one (the demo writes its whole run there)")
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path, True, contents)
+
+    def finish(self, code: Optional[int]) -> None:
+        """Say what happens to the directory: kept, or removed (only after a MATCH)."""
+        if self.keep:
+            _say(f"kept {self.path} ({self.contents})")
+        elif code == EXIT_MATCH:
+            _say(f"removing {self.path} ({self.contents}); pass --keep DIR to keep them")
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            _say(f"kept {self.path} ({self.contents}) to look at what went wrong; remove it "
+                 f"with: rm -rf {self.path}")
+
+
+def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill in each mode's defaults and refuse options the mode cannot honour (exit 2)."""
+    if args.megatron is not None:
+        from mindio_ttp.demo import megatron
+
+        if args.phase is not None:
+            parser.error("--phase needs the toy job's in-step hooks; with --megatron the rank "
+                         "is signalled from outside (choose --fault sigkill or sigstop)")
+        if args.fault == Fault.EXCEPTION.value:
+            parser.error("--fault exception needs the toy job's hooks; with --megatron use "
+                         "sigkill or sigstop")
+        args.steps = megatron.DEFAULT_ITERS if args.steps is None else args.steps
+        args.kill_step = megatron.DEFAULT_KILL_AFTER if args.kill_step is None else args.kill_step
+        if not 1 <= args.kill_step < args.steps:
+            parser.error(f"--kill-step {args.kill_step} must be within 1..--steps - 1 "
+                         f"({args.steps - 1}): the ranks are signalled after iteration K is "
+                         "logged, which must not be the last")
+    else:
+        args.steps = 8 if args.steps is None else args.steps
+        args.kill_step = 5 if args.kill_step is None else args.kill_step
+        args.phase = args.phase or Phase.INSIDE.value
+        if not 1 <= args.kill_step <= args.steps:
+            parser.error(f"--kill-step {args.kill_step} must be within 1..--steps "
+                         f"({args.steps})")
+    args.fault = args.fault or Fault.SIGKILL.value
+
+
+def _run_megatron(args: argparse.Namespace, work: Path) -> int:
+    from mindio_ttp.demo.megatron import MegatronOptions, MegatronRehearsal, Verdict
+
+    options = MegatronOptions(
+        source=args.megatron.absolute(), iters=args.steps, kill_ranks=tuple(args.kill_rank),
+        kill_after=args.kill_step,
+        kill_signal=signal.SIGSTOP if args.fault == Fault.SIGSTOP.value else signal.SIGKILL,
+        echo="none" if args.quiet else "all" if args.verbose else "events",
+    )  # fmt: skip
+    verdict = MegatronRehearsal(options, work, _say).run()
+    return {Verdict.MATCH: EXIT_MATCH, Verdict.MISMATCH: EXIT_MISMATCH,
+            Verdict.NO_CHECKPOINT: EXIT_NO_CHECKPOINT}[verdict]  # fmt: skip
+
+
+def _check_megatron_input(args: argparse.Namespace) -> List[str]:
+    """DIR, the tools and --keep, before anything is written (BadInput / ValueError: exit 2)."""
+    from mindio_ttp.demo.megatron import check_requirements, check_source
+
+    source = args.megatron.absolute()
+    notes = check_source(source)
+    check_requirements()
+    if args.keep is not None:
+        keep = args.keep.absolute()
+        if keep == source or source in keep.parents:
+            raise ValueError(f"--keep {args.keep} is inside --megatron {args.megatron}; keep the "
+                             "demo's files outside your checkout")
+    return notes
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 1 <= args.kill_step <= args.steps:
-        parser.error(f"--kill-step {args.kill_step} must be within 1..--steps ({args.steps})")
+    _resolve(parser, args)
     started = time.monotonic()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="ttp-demo-"))
     try:
-        code = run_demo(args, work)
+        notes = _check_megatron_input(args) if args.megatron is not None else []
+        contents = ("the patched copy of Megatron-LM, the dataset, checkpoints and logs"
+                    if args.megatron is not None else "checkpoints and logs of this demo")
+        work = WorkDir.choose(args.keep, contents)
+    except ValueError as exc:  # BadInput is one
+        print(f"ttp-demo: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for note in notes:
+        _say(note)
+    # a scheduler's or a user's SIGTERM unwinds like Ctrl-C: the jobs' ranks are killed and the
+    # work directory is accounted for (their own sessions would not get the signal)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+    code: Optional[int] = None
+    try:
+        if args.megatron is not None:
+            code = _run_megatron(args, work.path)
+        else:
+            code = run_demo(args, work.path)
     finally:
-        if args.workdir is None:
-            _say(f"removing {work} (checkpoints and logs of this demo); pass --workdir DIR to "
-                 "keep them")
-            shutil.rmtree(work, ignore_errors=True)
+        work.finish(code)
     _say(f"ttp-demo finished in {time.monotonic() - started:.1f} s (exit {code})")
     return code
 

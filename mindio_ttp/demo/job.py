@@ -42,6 +42,7 @@ class DemoHandlers:
 
     def __init__(self, rank: int, state: ShardState, ckpt_dir: Path, plan: FaultPlan, out: Path):
         self.rank, self.state, self.ckpt_dir, self.plan, self.out = rank, state, ckpt_dir, plan, out
+        self.rename = DemoRename(rank, state, ckpt_dir)
 
     def save(self, step: int, save_ranks: list, ckpt_args: tuple) -> None:
         def midway() -> None:
@@ -55,11 +56,23 @@ class DemoHandlers:
             flush=True,
         )
 
-    def rename(self, step: int, ckpt_args: tuple) -> None:
+
+class DemoRename:
+    """The rename handler; ``checkpoint_location`` lets every rank's exit path name the
+    directory in flow-finished.json (a bound method could not carry it)."""
+
+    def __init__(self, rank: int, state: ShardState, ckpt_dir: Path) -> None:
+        self.rank, self.state, self.ckpt_dir = rank, state, ckpt_dir
+
+    def __call__(self, step: int, ckpt_args: tuple) -> None:
         final = checkpoint.finalize(self.ckpt_dir, step, self.state.layout)
         print(
             f"rank {self.rank} | checkpoint of step {step} renamed into place: {final}", flush=True
         )
+
+    def checkpoint_location(self, step: int) -> Optional[str]:
+        found = checkpoint.latest_dir(self.ckpt_dir, step)
+        return None if found is None else str(found)
 
 
 def _gather_full(layout: ShardLayout, state: ShardState, world: int) -> FullState:

@@ -23,6 +23,7 @@ import torch
 
 from mindio_ttp.demo import checkpoint
 from mindio_ttp.demo.model import FullState, ShardLayout
+from mindio_ttp.framework_ttp.flow_record import read_flow_record
 from mindio_ttp.testing.faults import FaultPlan
 
 WORLD = 4
@@ -63,9 +64,10 @@ class LaunchResult:
 
     @property
     def flow(self) -> Optional[dict]:
-        """``flow-finished.json`` written by the runtime (outcome, step, ranks), if any."""
+        """``flow-finished.json`` written by the runtime (outcome, step, ranks, checkpoint), if
+        any, checked against its schema (FlowRecordError if it is not valid)."""
         for path in sorted(self.run_dir.glob("*/flow-finished.json")):
-            return json.loads(path.read_text(encoding="utf-8"))
+            return read_flow_record(path).to_dict()
         return None
 
     def final_state(self) -> FullState:

@@ -4,7 +4,10 @@ Only the public functions the guide calls live here, each validating its argumen
 ValueError that says what to pass; the work is in controller.py / processor.py / hooks.py.
 Handler contract: the save handler is `fn(step, save_ranks, ckpt_args)`, run in a
 processor-owned thread on exactly the chosen ranks (concurrently); the rename handler is
-`fn(step, ckpt_args)`, run on one rank after every save succeeded. Raise on failure.
+`fn(step, ckpt_args)`, run on one rank after every save succeeded. Raise on failure. A rename
+handler may also carry `checkpoint_location(step) -> str` (an attribute; the MindIO API has no
+place for it): every rank's exit path calls it after a save, so flow-finished.json and ttprun's
+last lines can name the directory.
 """
 
 from __future__ import annotations
@@ -256,7 +259,12 @@ def ttp_register_save_ckpt_handler(fn: Callable[[int, List[int], tuple], None]) 
 
 
 def ttp_register_rename_handler(fn: Callable[[int, tuple], None]) -> None:
-    HANDLERS["rename"] = _handler("ttp_register_rename_handler", fn, 2, "fn(step, ckpt_args)")
+    fn = _handler("ttp_register_rename_handler", fn, 2, "fn(step, ckpt_args)")
+    locate = getattr(fn, "checkpoint_location", None)
+    if locate is not None:
+        _handler("ttp_register_rename_handler: its checkpoint_location", locate, 1,
+                 "checkpoint_location(step) -> str")
+    HANDLERS["rename"] = fn
 
 
 # -- hot path -------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any, Callable, List, Optional
 from . import protocol as P
 from .config import FLOW_FINISHED_FILE, Outcome, TTPConfig
 from .controller import Controller
+from .flow_record import FlowRecord
 from .handlers import HANDLERS, HandlerMixin, _Job
 from .hooks import STATE, TTPError
 from .transport import Conn, ConnClosed, Mailbox, connect, recv_messages
@@ -371,9 +372,10 @@ class Processor(HandlerMixin):
               code: Optional[int] = None) -> None:
         code = outcome.exit_code if code is None else code
         if self.cfg.run_dir:
-            write_flow_file(self.cfg.run_dir, {
-                "outcome": outcome.value, "step": step, "ranks": ranks, "exit_code": code,
-                "reason": reason, "rank": self.rank, "time": time.time()})
+            where = checkpoint_location(step) if outcome is Outcome.SAVED else None
+            record = FlowRecord(outcome, step, tuple(ranks), code, reason, self.rank,
+                                time.time(), where)
+            write_flow_file(self.cfg.run_dir, record.to_dict())
         (log.warning if outcome is Outcome.SAVED else log.error)(
             "rank %d: exiting with code %d (%s): %s", self.rank, code, outcome.value, reason)
         for h in logging.getLogger("mindio_ttp").handlers:
@@ -384,6 +386,22 @@ class Processor(HandlerMixin):
         self.exited.set()
         self._stop.set()
         self.exit_fn(code)
+
+
+def checkpoint_location(step: Optional[int]) -> Optional[str]:
+    """Where the saved checkpoint of ``step`` is, from the rename handler's optional
+    ``checkpoint_location(step)``: every rank can answer (not only the one that renamed), so
+    whichever rank writes flow-finished.json last, ttprun can name the directory. Never raises:
+    this runs on the way out."""
+    locate = getattr(HANDLERS["rename"], "checkpoint_location", None)
+    if step is None or locate is None:
+        return None
+    try:
+        where = locate(step)
+    except Exception as exc:  # noqa: BLE001 - a broken locator must not stop the exit
+        log.warning("checkpoint_location(%s) failed: %s", step, exc)
+        return None
+    return None if where is None else str(where)
 
 
 def write_flow_file(run_dir: str, payload: dict) -> None:

@@ -102,6 +102,16 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     print(f"ttp: dying checkpoint of iteration {step} is in {final}", flush=True)
 
 
+def checkpoint_location(step: int) -> str:
+    """Where `rename_save_result` puts step `step` (any rank can say: every rank has --save);
+    absolute, because ttprun prints it and need not share the workers' working directory."""
+    return str((Path(get_args().save) / manifest.iter_dir_name(step)).absolute())
+
+
+# read by every rank's exit path for flow-finished.json (see mindio_ttp.framework_ttp)
+rename_save_result.checkpoint_location = checkpoint_location  # type: ignore[attr-defined]
+
+
 def _chosen_in_my_dp_group(optimizer: ReplicatedOptimizer, save_ranks: Sequence[int]) -> List[int]:
     """The chosen ranks of my DP group, ordered by shard; one per shard or refuse."""
     mine = [r for r in save_ranks if r in optimizer.dp_ranks]

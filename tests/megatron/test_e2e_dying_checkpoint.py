@@ -86,6 +86,8 @@ def test_sigkill_of_rank1_saves_step4_within_ttp_ot(killed, reference):
     assert elapsed < TTP_OT_S
     assert tracker_step(ckpt) == 4
     assert (ckpt / "iter_0000004" / manifest.MANIFEST).is_file()
+    said = f"dying checkpoint of iteration 4 saved in {ckpt / 'iter_0000004'} and marked latest"
+    assert f"ttprun: {said}" in result.log, result.tail()
     assert manifest.verify(ckpt / "iter_0000004", DP4) is None
     assert manifest.verify(ckpt / "iter_0000003", DP4) is None  # the periodic one is untouched
     assert not list(ckpt.glob(".ttp_tmp_*"))

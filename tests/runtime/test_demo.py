@@ -222,3 +222,90 @@ def test_demo_says_why_exit_1_and_what_it_removes(tmp_path: Path) -> None:
     removed = re.search(r"removing (\S+) \(checkpoints and logs of this demo\)", out)
     assert removed, out
     assert Path(removed.group(1)).parent == tmp_path and not Path(removed.group(1)).exists()
+
+
+# -- ttp-demo --megatron: input it refuses before writing anything ----------------------------
+def test_the_cli_checks_ranks_against_both_jobs_world() -> None:
+    from mindio_ttp.demo import cli, megatron, runner
+
+    assert cli.WORLD == runner.WORLD == megatron.WORLD
+
+
+def _fake_megatron(root: Path, *, git: bool = True) -> Path:
+    """Shaped like a Megatron-LM checkout (pretrain_gpt.py, megatron/) but not at 285068c."""
+    (root / "megatron").mkdir(parents=True)
+    (root / "pretrain_gpt.py").write_text("print('not megatron')\n")
+    (root / "megatron" / "__init__.py").write_text("")
+    if git:
+        for cmd in (["init", "-q"], ["add", "-A"],
+                    ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+            subprocess.run(["git", "-C", str(root), *cmd], check=True, capture_output=True)
+    return root
+
+
+def _demo_refuses(tmp_path: Path, *args: str) -> str:
+    """Run `ttp-demo ARGS`; it must exit 2 and write nothing (TMPDIR stays empty)."""
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "mindio_ttp.demo", *args], capture_output=True, text=True,
+        timeout=60, env=dict(os.environ, TMPDIR=str(scratch)),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "", "nothing may start before the input is checked"
+    assert list(scratch.iterdir()) == []
+    return done.stderr
+
+
+def test_megatron_dir_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    err = _demo_refuses(tmp_path, "--megatron", str(tmp_path / "nowhere"))
+    assert f"--megatron {tmp_path / 'nowhere'}: no such directory" in err
+
+
+def test_megatron_dir_without_pretrain_gpt_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    err = _demo_refuses(tmp_path, "--megatron", str(tmp_path / "src"))
+    assert "not a Megatron-LM checkout (no pretrain_gpt.py and megatron/ in it)" in err
+
+
+def test_megatron_dir_that_is_not_a_git_checkout_is_refused(tmp_path: Path) -> None:
+    src = _fake_megatron(tmp_path / "src", git=False)
+    err = _demo_refuses(tmp_path, "--megatron", str(src))
+    assert "not a git checkout" in err
+    assert "checkout 285068c8108e0e8e6538f54fe27c3ee86c5217a2" in err
+
+
+def test_megatron_dir_inside_another_git_checkout_is_not_taken_for_it(tmp_path: Path) -> None:
+    outer = _fake_megatron(tmp_path / "outer")
+    src = _fake_megatron(outer / "vendored" / "Megatron-LM", git=False)
+    assert "not a git checkout" in _demo_refuses(tmp_path, "--megatron", str(src))
+
+
+def test_megatron_dir_at_another_commit_is_refused_and_left_alone(tmp_path: Path) -> None:
+    src = _fake_megatron(tmp_path / "src")
+    head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    err = _demo_refuses(tmp_path, "--megatron", str(src))
+    assert f"HEAD is {head[:7]}, not 285068c, the commit ttp-patch supports" in err
+    status = subprocess.run(["git", "-C", str(src), "status", "--porcelain"],
+                            capture_output=True, text=True, check=True).stdout
+    assert status == "", "the user's checkout must not be touched"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--phase", "before"], "--phase needs the toy job's in-step hooks"),
+    (["--fault", "exception"], "--fault exception needs the toy job's hooks"),
+    (["--kill-step", "10", "--steps", "10"], "--kill-step 10 must be within 1..--steps - 1 (9)"),
+])  # fmt: skip
+def test_megatron_options_the_real_job_cannot_honour_are_refused(tmp_path, args, message):
+    src = _fake_megatron(tmp_path / "src")
+    assert message in _demo_refuses(tmp_path, "--megatron", str(src), *args)
+
+
+def test_keep_dir_that_is_not_empty_is_refused(tmp_path: Path) -> None:
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "mine.txt").write_text("the user's")
+    err = _demo_refuses(tmp_path, "--keep", str(keep))
+    assert f"--keep {keep}: exists and is not an empty directory" in err
+    assert sorted(p.name for p in keep.iterdir()) == ["mine.txt"]

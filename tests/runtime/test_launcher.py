@@ -36,7 +36,8 @@ WORKER = textwrap.dedent(
         if rank == 0:
             tmp = run_dir / "flow-finished.json.tmp"
             outcome = "no_consistent_step" if mode == "nostep" else "saved"
-            flow = {"outcome": outcome, "step": 3, "ranks": [0, 2, 3], "exit_code": code}
+            flow = {"outcome": outcome, "step": 3, "ranks": [0, 2, 3], "exit_code": code,
+                    "reason": "scripted", "rank": rank, "time": time.time()}
             tmp.write_text(json.dumps(flow))
             os.replace(tmp, run_dir / "flow-finished.json")
         os._exit(code)
@@ -393,7 +394,8 @@ NODE_WORKER = textwrap.dedent(
     (out / "saved-B").write_text("x")
     tmp = run_dir / "flow.tmp"
     tmp.write_text(json.dumps({"outcome": "saved", "step": 3, "ranks": [int(os.environ["RANK"])],
-                               "exit_code": 83}))
+                               "exit_code": 83, "reason": "scripted",
+                               "rank": int(os.environ["RANK"]), "time": time.time()}))
     os.replace(tmp, run_dir / "flow-finished.json")
     os._exit(83)
     """
@@ -464,6 +466,7 @@ def test_losing_the_node_that_hosts_the_store_keeps_the_other_nodes_workers(
                 _kill_tree(proc)
     assert (tmp_path / "saved-B").exists(), output
     assert "ttprun: lost the rendezvous store" in output, output
+    assert "dying checkpoint of iteration 3 saved" in output, output
     assert b.returncode == 1, output
 
 
