@@ -47,14 +47,23 @@ def _nonce_bytes(value: str, who: str) -> bytes:
     return raw
 
 
+def hkdf_sha256(salt: bytes, ikm: bytes, info: bytes, length: int = 32) -> bytes:
+    """HKDF (RFC 5869) with SHA-256: extract, then expand to `length` bytes."""
+    prk = hmac.digest(salt, ikm, "sha256")
+    out, block = b"", b""
+    for i in range(1, -(-length // 32) + 1):
+        block = hmac.digest(prk, block + info + bytes([i]), "sha256")
+        out += block
+    return out[:length]
+
+
 def session_keys(job_key: bytes, listener_nonce: str, rank_nonce: str) -> Tuple[bytes, bytes]:
-    """(listener→rank, rank→listener) keys: HKDF-SHA256 (RFC 5869) with both nonces as the
-    salt and one output block per direction, so a frame cannot be reflected back at its
-    sender and no two connections share a key."""
+    """(listener→rank, rank→listener) keys: HKDF-SHA256 with both nonces as the salt and one
+    label per direction, so a frame cannot be reflected back at its sender and no two
+    connections share a key."""
     salt = _nonce_bytes(listener_nonce, "listener") + _nonce_bytes(rank_nonce, "rank")
-    prk = hmac.digest(salt, job_key, "sha256")
-    return (hmac.digest(prk, _LABEL + b"listener->rank\x01", "sha256"),
-            hmac.digest(prk, _LABEL + b"rank->listener\x01", "sha256"))
+    return (hkdf_sha256(salt, job_key, _LABEL + b"listener->rank"),
+            hkdf_sha256(salt, job_key, _LABEL + b"rank->listener"))
 
 
 class Sealer:
