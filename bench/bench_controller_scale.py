@@ -30,6 +30,7 @@ import psutil
 from mindio_ttp.framework_ttp import protocol as P
 from mindio_ttp.framework_ttp.config import TTPConfig
 from mindio_ttp.framework_ttp.controller import Controller
+from mindio_ttp.framework_ttp.session import RankHandshake
 
 KEY = os.urandom(32)
 DP, REPLICA = 8, 4
@@ -72,10 +73,17 @@ async def one_client(rank: int, n: int, port: int, interval: float, stats: dict,
     group = rank // DP * DP
     dp_ranks = list(range(group, group + DP))
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    send = lambda m: writer.write(P.encode(m, KEY))  # noqa: E731
-    send(P.Register(rank, n, dp_ranks, REPLICA, "127.0.0.1", 0, os.getpid(), 10, False, False,
-                    False))
-    dec = P.FrameDecoder(KEY)
+    hs = RankHandshake(KEY)  # the processor's handshake, over asyncio streams
+    challenge: List[P.Message] = []
+    while not challenge:
+        data = await reader.read(65536)
+        if not data:
+            return
+        challenge = hs.dec.feed(data)
+    writer.write(hs.answer(challenge[0], P.Register(rank, n, dp_ranks, REPLICA, "127.0.0.1", 0,
+                                                    os.getpid(), 10, False, False, False)))
+    send = lambda m: writer.write(hs.tx.seal(m))  # noqa: E731
+    dec = hs.dec
 
     async def beat() -> None:
         await asyncio.sleep(random.random() * interval)

@@ -33,6 +33,7 @@ ENV_RENAME_TIME_LIMIT = "TTP_RENAME_TIME_LIMIT"
 ENV_COLLECT_TIMEOUT = "TTP_COLLECT_TIMEOUT"
 ENV_UPDATE_GRACE = "TTP_UPDATE_GRACE"
 ENV_CONNECT_TIMEOUT = "TTP_CONNECT_TIMEOUT"
+ENV_HANDSHAKE_TIMEOUT = "TTP_HANDSHAKE_TIMEOUT"
 ENV_CONTROLLER_PORT = "TTP_CONTROLLER_PORT"
 ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
 
@@ -51,6 +52,11 @@ DEFAULTS: dict[str, float] = {
     ENV_COLLECT_TIMEOUT: 10.0,
     ENV_UPDATE_GRACE: 5.0,
     ENV_CONNECT_TIMEOUT: 60.0,
+    # A listener closes a connection that has not completed the handshake (challenge, Register,
+    # ack) within this; a rank gives up on a listener that has not. Long enough for every rank
+    # of a large job connecting at once, short enough that a port held by another program ends
+    # every rank within seconds instead of after TTP_CONNECT_TIMEOUT.
+    ENV_HANDSHAKE_TIMEOUT: 10.0,
 }
 
 
@@ -179,6 +185,7 @@ class TTPConfig:
     run_dir: Optional[str]
     auth_key: bytes
     step_timeout: float = 0.0  # 0: off
+    handshake_timeout: float = DEFAULTS[ENV_HANDSHAKE_TIMEOUT]
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> TTPConfig:
@@ -196,6 +203,7 @@ class TTPConfig:
             run_dir=env.get(ENV_RUN_DIR) or None,
             auth_key=auth_key_from_env(env),
             step_timeout=_optional_float_env(env, ENV_STEP_TIMEOUT),
+            handshake_timeout=_float_env(env, ENV_HANDSHAKE_TIMEOUT),
         )
         if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
             raise ValueError(

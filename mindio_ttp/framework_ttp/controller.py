@@ -10,6 +10,7 @@ it, then runs the flow itself; ranks that never reached it count as dead.
 
 from __future__ import annotations
 
+import errno
 import logging
 import selectors
 import socket
@@ -21,6 +22,8 @@ from typing import Dict, List, Optional, Set, Tuple
 from . import protocol as P
 from .config import TTPConfig
 from .flow import Decision, FlowMixin
+from .hooks import TTPError
+from .session import ListenerHandshake
 from .state import ControllerState as S
 from .state import StateMachine
 from .transport import Conn, ConnClosed, Mailbox
@@ -93,8 +96,7 @@ class Controller(FlowMixin):
             sock.bind((ip, port))
         except OSError as exc:
             sock.close()
-            raise OSError(exc.errno, f"TTP controller cannot listen on {ip}:{port}: {exc.strerror}"
-                          f" (another job on this port? set TTP_CONTROLLER_PORT)") from None
+            raise TTPError(listen_error(ip, port, exc, self.standby)) from None
         sock.listen(4096)
         sock.setblocking(False)
         self._listener = sock
@@ -198,12 +200,14 @@ class Controller(FlowMixin):
                                 self._refused_pending)
                 sock.close()
                 continue
-            conn = Conn(sock, self.cfg.auth_key, f"{addr[0]}:{addr[1]}",
-                        P.FrameDecoder(self.cfg.auth_key,
-                                       P.pre_auth_max_payload(self.world_size)))
+            hs = ListenerHandshake(self.cfg.auth_key, P.pre_auth_max_payload(self.world_size))
+            conn = Conn(sock, hs.tx, hs.dec, f"{addr[0]}:{addr[1]}")
+            conn.handshake = hs
             self._conns[sock.fileno()] = conn
             self._pending[conn] = time.monotonic()
             self._sel.register(sock, selectors.EVENT_READ, conn)
+            conn.queue_raw(hs.challenge())
+            self._flush(conn)
 
     def _on_mail(self) -> None:
         for item in self._mail.drain():
@@ -213,12 +217,12 @@ class Controller(FlowMixin):
                 if info is not None and info.conn is not None:
                     info.conn.queue(item[2])
                     self._flush(info.conn)
-            elif kind == "send_many":  # one encoding for all: save orders to N/2 ranks
-                data = P.encode(item[2], self.cfg.auth_key)
+            elif kind == "send_many":  # one serialisation for all: save orders to N/2 ranks
+                payload = P.encode_payload(item[2])
                 for r in item[1]:
                     info = self._ranks.get(r)
                     if info is not None and info.conn is not None:
-                        info.conn.queue_raw(data)
+                        info.conn.queue_payload(item[2].TYPE, payload)
                         self._flush(info.conn)
             elif kind == "send_alive":
                 self._send_alive_now(item[1], item[2])
@@ -226,11 +230,11 @@ class Controller(FlowMixin):
                 self._flush_waiters.append(item[1])
 
     def _send_alive_now(self, msg: P.Message, exclude: Optional[int] = None) -> None:
-        data = None
+        payload = None
         for info in list(self._ranks.values()):
             if info.status == "alive" and info.conn is not None and info.rank != exclude:
-                data = data or P.encode(msg, self.cfg.auth_key)
-                info.conn.queue_raw(data)
+                payload = payload or P.encode_payload(msg)
+                info.conn.queue_payload(msg.TYPE, payload)
                 self._flush(info.conn)
 
     def _flush(self, conn: Conn) -> None:
@@ -249,19 +253,20 @@ class Controller(FlowMixin):
     def _on_readable(self, conn: Conn) -> None:
         try:
             msgs = conn.read()
+            while msgs:
+                for msg in msgs:
+                    if conn.closed:
+                        return
+                    self._dispatch(conn, msg)
+                # frames that came behind the Register wait in the decoder for the session key
+                msgs = conn.dec.feed(b"") if conn.dec.pending and not conn.closed else []
         except ConnClosed as exc:
             self._drop(conn, f"connection dropped: {exc}")
-            return
         except P.ProtocolError as exc:
             self.rejected_frames += 1
             log.warning("%s: rejected frame from %s (rank %s): %s; closing that connection",
                         self.name, conn.peer, conn.rank, exc)
             self._drop(conn, f"sent a bad frame: {exc}")
-            return
-        for msg in msgs:
-            if conn.closed:
-                return
-            self._dispatch(conn, msg)
 
     def _drop(self, conn: Conn, why: str) -> None:
         if conn.closed:
@@ -295,8 +300,10 @@ class Controller(FlowMixin):
 
     def _check_silence(self, now: float) -> None:
         for conn, since in list(self._pending.items()):
-            if now - since > max(self.cfg.heartbeat_timeout, 5.0):
-                log.warning("%s: %s sent no registration in time; closing", self.name, conn.peer)
+            if now - since > self.cfg.handshake_timeout:
+                log.warning("%s: %s did not complete the handshake within "
+                            "TTP_HANDSHAKE_TIMEOUT=%g s; closing", self.name, conn.peer,
+                            self.cfg.handshake_timeout)
                 self._drop(conn, "no registration")
         if not self.sm.is_in(S.SERVING, S.COLLECTING, S.SAVING, S.RENAMING):
             return
@@ -367,6 +374,9 @@ class Controller(FlowMixin):
     def _on_register(self, conn: Conn, m: P.Register) -> None:
         if conn.rank is not None:
             return self._refuse(conn, "registered twice on one connection")
+        # a Register recorded on another connection raises ProtocolError here (a rejected
+        # frame); from here on both directions use this connection's session keys
+        conn.handshake.accept(m)
         if m.world_size != self.world_size or not 0 <= m.rank < self.world_size:
             return self._refuse(conn, f"rank {m.rank} / world_size {m.world_size} do not match "
                                 f"this job's world_size {self.world_size}")
@@ -446,3 +456,14 @@ class Controller(FlowMixin):
         except (OSError, RuntimeError):
             pass
         self._mail.close()
+
+
+def listen_error(ip: str, port: int, exc: OSError, standby: bool) -> str:
+    """What to do when a listener cannot bind: a busy controller port is the common case."""
+    what = "standby controller" if standby else "controller"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"TTP {what} cannot listen on {ip}:{port}: the port is in use (another program "
+                f"or another job's controller holds it). Free the port, or give every rank "
+                f"another free port in TTP_CONTROLLER_PORT")
+    return (f"TTP {what} cannot listen on {ip}:{port}: {exc.strerror or exc} (is {ip} an "
+            f"address of this host? the controller's rank must own MASTER_ADDR)")

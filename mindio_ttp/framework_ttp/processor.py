@@ -26,9 +26,20 @@ from .controller import Controller
 from .flow_record import FlowRecord
 from .handlers import HANDLERS, HandlerMixin, _Job
 from .hooks import STATE, TTPError
+from .session import RankHandshake
 from .transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 
 log = logging.getLogger("mindio_ttp.processor")
+
+NOT_OUR_CONTROLLER = (
+    "something other than this job's TTP controller listens there (another program, or another "
+    "job's controller with another TTP_AUTH_KEY or mindio_ttp version): free the port, or give "
+    "every rank another free port in TTP_CONTROLLER_PORT")
+
+
+class HandshakeFailed(Exception):
+    """The listener did not complete the handshake; the text says why and what to do."""
+
 
 class Processor(HandlerMixin):
     def __init__(self, cfg: TTPConfig, rank: int, dp_ranks: List[int], world_size: int,
@@ -77,11 +88,11 @@ class Processor(HandlerMixin):
                                   standby=True)
         self.standby.listen(local_ip, 0)
         self.standby.start()
-        conn = self._handshake(sock, failover=False, timeout=self.cfg.connect_timeout)
-        if conn is None:
+        try:
+            conn = self._handshake(sock, failover=False, timeout=self.cfg.handshake_timeout)
+        except HandshakeFailed as exc:
             self.standby.stop()
-            raise TTPError(f"rank {self.rank}: the controller at {ip}:{port} refused the "
-                           "registration (see the log for its reason)")
+            raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: {exc}") from None
         STATE.wait_limit = self.cfg.ot
         self._set_conn(conn)
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
@@ -155,26 +166,35 @@ class Processor(HandlerMixin):
         return P.Register(self.rank, self.world_size, self.dp_ranks, self.replica, host, port,
                           os.getpid(), step, updating, STATE.locked, failover)
 
-    def _handshake(self, sock: socket.socket, failover: bool, timeout: float) -> Optional[Conn]:
-        dec = P.FrameDecoder(self.cfg.auth_key)
+    def _handshake(self, sock: socket.socket, failover: bool, timeout: float) -> Conn:
+        """Challenge, Register, ack within `timeout` (session.py); closes the socket and raises
+        HandshakeFailed with what to do otherwise."""
+        hs = RankHandshake(self.cfg.auth_key)
+        deadline = time.monotonic() + timeout
+        answered = False
         try:
-            sock.sendall(P.encode(self._register_msg(sock.getsockname()[0], failover),
-                                  self.cfg.auth_key))
-            msgs = recv_messages(sock, dec, timeout)
+            msgs = recv_messages(sock, hs.dec, timeout)
+            sock.sendall(hs.answer(msgs[0], self._register_msg(sock.getsockname()[0], failover)))
+            answered = True
+            msgs = recv_messages(sock, hs.dec, max(0.05, deadline - time.monotonic()))
         except (OSError, TimeoutError, ConnClosed, P.ProtocolError) as exc:
-            log.warning("rank %d: registration failed: %s", self.rank, exc)
             sock.close()
-            return None
+            if isinstance(exc, TimeoutError):
+                exc = TimeoutError(f"no {'answer to our Register' if answered else 'challenge'} "
+                                   f"within {timeout:g} s (TTP_HANDSHAKE_TIMEOUT)")
+            if answered:
+                raise HandshakeFailed(f"registration failed: {exc}") from None
+            raise HandshakeFailed(f"no valid TTP handshake ({exc}): {NOT_OUR_CONTROLLER}") \
+                from None
         first = msgs[0]
         if not isinstance(first, P.RegisterAck):
-            log.error("rank %d: controller refused us: %s", self.rank,
-                      getattr(first, "reason", first))
             sock.close()
-            return None
+            raise HandshakeFailed(f"the controller refused the registration: "
+                                  f"{getattr(first, 'reason', type(first).__name__)}")
         self.controller_rank = first.controller_rank
         if first.backups:  # a standby announces none: keep the primary's list for the next loss
             self._backups = first.backups
-        conn = Conn(sock, self.cfg.auth_key, "controller", dec)
+        conn = Conn(sock, hs.tx, hs.dec, "controller")
         conn.data = msgs[1:]
         return conn
 
@@ -357,12 +377,17 @@ class Processor(HandlerMixin):
                     log.warning("rank %d: backup controller on rank %s unreachable: %s",
                                 self.rank, rank, exc)
                     continue
-                conn = self._handshake(sock, failover=True, timeout=per_try)
-                if conn is not None:
-                    log.warning("rank %d: now served by the standby controller on rank %s",
-                                self.rank, rank)
-                    self._set_conn(conn)
-                    return
+                try:
+                    conn = self._handshake(sock, failover=True,
+                                           timeout=min(per_try, self.cfg.handshake_timeout))
+                except HandshakeFailed as exc:
+                    log.warning("rank %d: backup controller on rank %s at %s:%s: %s", self.rank,
+                                rank, host, port, exc)
+                    continue
+                log.warning("rank %d: now served by the standby controller on rank %s",
+                            self.rank, rank)
+                self._set_conn(conn)
+                return
             self._stop.wait(0.2)
         if not self._stop.is_set():
             self._exit(Outcome.NO_VERDICT, None, [], f"controller lost ({why}) and no backup "

@@ -1,9 +1,12 @@
 """The control-plane wire format: the only code in the runtime that turns bytes into messages.
 
-Frame = header (magic b"TP", version u8, type u8, payload length u32, big endian) + JSON
-payload + HMAC-SHA256(key, header + payload). Every message type is a named dataclass whose
-field types are checked on decode, so a peer with the wrong key, another version, a truncated or
-garbled stream is rejected with `ProtocolError` before any field reaches controller logic.
+Frame = header (magic b"TP", version u8, type u8, sequence number u64, payload length u32, big
+endian) + JSON payload + HMAC-SHA256(key, header + payload). Every message type is a named
+dataclass whose field types are checked on decode, so a peer with the wrong key, another version,
+a truncated or garbled stream is rejected with `ProtocolError` before any field reaches
+controller logic. The key is the job key for the two handshake frames and a per-connection,
+per-direction session key afterwards (session.py); the sequence number counts the frames of one
+direction of one connection, so a replayed, reordered or dropped frame is refused too.
 A stream that produced one bad frame cannot be re-synchronised, so callers close it.
 """
 
@@ -17,8 +20,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type
 
 MAGIC = b"TP"
-VERSION = 1
-HEADER = struct.Struct("!2sBBI")
+VERSION = 2  # 2: challenge-response handshake, session keys, sequence numbers
+HEADER = struct.Struct("!2sBBQI")
+_PREFIX = struct.Struct("!2sB")  # magic and version: checked before the rest of a header
 MAC_LEN = 32
 MAX_PAYLOAD = 16 * 1024 * 1024
 
@@ -107,6 +111,15 @@ class Register(Message):
     updating: bool
     locked: bool
     failover: bool
+    challenge: str = ""  # the listener's nonce, echoed: binds this frame to one connection
+    nonce: str = ""  # the rank's own fresh nonce (session.py)
+
+
+@_message(18)
+@dataclass
+class Challenge(Message):
+    """Listener → processor, first frame on every connection: a fresh random nonce."""
+    nonce: str
 
 
 @_message(2)
@@ -245,15 +258,24 @@ class Closing(Message):
 
 
 # -- codec ---------------------------------------------------------------------------------------
-def encode(msg: Message, key: bytes) -> bytes:
+def encode_payload(msg: Message) -> bytes:
+    """The JSON body alone, so one message sent to many connections is serialised once."""
     body = {name: getattr(msg, name) for name, _ in _SCHEMA[type(msg)]}
     payload = json.dumps(body, separators=(",", ":")).encode()
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError(f"{type(msg).__name__} payload is {len(payload)} bytes, over "
                             f"{MAX_PAYLOAD}")
-    head = HEADER.pack(MAGIC, VERSION, msg.TYPE, len(payload))
+    return payload
+
+
+def seal(code: int, payload: bytes, key: bytes, seq: int) -> bytes:
+    head = HEADER.pack(MAGIC, VERSION, code, seq, len(payload))
     data = head + payload
     return data + hmac.digest(key, data, "sha256")
+
+
+def encode(msg: Message, key: bytes, seq: int = 0) -> bytes:
+    return seal(msg.TYPE, encode_payload(msg), key, seq)
 
 
 def _decode_payload(code: int, payload: bytes) -> Message:
@@ -278,22 +300,43 @@ def _decode_payload(code: int, payload: bytes) -> Message:
 
 class FrameDecoder:
     """Incremental decoder for one stream: feed bytes, get whole messages. Raises ProtocolError
-    on the first bad frame; the decoder (and the connection) is unusable afterwards."""
+    on the first bad frame; the decoder (and the connection) is unusable afterwards.
 
-    def __init__(self, key: bytes, max_payload: int = MAX_PAYLOAD) -> None:
+    Frames must carry the sequence numbers `seq`, `seq + 1`, ... With `handshake=True` a feed
+    returns after the first message and keeps the rest buffered: the handshake frame changes
+    the key, so the owner calls `rekey` and then `feed(b"")` for the frames behind it."""
+
+    def __init__(self, key: bytes, max_payload: int = MAX_PAYLOAD, *, seq: int = 0,
+                 handshake: bool = False) -> None:
         self._key = key
         self._max = max_payload
+        self._seq = seq
+        self._handshake = handshake
+        self._held = False  # a handshake frame was returned; the rest waits for rekey
         self._buf = bytearray()
+
+    def rekey(self, key: bytes, seq: int, max_payload: Optional[int] = None) -> None:
+        """Switch to the session key after the handshake frame; ends handshake mode."""
+        self._key, self._seq = key, seq
+        self._handshake = self._held = False
+        if max_payload is not None:
+            self._max = max_payload
 
     def feed(self, data: bytes) -> List[Message]:
         self._buf += data
         out: List[Message] = []
-        while len(self._buf) >= HEADER.size:
-            magic, version, code, length = HEADER.unpack_from(self._buf)
+        if self._held and len(self._buf) > HEADER.size + self._max + MAC_LEN:
+            raise ProtocolError(f"{len(self._buf)} bytes sent behind a handshake frame")
+        while len(self._buf) >= _PREFIX.size and not self._held:
+            magic, version = _PREFIX.unpack_from(self._buf)
             if magic != MAGIC:
                 raise ProtocolError(f"bad magic {bytes(magic)!r}: not a TTP peer")
             if version != VERSION:
-                raise ProtocolError(f"protocol version {version}, this runtime speaks {VERSION}")
+                raise ProtocolError(f"peer speaks TTP protocol version {version}, this runtime "
+                                    f"speaks {VERSION}: run the same mindio_ttp on every rank")
+            if len(self._buf) < HEADER.size:
+                break
+            _, _, code, seq, length = HEADER.unpack_from(self._buf)
             if length > self._max:
                 raise ProtocolError(f"frame of {length} bytes exceeds {self._max}")
             end = HEADER.size + length + MAC_LEN
@@ -304,8 +347,14 @@ class FrameDecoder:
             del self._buf[:end]
             want = hmac.digest(self._key, body, "sha256")
             if not hmac.compare_digest(mac, want):
-                raise ProtocolError("bad HMAC: peer does not share TTP_AUTH_KEY")
+                raise ProtocolError("bad HMAC: peer does not share TTP_AUTH_KEY (or the frame "
+                                    "belongs to another connection)")
+            if seq != self._seq:
+                raise ProtocolError(f"frame sequence number {seq}, expected {self._seq}: a "
+                                    "replayed, reordered or dropped frame")
+            self._seq += 1
             out.append(_decode_payload(code, body[HEADER.size:]))
+            self._held = self._handshake
         return out
 
     def authenticated(self, max_payload: int = MAX_PAYLOAD) -> None:
@@ -317,9 +366,9 @@ class FrameDecoder:
         return len(self._buf)
 
 
-def decode_one(data: bytes, key: bytes) -> Message:
+def decode_one(data: bytes, key: bytes, seq: int = 0) -> Message:
     """Decode exactly one whole frame (tests and tools)."""
-    dec = FrameDecoder(key)
+    dec = FrameDecoder(key, seq=seq)
     msgs = dec.feed(data)
     if len(msgs) != 1 or dec.pending:
         raise ProtocolError(f"expected one whole frame, got {len(msgs)} and {dec.pending} "

@@ -14,7 +14,8 @@ import threading
 import time
 from typing import Any, Deque, List, Optional, Tuple
 
-from .protocol import FrameDecoder, Message, encode
+from .protocol import FrameDecoder, Message
+from .session import Sealer
 
 RECV_CHUNK = 65536
 
@@ -24,19 +25,20 @@ class ConnClosed(Exception):
 
 
 class Conn:
-    __slots__ = ("sock", "key", "dec", "out", "peer", "rank", "last_rx", "closed", "data",
-                 "writing")
+    __slots__ = ("sock", "tx", "dec", "out", "peer", "rank", "last_rx", "closed", "data",
+                 "writing", "handshake")
 
-    def __init__(self, sock: socket.socket, key: bytes, peer: str = "",
-                 dec: Optional[FrameDecoder] = None) -> None:
+    def __init__(self, sock: socket.socket, tx: Sealer, dec: FrameDecoder,
+                 peer: str = "") -> None:
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
         self.sock = sock
-        self.key = key
-        self.dec = dec or FrameDecoder(key)
+        self.tx = tx  # key and sequence number of what we send
+        self.dec = dec  # key and sequence number of what we accept
+        self.handshake: Any = None  # the listener's ListenerHandshake until it is done
         self.out = bytearray()
         self.peer = peer
         self.rank: Optional[int] = None
@@ -67,7 +69,11 @@ class Conn:
         return msgs
 
     def queue(self, msg: Message) -> None:
-        self.out += encode(msg, self.key)
+        self.out += self.tx.seal(msg)
+
+    def queue_payload(self, code: int, payload: bytes) -> None:
+        """A message serialised once for many connections, sealed for this one."""
+        self.out += self.tx.seal_payload(code, payload)
 
     def queue_raw(self, data: bytes) -> None:
         self.out += data
@@ -146,6 +152,9 @@ def connect(host: str, port: int, timeout: float) -> socket.socket:
 def recv_messages(sock: socket.socket, dec: FrameDecoder, timeout: float) -> List[Message]:
     """Blocking read until at least one message arrives (registration handshakes only)."""
     deadline = time.monotonic() + timeout
+    msgs = dec.feed(b"")  # frames already buffered behind the previous handshake frame
+    if msgs:
+        return msgs
     while True:
         left = deadline - time.monotonic()
         if left <= 0:

@@ -8,8 +8,31 @@ import time
 from typing import List, Optional
 
 from mindio_ttp.framework_ttp import protocol as P
+from mindio_ttp.framework_ttp.session import RankHandshake
 
 KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+def read_frames(sock: socket.socket, dec: P.FrameDecoder, timeout: float = 5.0) -> list:
+    """Blocking: the next message(s) from `sock` (ProtocolError / ConnectionError propagate)."""
+    sock.settimeout(timeout)
+    msgs = dec.feed(b"")
+    while not msgs:
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionError("closed by the listener")
+        msgs = dec.feed(data)
+    return msgs
+
+
+def handshake(sock: socket.socket, reg: P.Register, key: bytes = KEY,
+              timeout: float = 5.0) -> RankHandshake:
+    """What a processor does on connect: read the Challenge and answer it with `reg`."""
+    hs = RankHandshake(key)
+    challenge = read_frames(sock, hs.dec, timeout)[0]
+    hs.sent = hs.answer(challenge, reg)  # type: ignore[attr-defined] - what went on the wire
+    sock.sendall(hs.sent)  # type: ignore[attr-defined]
+    return hs
 
 
 class FakeRank:
@@ -22,18 +45,21 @@ class FakeRank:
         self.received: List[P.Message] = []
         self.exit: Optional[P.ExitOrder] = None
         self.silent = False  # stop heartbeating and answering (a hung rank)
+        self._send_lock = threading.Lock()
         self.sock = socket.create_connection(addr, timeout=5)
+        self.hs = handshake(self.sock, P.Register(rank, world, dp_ranks, replica, "127.0.0.1",
+                                                  standby_port, 0, step, updating, False, False),
+                            key)
         self.sock.settimeout(heartbeat)
-        self.dec = P.FrameDecoder(key)
-        self.send(P.Register(rank, world, dp_ranks, replica, "127.0.0.1", standby_port, 0, step,
-                             updating, False, False))
+        self.dec = self.hs.dec
         self._stop = threading.Event()
         self.got_exit = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def send(self, msg: P.Message) -> None:
-        self.sock.sendall(P.encode(msg, self.key))
+        with self._send_lock:  # the test thread and ours both send: keep seq order on the wire
+            self.sock.sendall(self.hs.tx.seal(msg))
 
     def _run(self) -> None:
         seq = 0
@@ -57,7 +83,10 @@ class FakeRank:
             for m in self.dec.feed(data):
                 self.received.append(m)
                 if not self.silent:
-                    self._answer(m)
+                    try:
+                        self._answer(m)
+                    except OSError:  # closed by the test while a flow was talking to us
+                        return
 
     def _answer(self, m: P.Message) -> None:
         if isinstance(m, P.Lock):

@@ -1,9 +1,12 @@
 """Attacks on the controller from an outsider on the network, over real loopback sockets.
 
 An outsider without the key must not make the listener buffer large frames, must not exhaust it
-with connections that never register, and must not evict a live rank by replaying its recorded
-Register frame (which the old controller accepted, then counted the rank dead when the replaying
-connection closed, and ran a fault flow)."""
+with connections that never register, must not evict a live rank by replaying its recorded
+Register frame (which the first controller accepted, then counted the rank dead when the
+replaying connection closed, and ran a fault flow), must not register a rank that is not
+connected by replaying a Register recorded on another connection (accepted before the
+challenge-response handshake), and must not replay, reorder or splice frames within or across
+connections (accepted before sequence numbers and session keys)."""
 
 from __future__ import annotations
 
@@ -13,21 +16,13 @@ import time
 import psutil
 import pytest
 
+from mindio_ttp.framework_ttp import hooks
 from mindio_ttp.framework_ttp import protocol as P
 from mindio_ttp.framework_ttp.config import TTPConfig
-from mindio_ttp.framework_ttp.controller import Controller
+from mindio_ttp.framework_ttp.processor import Processor
 
-from .fakes import KEY, FakeRank
-from .test_controller import DP, ENV
-
-
-@pytest.fixture
-def ctl():
-    c = Controller(TTPConfig.from_env(ENV), 4, 2, host_rank=0)
-    c.listen("127.0.0.1", 0)
-    c.start()
-    yield c
-    c.stop()
+from .conftest import DP, ENV
+from .fakes import KEY, FakeRank, handshake, read_frames
 
 
 def wait_for(predicate, timeout_s: float = 5.0) -> bool:
@@ -54,7 +49,7 @@ def closed_by_peer(s: socket.socket, timeout_s: float = 5.0) -> bool:
 def test_unauthenticated_large_frames_are_refused_before_buffering(ctl):
     """40 connections each announcing a 15 MiB frame took rank 0 from 20 to 620 MiB."""
     rss_before = psutil.Process().memory_info().rss
-    header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 15 * 1024 * 1024)
+    header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, 15 * 1024 * 1024)
     chunk = b"\0" * (1 << 20)
     socks = []
     for _ in range(40):
@@ -92,25 +87,143 @@ def test_connections_that_never_register_are_capped(ctl):
             s.close()
 
 
+def register(rank: int) -> P.Register:
+    return P.Register(rank, 4, DP, 2, "127.0.0.1", 0, 0, 3, False, False, False)
+
+
+def everything_until_closed(s: socket.socket, timeout_s: float = 5.0) -> bytes:
+    s.settimeout(timeout_s)
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    return data
+
+
+def replay(addr, recorded: bytes) -> list:
+    """An outsider sends a recorded frame on a new connection: the types of what came back."""
+    with socket.create_connection(addr, timeout=5) as s:
+        s.sendall(recorded)
+        data = everything_until_closed(s)
+    dec = P.FrameDecoder(KEY, handshake=True)
+    got = dec.feed(data)  # the listener's Challenge: the only frame under the job key
+    return [type(m) for m in got] + (["more bytes"] if dec.pending else [])
+
+
 def test_replayed_register_does_not_evict_a_live_rank(ctl, caplog):
     fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4)]
     try:
         assert wait_for(lambda: len(ctl.registered) == 4)
         # The outsider recorded rank 1's Register from the wire (same bytes, same key's MAC).
-        recorded = P.encode(P.Register(1, 4, DP, 2, "127.0.0.1", 0, 0, 3, False, False, False),
-                            KEY)
-        with socket.create_connection(ctl.address, timeout=5) as replay:
-            replay.sendall(recorded)
-            replay.settimeout(5)
-            answer = P.FrameDecoder(KEY).feed(replay.recv(65536))
-            assert answer and isinstance(answer[0], P.Reject), answer
-            assert "already connected" in answer[0].reason
+        assert replay(ctl.address, fakes[1].hs.sent) == [P.Challenge]  # no ack, no Reject
         replayed_at = time.monotonic()
         # rank 1 keeps heartbeating on its own connection (three intervals of 0.1 s) ...
         assert wait_for(lambda: ctl._ranks[1].last_seen > replayed_at + 0.3)
         assert ctl.registered == [0, 1, 2, 3]
         assert ctl.faults == [], "closing the replaying connection must not be a fault"
-        assert "refused a Register for rank 1" in caplog.text and "127.0.0.1:" in caplog.text
+        assert "answers another connection's challenge" in caplog.text
+        assert "127.0.0.1:" in caplog.text
     finally:
         for f in fakes:
             f.close()
+
+
+def test_register_replayed_while_its_rank_is_away_is_refused(ctl, caplog):
+    """Rank 1 finished training and left; its Register replayed on a new connection would have
+    re-registered it (then, when the replayer hung up, counted it dead and ended the job)."""
+    fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4)]
+    try:
+        assert wait_for(lambda: len(ctl.registered) == 4)
+        fakes[1].send(P.Goodbye(1))
+        assert wait_for(lambda: ctl.registered == [0, 2, 3])
+        fakes[1].close()
+        rejected = ctl.rejected_frames
+        assert replay(ctl.address, fakes[1].hs.sent) == [P.Challenge]
+        assert ctl.rejected_frames == rejected + 1
+        time.sleep(0.3)  # three heartbeat intervals: time for a wrongly accepted rank to show
+        assert ctl.registered == [0, 2, 3] and ctl.faults == []
+        assert "Register for rank 1 answers another connection's challenge" in caplog.text
+    finally:
+        for f in fakes:
+            f.close()
+
+
+def rank_connection(addr, rank: int):
+    """A registered rank's raw connection (socket, handshake), without a heartbeat thread."""
+    s = socket.create_connection(addr, timeout=5)
+    hs = handshake(s, register(rank))
+    ack = read_frames(s, hs.dec)
+    assert isinstance(ack[0], P.RegisterAck), ack
+    return s, hs
+
+
+@pytest.mark.parametrize("attack", ["replay", "reorder", "drop"])
+def test_frames_replayed_reordered_or_dropped_within_a_connection_close_it(ctl, caplog, attack):
+    s, hs = rank_connection(ctl.address, 1)
+    with s:
+        beats = [hs.tx.seal(P.Heartbeat(1, n, 3, False)) for n in (1, 2, 3)]  # seq 1, 2, 3
+        s.sendall(beats[0])
+        assert wait_for(lambda: ctl.registered == [1])
+        rejected = ctl.rejected_frames
+        wire, expected = {"replay": (beats[0], "sequence number 1, expected 2"),
+                          "reorder": (beats[2] + beats[1], "sequence number 3, expected 2"),
+                          "drop": (beats[2], "sequence number 3, expected 2")}[attack]
+        s.sendall(wire)
+        everything_until_closed(s)
+    assert ctl.rejected_frames == rejected + 1
+    assert expected in caplog.text and "rejected frame from 127.0.0.1:" in caplog.text
+    # a stream that carried a forged frame is not trusted again: its rank is dead, as after a cut
+    assert wait_for(lambda: ctl.faults != []) and "rank 1 dead" in ctl.faults[0]
+
+
+def test_a_frame_from_another_connection_or_direction_does_not_authenticate(ctl, caplog):
+    s1, hs1 = rank_connection(ctl.address, 1)
+    s2, hs2 = rank_connection(ctl.address, 2)
+    with s1, s2:
+        spliced = hs1.tx.seal(P.Heartbeat(1, 1, 3, False))  # seq 1, rank 1's session key
+        s2.sendall(spliced)  # at the right place in rank 2's stream
+        everything_until_closed(s2)
+        assert "bad HMAC" in caplog.text
+        # the listener's own frames (listener->rank key) sent back to it are refused too
+        caplog.clear()
+        reflected = P.seal(P.HeartbeatAck.TYPE, P.encode_payload(P.HeartbeatAck(1)),
+                           hs1.dec._key, 1)
+        s1.sendall(reflected)
+        everything_until_closed(s1)
+        assert "bad HMAC" in caplog.text
+
+
+def test_registers_recorded_at_the_primary_cannot_promote_a_standby(ctl, tmp_path):
+    """Replaying half the world's Registers at a standby listener used to give it a quorum:
+    it took over and ran a fault flow against a healthy job. The standby is a real processor's."""
+    hooks.STATE.reset()
+    proc = Processor(TTPConfig.from_env(ENV), 0, DP, 4, 2)
+    proc.exit_fn = lambda code: None
+    fakes = []
+    try:
+        proc.start("127.0.0.1", ctl.address[1])
+        fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in (1, 2, 3)]
+        assert wait_for(lambda: len(ctl.registered) == 4)
+        standby = proc.standby
+        for f in fakes[:2]:  # ranks 1 and 2: 2 of 4 would be a quorum
+            assert replay(standby.address, f.hs.sent) == [P.Challenge]
+        # a Register that rank 3 sent this standby (as at a failover), replayed there on a new
+        # connection while rank 3 stays connected
+        with socket.create_connection(standby.address, timeout=5) as s:
+            hs = handshake(s, register(3))
+            assert isinstance(read_frames(s, hs.dec)[0], P.RegisterAck)
+            assert replay(standby.address, hs.sent) == [P.Challenge]
+            time.sleep(0.3)
+            assert standby.registered == [3]
+            assert standby.sm.state.name == "STANDBY" and standby.faults == []
+            assert standby.rejected_frames == 3
+    finally:
+        for f in fakes:
+            f.close()
+        proc._stop.set()
+        proc._mail.wake()
+        if proc.standby:
+            proc.standby.stop()
+        hooks.STATE.reset()

@@ -1,5 +1,5 @@
-"""Frame codec: round trips for every message class, and a fuzzed decoder that only ever
-returns authentic messages or raises ProtocolError."""
+"""Frame codec: round trips for every message class, a fuzzed decoder that only ever returns
+authentic messages or raises ProtocolError, and the per-direction sequence numbers."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def message_of(cls):
 MESSAGES = st.one_of(*[message_of(c) for c in P.MESSAGE_TYPES.values()])
 
 
-def frame(code: int, payload: bytes, key: bytes = KEY, version: int = P.VERSION) -> bytes:
-    head = P.HEADER.pack(P.MAGIC, version, code, len(payload))
+def frame(code: int, payload: bytes, key: bytes = KEY, version: int = P.VERSION,
+          seq: int = 0) -> bytes:
+    head = P.HEADER.pack(P.MAGIC, version, code, seq, len(payload))
     return head + payload + hmac.new(key, head + payload, hashlib.sha256).digest()
 
 
@@ -55,7 +56,7 @@ def test_round_trip(msg):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(MESSAGES, min_size=1, max_size=5), st.data())
 def test_any_chunking_of_a_stream_gives_the_same_messages(msgs, data):
-    stream = b"".join(P.encode(m, KEY) for m in msgs)
+    stream = b"".join(P.encode(m, KEY, seq) for seq, m in enumerate(msgs))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
     dec, got, prev = P.FrameDecoder(KEY), [], 0
     for c in cuts + [len(stream)]:
@@ -112,12 +113,51 @@ def test_wrong_key_is_rejected():
 
 
 def test_other_version_is_rejected():
-    with pytest.raises(P.ProtocolError, match="version 2"):
-        P.FrameDecoder(KEY).feed(frame(15, b'{"rank":1}', version=2))
+    with pytest.raises(P.ProtocolError, match="version 3, this runtime speaks 2: run the same"):
+        P.FrameDecoder(KEY).feed(frame(15, b'{"rank":1}', version=3))
+
+
+def test_a_version_1_frame_is_named_as_such():
+    """Version 1 had an 8-byte header and no sequence number: still refused by its version."""
+    head = struct.pack("!2sBBI", P.MAGIC, 1, 15, 10)
+    v1 = head + b'{"rank":1}'
+    v1 += hmac.new(KEY, v1, hashlib.sha256).digest()
+    with pytest.raises(P.ProtocolError, match="version 1"):
+        P.FrameDecoder(KEY).feed(v1)
+
+
+def test_replayed_and_reordered_frames_are_refused_by_sequence_number():
+    a, b = P.encode(P.Goodbye(1), KEY, 0), P.encode(P.Goodbye(2), KEY, 1)
+    dec = P.FrameDecoder(KEY)
+    assert dec.feed(a) == [P.Goodbye(1)]
+    with pytest.raises(P.ProtocolError, match="sequence number 0, expected 1: a replayed"):
+        dec.feed(a)  # the same authentic frame again
+    with pytest.raises(P.ProtocolError, match="sequence number 1, expected 0"):
+        P.FrameDecoder(KEY).feed(b + a)  # reordered
+    with pytest.raises(P.ProtocolError, match="sequence number 2, expected 1"):
+        P.FrameDecoder(KEY).feed(a + P.encode(P.Goodbye(3), KEY, 2))  # one dropped
+
+
+def test_handshake_mode_holds_the_frames_behind_the_first_until_rekey():
+    other = bytes(range(100, 132))
+    dec = P.FrameDecoder(KEY, handshake=True)
+    assert dec.feed(P.encode(P.Goodbye(1), KEY, 0) + P.encode(P.Goodbye(2), other, 1)) == \
+        [P.Goodbye(1)]
+    assert dec.feed(b"") == [] and dec.pending > 0
+    dec.rekey(other, 1)
+    assert dec.feed(b"") == [P.Goodbye(2)] and dec.pending == 0
+
+
+def test_bytes_piling_up_behind_a_held_handshake_frame_are_bounded():
+    dec = P.FrameDecoder(KEY, 64, handshake=True)
+    dec.feed(P.encode(P.Goodbye(1), KEY, 0))
+    with pytest.raises(P.ProtocolError, match="behind a handshake frame"):
+        for _ in range(10):
+            dec.feed(b"\0" * 64)
 
 
 def test_oversize_length_is_rejected_before_buffering():
-    head = struct.pack("!2sBBI", P.MAGIC, P.VERSION, 15, P.MAX_PAYLOAD + 1)
+    head = struct.pack("!2sBBQI", P.MAGIC, P.VERSION, 15, 0, P.MAX_PAYLOAD + 1)
     with pytest.raises(P.ProtocolError, match="exceeds"):
         P.FrameDecoder(KEY).feed(head)
 

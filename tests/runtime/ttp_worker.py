@@ -41,7 +41,8 @@ def inject(phase: str, step: int) -> None:
                 for junk in (b"GET / HTTP/1.0\r\n\r\n", P.encode(P.Goodbye(0), b"k" * 32)):
                     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                         s.sendall(junk)
-                        s.recv(16)  # the controller closes the connection
+                        while s.recv(4096):  # its challenge, then the controller closes
+                            pass
             elif kind == "exception":
                 raise RuntimeError(f"injected failure on rank {RANK} at step {step} {phase}")
 
