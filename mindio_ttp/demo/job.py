@@ -47,7 +47,8 @@ class DemoHandlers:
         def midway() -> None:
             self.plan.check(self.rank, step, Phase.SAVE, self.out)
 
-        entry = checkpoint.save_shard(self.ckpt_dir, step, self.rank, self.state, midway)
+        entry = checkpoint.save_shard(self.ckpt_dir, step, self.rank, self.state, midway,
+                                      _order_tag(step))
         print(
             f"rank {self.rank} | saved shard {self.state.shard} of step {step}: "
             f"{entry['bytes']} B in {1000 * float(entry['seconds']):.1f} ms "
@@ -56,10 +57,16 @@ class DemoHandlers:
         )
 
     def rename(self, step: int, ckpt_args: tuple) -> None:
-        final = checkpoint.finalize(self.ckpt_dir, step, self.state.layout)
+        final = checkpoint.finalize(self.ckpt_dir, step, self.state.layout, _order_tag(step))
         print(
             f"rank {self.rank} | checkpoint of step {step} renamed into place: {final}", flush=True
         )
+
+
+def _order_tag(step: int) -> str:
+    """The save order's tag: its own staging directory (no flow writes into another's)."""
+    session = ttp.current_save_session()
+    return session.tag if session is not None and session.step == step else ""
 
 
 def _gather_full(layout: ShardLayout, state: ShardState, world: int) -> FullState:
@@ -90,6 +97,7 @@ def train(args: argparse.Namespace, state: ShardState, handlers: DemoHandlers) -
     ttp.ttp_start_processor(master_ip, GUIDE_PORT)
     ttp.ttp_register_save_ckpt_handler(handlers.save)
     ttp.ttp_register_rename_handler(handlers.rename)
+    ttp.ttp_set_checkpoint_dir(handlers.ckpt_dir)  # faults are claimed there (one save per fault)
 
     snapshots = {}
     for step in range(state.step + 1, args.steps + 1):

@@ -23,8 +23,9 @@ from typing import Any, Callable, List, Optional
 from . import protocol as P
 from .config import FLOW_FINISHED_FILE, Outcome, TTPConfig
 from .controller import Controller
-from .handlers import HANDLERS, HandlerMixin, _Job
+from .handlers import HANDLERS, HandlerMixin, _Job  # noqa: F401 - HANDLERS re-exported
 from .hooks import STATE, TTPError
+from .save_session import SaveSession
 from .transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 
 log = logging.getLogger("mindio_ttp.processor")
@@ -52,6 +53,7 @@ class Processor(HandlerMixin):
         self._seq = 0
         self._job: Optional[_Job] = None
         self._job_thread: Optional[threading.Thread] = None
+        self._session: Optional[SaveSession] = None  # of the last save order
         self._preempted = False
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
@@ -322,8 +324,7 @@ class Processor(HandlerMixin):
         elif isinstance(m, P.SaveOrder):
             self._start_save(m)
         elif isinstance(m, P.RenameOrder):
-            self._start_job("rename", m.flow_id, m.time_limit, HANDLERS["rename"],
-                            (m.step, STATE.ckpt_args))
+            self._start_rename(m)
         elif isinstance(m, P.ExitOrder):
             self._exit(Outcome(m.outcome), m.step, m.ranks, m.reason, m.exit_code)
         elif isinstance(m, P.Closing):
