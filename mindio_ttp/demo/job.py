@@ -32,6 +32,7 @@ from mindio_ttp.demo.model import (
     forward_backward,
     reduce_grads,
 )
+from mindio_ttp.megatron_ttp import exchange
 from mindio_ttp.testing.faults import FaultPlan, Phase
 
 GUIDE_PORT = 8000  # the guide's literal; TTP_CONTROLLER_PORT overrides it (runtime contract)
@@ -49,10 +50,22 @@ class DemoHandlers:
 
         entry = checkpoint.save_shard(self.ckpt_dir, step, self.rank, self.state, midway,
                                       _order_tag(step))
+        # Like Megatron's save, the chosen ranks talk to each other over a gloo group built on
+        # the save order's own store (never the job's: it dies with node 0): each learns that
+        # every shard is on disk before it reports success.
+        group = exchange.gloo_group(save_ranks, self.rank,
+                                    f"{exchange.attempt_tag(step, save_ranks)}/demo/")
+        mine = torch.tensor([float(self.state.shard), float(entry["bytes"])], dtype=torch.float64)
+        parts = exchange.allgather(group, mine, len(save_ranks))
+        shards = sorted(int(t[0]) for t in parts)
+        if shards != list(range(self.state.layout.replica)):
+            raise checkpoint.CheckpointError(f"saving ranks {sorted(save_ranks)} hold shards "
+                                             f"{shards}, not one of each")
         print(
             f"rank {self.rank} | saved shard {self.state.shard} of step {step}: "
             f"{entry['bytes']} B in {1000 * float(entry['seconds']):.1f} ms "
-            f"(saving ranks {sorted(save_ranks)})",
+            f"(saving ranks {sorted(save_ranks)}, {int(sum(float(t[1]) for t in parts))} B in "
+            "all)",
             flush=True,
         )
 
