@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from . import claim as C
 from . import protocol as P
+from . import save_session
 from .config import TTPConfig
 from .flow import Decision, FlowMixin
 from .state import ControllerState as S
@@ -110,6 +111,7 @@ class Controller(FlowMixin):
 
     def start(self) -> None:
         assert self._listener is not None, "listen() first"
+        save_session.preload()  # before any fault: the flow hosts a TCPStore per save order
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
         self.sm.transition_to(S.STANDBY if self.standby else S.SERVING,

@@ -85,6 +85,12 @@ def host_store(ip: str, timeout: float) -> Tuple[Any, int]:
     return store, int(store.port)
 
 
+def preload() -> None:
+    """Import torch.distributed now: the import holds the GIL for a second or more, which inside
+    a flow would starve the controller's I/O thread and make live ranks look hung."""
+    import torch.distributed  # noqa: F401
+
+
 def activate(session: Optional[SaveSession]) -> None:
     """Make `session` current in this thread (the handler's) and the process's latest."""
     global _last
