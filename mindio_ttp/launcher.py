@@ -381,6 +381,8 @@ _OUTCOME_WORDS = {
     "(the last regular checkpoint stays latest)",
     "save_failed": "the dying-checkpoint save failed ({reason}); nothing new was marked latest",
     "no_verdict": "no save decision was reached ({reason}); nothing new was marked latest",
+    "not_claimed": "this part of the job saved nothing ({reason}); at most one part of a split "
+    "job saves a fault's checkpoint",
 }
 
 

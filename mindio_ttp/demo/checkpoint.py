@@ -2,7 +2,7 @@
 
 Layout under the checkpoint root::
 
-    step_0000005.tmp/shard_0.pt, shard_0.json   written by the save handler (one rank per shard)
+    step_0000005.<tag>.tmp/shard_0.pt, .json    written by the save handler (one rank per shard)
     step_0000005/                               the rename handler's atomic move of the tmp dir
         shard_0.pt, shard_1.pt, manifest.json   manifest: step, layout, sha256 + size per file
     latest                                      {"step": 5, "dir": "step_0000005"}, replaced last
@@ -11,7 +11,9 @@ Each shard file is hashed (sha256) in the same pass as torch.save writes it to a
 fsynced and renamed, so a rank killed mid-write leaves no file that looks complete. The rename
 handler checks that every shard is there with the size its saver recorded before the move, and
 ``latest`` only changes after the move, so a failed or partial save is never "latest"; the
-loader verifies every sha256.
+loader verifies every sha256. ``<tag>`` is the save order's (one staging directory per flow:
+no flow writes into another's), and an existing step directory is never replaced: a second
+flow's rename of the same step is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
+
+
+def tmp_dir(root: Path, step: int, tag: str = "") -> Path:
+    """The staging directory of one save order (`tag`; empty outside the runtime)."""
+    return root / f"{step_dir_name(step)}{'.' + tag if tag else ''}.tmp"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -214,7 +221,12 @@ def _exact_slice(flat: torch.Tensor, bounds: slice) -> torch.Tensor:
 
 
 def save_shard(
-    root: Path, step: int, rank: int, state: ShardState, midway: Optional[Callable[[], None]] = None
+    root: Path,
+    step: int,
+    rank: int,
+    state: ShardState,
+    midway: Optional[Callable[[], None]] = None,
+    tag: str = "",
 ) -> Dict[str, object]:
     """Write this rank's optimizer shard (and its parameter slice) of ``step`` into the tmp dir."""
     if state.step != step:
@@ -223,7 +235,7 @@ def save_shard(
             f"{state.step}: refusing to write a mixed-step checkpoint"
         )
     started = time.perf_counter()
-    tmp = root / (step_dir_name(step) + ".tmp")
+    tmp = tmp_dir(root, step, tag)
     tmp.mkdir(parents=True, exist_ok=True)
     layout = state.layout
     payload = {
@@ -263,9 +275,16 @@ def save_shard(
     return entry
 
 
-def finalize(root: Path, step: int, layout: ShardLayout) -> Path:
-    """The rename handler: verify every shard, write the manifest, move into place, mark latest."""
-    tmp = root / (step_dir_name(step) + ".tmp")
+def finalize(root: Path, step: int, layout: ShardLayout, tag: str = "") -> Path:
+    """The rename handler: verify every shard, write the manifest, move into place, mark latest.
+
+    Refuses a step that already has a directory (another flow's checkpoint, which ``latest`` may
+    name): at most one checkpoint of a step, never a second one beside it."""
+    tmp = tmp_dir(root, step, tag)
+    final = root / step_dir_name(step)
+    if final.exists():
+        raise CheckpointError(f"{final} already exists: not replacing it and not adding a second "
+                              f"checkpoint of step {step} (this flow's shards stay in {tmp})")
     if not tmp.is_dir():
         raise CheckpointError(f"no saved shards for step {step}: {tmp} does not exist")
     files: Dict[str, dict] = {}
@@ -292,12 +311,10 @@ def finalize(root: Path, step: int, layout: ShardLayout) -> Path:
     for shard in range(layout.replica):
         (tmp / f"shard_{shard}.json").unlink()
     _fsync_dir(tmp)  # the shard and manifest renames inside it are durable before `latest` moves
-    final = root / step_dir_name(step)
-    suffix = 1
-    while final.exists():  # never replace a checkpoint that `latest` may point to
-        suffix += 1
-        final = root / f"{step_dir_name(step)}-{suffix}"
-    os.replace(tmp, final)
+    try:  # rename(2) refuses a non-empty target: a racing flow's checkpoint is never replaced
+        os.rename(tmp, final)
+    except OSError as exc:
+        raise CheckpointError(f"cannot move {tmp} to {final}: {exc.strerror}") from None
     _fsync_dir(root)
     marker = {"step": step, "dir": final.name}
     _write_atomic(root / LATEST, json.dumps(marker).encode())

@@ -32,6 +32,7 @@ from mindio_ttp.demo.model import (
     forward_backward,
     reduce_grads,
 )
+from mindio_ttp.megatron_ttp import exchange
 from mindio_ttp.testing.faults import FaultPlan, Phase
 
 GUIDE_PORT = 8000  # the guide's literal; TTP_CONTROLLER_PORT overrides it (runtime contract)
@@ -48,11 +49,24 @@ class DemoHandlers:
         def midway() -> None:
             self.plan.check(self.rank, step, Phase.SAVE, self.out)
 
-        entry = checkpoint.save_shard(self.ckpt_dir, step, self.rank, self.state, midway)
+        entry = checkpoint.save_shard(self.ckpt_dir, step, self.rank, self.state, midway,
+                                      _order_tag(step))
+        # Like Megatron's save, the chosen ranks talk to each other over a gloo group built on
+        # the save order's own store (never the job's: it dies with node 0): each learns that
+        # every shard is on disk before it reports success.
+        group = exchange.gloo_group(save_ranks, self.rank,
+                                    f"{exchange.attempt_tag(step, save_ranks)}/demo/")
+        mine = torch.tensor([float(self.state.shard), float(entry["bytes"])], dtype=torch.float64)
+        parts = exchange.allgather(group, mine, len(save_ranks))
+        shards = sorted(int(t[0]) for t in parts)
+        if shards != list(range(self.state.layout.replica)):
+            raise checkpoint.CheckpointError(f"saving ranks {sorted(save_ranks)} hold shards "
+                                             f"{shards}, not one of each")
         print(
             f"rank {self.rank} | saved shard {self.state.shard} of step {step}: "
             f"{entry['bytes']} B in {1000 * float(entry['seconds']):.1f} ms "
-            f"(saving ranks {sorted(save_ranks)})",
+            f"(saving ranks {sorted(save_ranks)}, {int(sum(float(t[1]) for t in parts))} B in "
+            "all)",
             flush=True,
         )
 
@@ -65,7 +79,7 @@ class DemoRename:
         self.rank, self.state, self.ckpt_dir = rank, state, ckpt_dir
 
     def __call__(self, step: int, ckpt_args: tuple) -> None:
-        final = checkpoint.finalize(self.ckpt_dir, step, self.state.layout)
+        final = checkpoint.finalize(self.ckpt_dir, step, self.state.layout, _order_tag(step))
         print(
             f"rank {self.rank} | checkpoint of step {step} renamed into place: {final}", flush=True
         )
@@ -73,6 +87,12 @@ class DemoRename:
     def checkpoint_location(self, step: int) -> Optional[str]:
         found = checkpoint.latest_dir(self.ckpt_dir, step)
         return None if found is None else str(found)
+
+
+def _order_tag(step: int) -> str:
+    """The save order's tag: its own staging directory (no flow writes into another's)."""
+    session = ttp.current_save_session()
+    return session.tag if session is not None and session.step == step else ""
 
 
 def _gather_full(layout: ShardLayout, state: ShardState, world: int) -> FullState:
@@ -103,6 +123,7 @@ def train(args: argparse.Namespace, state: ShardState, handlers: DemoHandlers) -
     ttp.ttp_start_processor(master_ip, GUIDE_PORT)
     ttp.ttp_register_save_ckpt_handler(handlers.save)
     ttp.ttp_register_rename_handler(handlers.rename)
+    ttp.ttp_set_checkpoint_dir(handlers.ckpt_dir)  # faults are claimed there (one save per fault)
 
     snapshots = {}
     batches = _loader(args.loader_workers)

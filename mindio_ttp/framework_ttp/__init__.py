@@ -20,6 +20,7 @@ import os
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
+from . import claim as _claim
 from . import device as _device
 from . import hooks as _hooks
 from .config import (
@@ -34,11 +35,14 @@ from .config import (
 from .controller import Controller
 from .hooks import TTPError, TTPForceStop
 from .processor import HANDLERS, Processor
+from .save_session import SaveSession
+from .save_session import current as _current_session
 
 __all__ = [
     "ttp_offer_update",
     "ttp_init_controller", "ttp_start_controller", "ttp_init_processor", "ttp_start_processor",
     "ttp_register_save_ckpt_handler", "ttp_register_rename_handler", "ttp_set_ckpt_args",
+    "ttp_set_checkpoint_dir", "current_save_session",
     "ttp_start_updating_os", "ttp_end_updating_os", "ttp_to_persist", "ttp_shutdown",
     "TTPForceStop", "TTPError", "ExitCode", "Outcome",
 ]
@@ -267,6 +271,38 @@ def ttp_register_rename_handler(fn: Callable[[int, tuple], None]) -> None:
     HANDLERS["rename"] = fn
 
 
+def ttp_set_checkpoint_dir(path: os.PathLike[str] | str) -> None:
+    """Name the directory the save handler writes into (shared by every node), on every rank,
+    after `torch.distributed.init_process_group`. Not in MindIO's API: it is what lets a job
+    split in two halves save at most one checkpoint. Each fault is claimed there by the one
+    controller allowed to order its save (framework_ttp/claim.py); without it a controller
+    saves only with a strict majority of the ranks."""
+    if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
+        raise ValueError(f"ttp_set_checkpoint_dir takes a directory path, got {path!r}")
+    _claim.register(os.path.abspath(os.fspath(path)), _agree_fault_id())
+
+
+def _agree_fault_id() -> str:
+    """One random id for this launch's fault, the same on every rank: the first rank to ask
+    sets it in torch's rendezvous store (compare_set), the rest read it. The store is only
+    needed now, at start-up; at the fault it may be gone with node 0."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise TTPError("call ttp_set_checkpoint_dir after torch.distributed.init_process_group: "
+                       "the ranks agree on the fault id through its store")
+    store = dist.distributed_c10d._get_default_store()
+    key = (f"ttp/fault-id/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    got = store.compare_set(key, "", _claim.new_fault_id())
+    return got.decode() if isinstance(got, bytes) else str(got)
+
+
+def current_save_session() -> Optional[SaveSession]:
+    """The save order the running save/rename handler serves: its store, tag and step."""
+    return _current_session()
+
+
 # -- hot path -------------------------------------------------------------------------------------
 def ttp_offer_update(step: int, fn: Callable[[], None]) -> None:
     """Not in MindIO's API: call it once the update of `step` is ready (its collectives are
@@ -310,6 +346,7 @@ def ttp_shutdown() -> None:
         proc, ctl = _processor, _controller
         _processor = _controller = None
         _hooks.RUNTIME = None
+        _claim.reset()
     if proc is not None:
         proc.shutdown()
     if ctl is not None:

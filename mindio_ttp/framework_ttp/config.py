@@ -68,6 +68,7 @@ class ExitCode(enum.IntEnum):
     NO_CONSISTENT_STEP = 84  # no step had a clean replica of every shard: nothing saved
     SAVE_FAILED = 85  # a save or the rename failed / timed out: nothing marked latest
     NO_VERDICT = 86  # no exit order within TTP_OT, or no controller reachable
+    NOT_CLAIMED = 87  # another part of the job holds this fault's claim (or no quorum): no save
 
 
 class Outcome(str, enum.Enum):
@@ -75,6 +76,7 @@ class Outcome(str, enum.Enum):
     NO_CONSISTENT_STEP = "no_consistent_step"
     SAVE_FAILED = "save_failed"
     NO_VERDICT = "no_verdict"
+    NOT_CLAIMED = "not_claimed"
 
     @property
     def exit_code(self) -> int:

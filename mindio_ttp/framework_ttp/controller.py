@@ -5,7 +5,9 @@ frame, report) and never blocks on policy. The first fault starts the flow threa
 the dying-checkpoint sequence with bounded waits: collect+lock -> choose_step -> save orders
 -> rename on one rank -> exit orders. A standby controller (hosted by a backup rank's
 processor) runs the same code in STANDBY until at least half of the world has failed over to
-it, then runs the flow itself; ranks that never reached it count as dead.
+it, then runs the flow itself; ranks that never reached it count as dead. Half is not a
+majority: a split job's two halves may both promote, so every flow must win the fault's claim
+(claim.py) before its first save order (docs/node-loss.md).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from . import claim as C
 from . import protocol as P
+from . import save_session
 from .config import TTPConfig
 from .flow import Decision, FlowMixin
 from .hooks import TTPError
@@ -47,7 +51,8 @@ class RankInfo:
 
 class Controller(FlowMixin):
     def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int,
-                 standby: bool = False) -> None:
+                 standby: bool = False,
+                 claims: Callable[[], Optional[C.ClaimSpace]] = C.registered) -> None:
         self.cfg = cfg
         self.world_size = world_size
         self.replica = replica
@@ -87,6 +92,9 @@ class Controller(FlowMixin):
         self._progress_at: Optional[float] = None  # last heartbeat showing a step change
         self._awaiting: Set[int] = set()  # ranks the flow still waits for (see _await)
         self._await_kind: Tuple[str, int] = ("", 0)
+        self.claims = claims  # where faults are claimed (read at the fault: set after start)
+        self._claim: Optional[C.Claim] = None
+        self._save_store: Any = None  # the TCPStore of the current save order
 
     # -- life cycle --------------------------------------------------------------------------
     def listen(self, ip: str, port: int) -> Tuple[str, int]:
@@ -105,6 +113,7 @@ class Controller(FlowMixin):
 
     def start(self) -> None:
         assert self._listener is not None, "listen() first"
+        save_session.preload()  # before any fault: the flow hosts a TCPStore per save order
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
         self.sm.transition_to(S.STANDBY if self.standby else S.SERVING,
@@ -422,9 +431,12 @@ class Controller(FlowMixin):
             self._consider_backup(m.rank, m.host, m.standby_port)
         if self.sm.is_in(S.STANDBY):
             alive = self._n_alive
-            if 2 * alive >= self.world_size:
+            if 2 * alive >= self.world_size:  # exactly half: the fault claim decides
                 self._promoted = True
-                self.sm.transition_to(S.SERVING, f"{alive} of {self.world_size} ranks failed over")
+                share = "a majority" if 2 * alive > self.world_size else \
+                    "exactly half: the fault claim decides whether it saves"
+                self.sm.transition_to(S.SERVING, f"{alive} of {self.world_size} ranks failed "
+                                      f"over ({share})")
                 with self._cond:
                     self._fault(f"primary controller lost ({alive} ranks failed over to "
                                 f"rank {self.host_rank})")

@@ -1,9 +1,10 @@
 """The dying-checkpoint flow, run by the controller in its own thread after the first fault.
 
-lock (phase 1) -> advance to the newest step (phase 2) -> choose_step -> save orders -> rename
-on one rank -> exit orders. Every wait is bounded and O(1) per answer: the controller's I/O
-thread removes answering (or dying) ranks from `_awaiting` and wakes the flow only when the set
-is empty. Mixed into `Controller`, whose attributes it uses.
+lock (phase 1) -> advance to the newest step (phase 2) -> choose_step -> claim the fault ->
+save orders (each with its own store) -> rename on one rank -> exit orders. Every wait is
+bounded and O(1) per answer: the controller's I/O thread removes answering (or dying) ranks
+from `_awaiting` and wakes the flow only when the set is empty. Mixed into `Controller`, whose
+attributes it uses.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
+from . import claim as C
 from . import protocol as P
+from . import save_session
 from .config import Outcome
 from .selection import Layout, choose_step, savers_for, states_from
 from .state import ControllerState as S
@@ -144,21 +147,51 @@ class FlowMixin:
             return Outcome.NO_CONSISTENT_STEP, None, [], reason
         savers = savers_for(layout, states, step)
         self.timeline["chosen"] = time.monotonic()
-        log.info("%s: %s; ordering save on rank(s) %s", self.name, reason, savers)
+        settled, why = self._settle(fid, step, sorted(reports))
+        if not settled:
+            log.error("%s: not saving step %d: %s", self.name, step, why)
+            return Outcome.NOT_CLAIMED, None, [], why
+        log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why, savers)
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
-        ok, why = self._order(savers, P.SaveOrder(fid, step, savers, cfg.save_time_limit),
-                              cfg.save_time_limit)
+        # the chosen ranks rendezvous on a store this controller hosts for this order alone
+        self._save_store, port = save_session.host_store(self.address[0], cfg.save_time_limit)
+        order = P.SaveOrder(fid, step, savers, cfg.save_time_limit,
+                            save_session.format_address(self.address[0], port),
+                            save_session.new_tag())
+        ok, why = self._order(savers, order, cfg.save_time_limit)
         self.timeline["saved"] = time.monotonic()
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
                     f"save of step {step} failed: {why}; rename not run, nothing marked latest")
         self.sm.transition_to(S.RENAMING, f"rename on rank {savers[0]}")
+        if self._claim is not None:  # durably, before the order: the claim is final from here
+            self._claim.update(C.RENAMING, step=step, savers=savers)
         ok, why = self._order(savers[:1], P.RenameOrder(fid, step, cfg.rename_time_limit),
                               cfg.rename_time_limit)
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
                     f"rename of step {step} failed: {why}; nothing marked latest")
         return Outcome.SAVED, step, savers, f"dying checkpoint of step {step} saved by {savers}"
+
+    def _settle(self, fid: int, step: int, members: List[int]) -> Tuple[bool, str]:
+        """May this flow order a save? With a claim directory, only if it wins this fault's
+        claim (whatever its size: a split job's halves cannot count each other, the claim file
+        is the one decision both see). Without one, only with a strict majority of the world
+        answering: two disjoint parts cannot both have one."""
+        space = self.claims()
+        if space is None:
+            if 2 * len(members) > self.world_size:
+                return True, f"{len(members)} of {self.world_size} ranks answered (a majority)"
+            return False, (f"only {len(members)} of {self.world_size} ranks answered and no "
+                           "checkpoint directory is registered for the fault claim "
+                           "(ttp_set_checkpoint_dir): the part of the job this controller "
+                           "cannot reach may be saving, so this part saves nothing")
+        won, why = C.acquire(space, self.name, flow=fid, step=step, ranks=members[:64],
+                             answered=len(members), world_size=self.world_size)
+        if won is None:
+            return False, f"{why}; this part of the job saves nothing"
+        self._claim = won
+        return True, why
 
     def _order(self, ranks: List[int], msg: P.Message, limit: float) -> Tuple[bool, str]:
         with self._cond:
@@ -186,6 +219,14 @@ class FlowMixin:
             "%s: outcome %s (exit code %d): %s", self.name, outcome.value, outcome.exit_code,
             reason)
         self.sm.transition_to(S.EXITING, outcome.value)
+        if self._claim is not None:
+            try:
+                self._claim.update(C.DONE if self._claim.record.get("state") == C.RENAMING
+                                   or outcome is Outcome.SAVED else C.CLAIMED,
+                                   outcome=outcome.value, reason=reason[:500])
+            except OSError as exc:  # the outcome is recorded for people only
+                log.warning("%s: cannot record the outcome in the claim: %s", self.name, exc)
+        self._save_store = None  # the save is over: stop its store
         order = P.ExitOrder(self._flow_id, outcome.value, step, ranks, outcome.exit_code, reason)
         # our own process exits on its order: every other rank must have its order first
         self._send_alive(order, exclude=self.host_rank)

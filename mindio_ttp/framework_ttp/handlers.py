@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Optional, Tuple
 
 from . import protocol as P
+from . import save_session
 from .device import NO_DEVICE
 from .hooks import STATE
 
@@ -39,15 +40,34 @@ class HandlerMixin:
                        f" not the ordered step {m.step}")
         elif self.rank not in m.save_ranks:
             problem = f"rank {self.rank} is not in save_ranks {m.save_ranks[:8]}"
+        session = None
+        if not problem:
+            try:
+                host, port = save_session.parse_address(m.store)
+                session = save_session.SaveSession(
+                    m.flow_id, m.step, tuple(m.save_ranks), host, port,
+                    save_session.check_tag(m.tag), m.time_limit)
+            except ValueError as exc:
+                problem = f"bad save order: {exc}"
         if problem:
             log.error("rank %d: refusing save order: %s", self.rank, problem)
             self._send(P.SaveResult(m.flow_id, self.rank, False, problem, 0.0))
             return
+        self._session = session
         self._start_job("save", m.flow_id, m.time_limit, HANDLERS["save"],
-                        (m.step, list(m.save_ranks), STATE.ckpt_args))
+                        (m.step, list(m.save_ranks), STATE.ckpt_args), session)
+
+    def _start_rename(self, m: P.RenameOrder) -> None:
+        """The rename runs in the session of this flow's save order (its staging directory)."""
+        session = self._session
+        if session is not None and (session.flow_id, session.step) != (m.flow_id, m.step):
+            session = None
+        self._start_job("rename", m.flow_id, m.time_limit, HANDLERS["rename"],
+                        (m.step, STATE.ckpt_args), session)
 
     def _start_job(self, kind: str, fid: int, limit: float, fn: Optional[Callable[..., Any]],
-                   args: Tuple[Any, ...]) -> None:
+                   args: Tuple[Any, ...],
+                   session: Optional[save_session.SaveSession] = None) -> None:
         job = _Job(kind, fid, limit)
         if fn is None:
             self._result(job, False, f"no {kind} handler registered on rank {self.rank} "
@@ -67,6 +87,7 @@ class HandlerMixin:
                     self._mail.put("job_done", job, False, "the previous handler of this rank "
                                    "is still running")
                     return
+            save_session.activate(session)
             try:
                 binding.bind()  # before any device work: a new thread starts on device 0
                 fn(*args)

@@ -24,8 +24,9 @@ from . import protocol as P
 from .config import FLOW_FINISHED_FILE, Outcome, TTPConfig
 from .controller import Controller
 from .flow_record import FlowRecord
-from .handlers import HANDLERS, HandlerMixin, _Job
+from .handlers import HANDLERS, HandlerMixin, _Job  # noqa: F401 - HANDLERS re-exported
 from .hooks import STATE, TTPError
+from .save_session import SaveSession
 from .session import RankHandshake
 from .transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 
@@ -64,6 +65,7 @@ class Processor(HandlerMixin):
         self._seq = 0
         self._job: Optional[_Job] = None
         self._job_thread: Optional[threading.Thread] = None
+        self._session: Optional[SaveSession] = None  # of the last save order
         self._preempted = False
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
@@ -344,8 +346,7 @@ class Processor(HandlerMixin):
         elif isinstance(m, P.SaveOrder):
             self._start_save(m)
         elif isinstance(m, P.RenameOrder):
-            self._start_job("rename", m.flow_id, m.time_limit, HANDLERS["rename"],
-                            (m.step, STATE.ckpt_args))
+            self._start_rename(m)
         elif isinstance(m, P.ExitOrder):
             self._exit(Outcome(m.outcome), m.step, m.ranks, m.reason, m.exit_code)
         elif isinstance(m, P.Closing):

@@ -198,10 +198,16 @@ class StateReport(Message):
 @_message(10)
 @dataclass
 class SaveOrder(Message):
+    """`store` is "host:port" of a TCPStore the ordering controller hosts for this save alone
+    (the chosen ranks build their gloo groups on it, not on the job's rendezvous store, which
+    dies with node 0); `tag` is a random per-order token: the store-key prefix and the name of
+    this flow's own staging directory."""
     flow_id: int
     step: int
     save_ranks: List[int]
     time_limit: float
+    store: str
+    tag: str
 
 
 @_message(11)

@@ -47,6 +47,10 @@ def _check_startup() -> None:
     if not args.use_distributed_optimizer:
         kind = "Float16OptimizerWithFloat16Params" if (args.fp16 or args.bf16) else "FP32Optimizer"
         raise RuntimeError(NEEDS_REPLICATED.format(kind=kind))
+    if args.save:  # faults are claimed beside the checkpoints: at most one save per fault
+        from mindio_ttp.framework_ttp import ttp_set_checkpoint_dir
+
+        ttp_set_checkpoint_dir(args.save)
     if getattr(args, "data_parallel_random_init", False):
         raise RuntimeError("mindio_ttp: --data-parallel-random-init is not supported by the dying "
                            "checkpoint (it saves one RNG state per DP rank, the chosen ranks "

@@ -77,9 +77,10 @@ def iter_dir_name(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-def tmp_root(save_dir: str, step: int) -> Path:
-    """Where the chosen ranks write step `step` before the rename makes it visible."""
-    return Path(save_dir) / f".ttp_tmp_{iter_dir_name(step)}"
+def tmp_root(save_dir: str, step: int, tag: str = "") -> Path:
+    """Where the chosen ranks write step `step` before the rename makes it visible: one
+    directory per save order (`tag`), so no flow writes into or deletes another's."""
+    return Path(save_dir) / f".ttp_tmp_{iter_dir_name(step)}{'.' + tag if tag else ''}"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -3,9 +3,10 @@
 The save handler runs in the TTP processor's thread while the main thread may be stuck in a
 collective with a dead rank, so nothing here touches Megatron's process groups. The chosen
 ranks of one DP group (one holder per shard) swap their shards over a private gloo group built
-on the job's store; then each can rebuild the full state of step `step`: model weights from the
-fp32 main params (the live model params may be one all-gather behind), and Megatron's own
-optimizer files, one per DP rank, re-cut from the shards so stock Megatron can load them.
+on the store the save order names (the ordering controller hosts it: see exchange.py); then
+each can rebuild the full state of step `step`: model weights from the fp32 main params (the
+live model params may be one all-gather behind), and Megatron's own optimizer files, one per
+DP rank, re-cut from the shards so stock Megatron can load them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from megatron import get_args
 from megatron.core import mpu
 from megatron.utils import unwrap_model
 
+from mindio_ttp.framework_ttp import save_session
+
 from . import exchange, layout, manifest
 from .layout import PARAM_KEY
 from .replicated_optimizer import ReplicatedOptimizer
@@ -36,7 +39,7 @@ def parallel_layout() -> manifest.ParallelLayout:
 
 
 def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> None:
-    """Write step `step` into `<save>/.ttp_tmp_iter_XXXXXXX/` (TTP save handler)."""
+    """Write step `step` into `<save>/.ttp_tmp_iter_XXXXXXX.<tag>/` (TTP save handler)."""
     args = get_args()
     if not args.save:
         raise RuntimeError("dying checkpoint: Megatron has no --save directory to write into")
@@ -55,10 +58,8 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     tag = exchange.attempt_tag(step, save_ranks)
     me = torch.distributed.get_rank()
 
-    root = manifest.tmp_root(args.save, step)
-    if me == min(save_ranks):
-        shutil.rmtree(root, ignore_errors=True)  # leftovers of an earlier, failed attempt
-    # nobody writes before the leftovers are gone
+    root = manifest.tmp_root(args.save, step, _order_tag(step))
+    # this order's own directory: nothing to clear, and another flow's is never touched
     exchange.barrier(exchange.gloo_group(save_ranks, me, f"{tag}/all/"))
 
     keys, scalars = optimizer.state_keys()
@@ -90,13 +91,15 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     """Make step `step` visible: merge the manifest, move the directory, then the tracker."""
     args = get_args()
     save_dir = Path(args.save)
-    root = manifest.tmp_root(args.save, step)
+    root = manifest.tmp_root(args.save, step, _order_tag(step))
     staged = root / manifest.iter_dir_name(step)
     manifest.merge_parts(staged, step, parallel_layout())
     final = save_dir / manifest.iter_dir_name(step)
-    if final.exists():  # e.g. an interrupted periodic save of the same step
-        final.rename(root / "replaced")
-    staged.rename(final)
+    if final.exists():  # another flow's checkpoint, or a periodic save: never replaced
+        raise RuntimeError(f"{final} already exists: not replacing it with the dying "
+                           f"checkpoint (left in {root}); the tracker is unchanged")
+    staged.rename(final)  # a race with another renamer fails here: rename(2) onto a non-empty
+    # directory is refused
     manifest.write_tracker(save_dir, step)
     shutil.rmtree(root, ignore_errors=True)
     print(f"ttp: dying checkpoint of iteration {step} is in {final}", flush=True)
@@ -110,6 +113,11 @@ def checkpoint_location(step: int) -> str:
 
 # read by every rank's exit path for flow-finished.json (see mindio_ttp.framework_ttp)
 rename_save_result.checkpoint_location = checkpoint_location  # type: ignore[attr-defined]
+
+
+def _order_tag(step: int) -> str:
+    session = save_session.current()
+    return session.tag if session is not None and session.step == step else ""
 
 
 def _chosen_in_my_dp_group(optimizer: ReplicatedOptimizer, save_ranks: Sequence[int]) -> List[int]:

@@ -148,7 +148,7 @@ def test_key_file_must_be_private(tmp_path):
 def test_defaults_match_the_documented_ones():
     cfg = config.TTPConfig.from_env({"TTP_AUTH_KEY": "00" * 16})
     assert cfg.ot == 120 and cfg.heartbeat_interval == 2 and cfg.heartbeat_timeout == 6
-    assert [c.value for c in config.ExitCode] == [83, 84, 85, 86]
+    assert [c.value for c in config.ExitCode] == [83, 84, 85, 86, 87]
 
 
 def test_replica_must_agree_with_the_optimizers_shards(monkeypatch):

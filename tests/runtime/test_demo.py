@@ -82,13 +82,17 @@ def test_shard_file_holds_only_its_slice_of_the_parameters(tmp_path: Path) -> No
     assert torch.equal(part["params"], st.params[2**19:]) and part["params"].numel() == 2**19
 
 
-def test_finalize_never_replaces_an_existing_step_dir(tmp_path: Path) -> None:
+def test_finalize_refuses_an_existing_step_instead_of_adding_a_second(tmp_path: Path) -> None:
     _save_all(tmp_path, 2)
     first = checkpoint.finalize(tmp_path, 2, LAYOUT)
+    before = sorted(os.listdir(first))
     _save_all(tmp_path, 2)
-    second = checkpoint.finalize(tmp_path, 2, LAYOUT)
-    assert first.is_dir() and second.name == "step_0000002-2"
-    assert checkpoint.load(tmp_path, LAYOUT).path == second
+    with pytest.raises(CheckpointError, match="already exists"):
+        checkpoint.finalize(tmp_path, 2, LAYOUT)
+    assert sorted(p.name for p in tmp_path.glob("step_*") if p.is_dir()) == [
+        "step_0000002", "step_0000002.tmp"]
+    assert sorted(os.listdir(first)) == before
+    assert checkpoint.load(tmp_path, LAYOUT).path == first
 
 
 def test_finalize_refuses_a_missing_shard(tmp_path: Path) -> None:

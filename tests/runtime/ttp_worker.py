@@ -99,6 +99,7 @@ def main() -> None:
     ttp.ttp_start_processor(ip, 8000)
     ttp.ttp_register_save_ckpt_handler(save)
     ttp.ttp_register_rename_handler(rename)
+    ttp.ttp_set_checkpoint_dir(OUT)
     dist.barrier()
     param = torch.zeros(4)
     train(param, PLAN.get("steps", 20))
