@@ -131,6 +131,8 @@ def _run(args: argparse.Namespace) -> int:
             _say("--force discarded changes in: " + ", ".join(res.drifted_forced))
         for path in res.kept:
             _say(f"left {path} alone: it was not written by ttp-patch")
+        for path in res.merged:
+            _say(f"kept your later changes in {path}: took out only ttp-patch's edits")
         return EXIT_OK
     if args.command in ("status", "verify"):
         report = status(args.dir, device=args.device)

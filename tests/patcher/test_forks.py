@@ -6,6 +6,7 @@ target blobs play 285068c's; later commits, branches and work-tree edits are mad
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPT, TARGETS, FixtureRepo, fixture_files, git, golden
 
-from patcher import originals
+from patcher import fileio, originals
 from patcher.cli import main
 from patcher.pin import PINNED_BLOBS, PINNED_COMMIT, blob_id
 
@@ -113,3 +114,195 @@ def test_blob_id_is_gits(tmp_path: Path, data: bytes) -> None:
 def test_stored_original_names_are_flat_in_git_dir(tmp_path: Path) -> None:
     names = [p.name for p in originals.all_paths(tmp_path)]
     assert len(set(names)) == len(TARGETS) and all("/" not in n for n in names)
+
+
+# --- 2. --allow-modified: other bytes, when every anchor is found exactly once ----------------
+
+TRAINING = "megatron/training.py"
+USER_EDIT = (b'    """Evaluation."""\n', b'    """Evaluation, our fork\'s."""\n')
+
+
+def _user_edit(data: bytes) -> bytes:
+    assert data.count(USER_EDIT[0]) == 1
+    return data.replace(*USER_EDIT)
+
+
+def test_modified_file_without_the_flag_is_refused_with_the_hint(
+    repo: FixtureRepo, capsys
+) -> None:
+    repo.write(TRAINING, _user_edit(repo.read(TRAINING)))
+    before = repo.snapshot()
+    code, _, err = ttp(capsys, "apply", str(repo.root))
+    assert code == 1 and TRAINING in err and "--allow-modified" in err
+    assert repo.snapshot() == before
+
+
+def test_allow_modified_work_tree_edit_applies_and_revert_gives_the_users_bytes(
+    repo: FixtureRepo, capsys
+) -> None:
+    mine = _user_edit(repo.read(TRAINING))
+    repo.write(TRAINING, mine)
+    code, _, err = ttp(capsys, "apply", str(repo.root), "--allow-modified", "--device", "cpu")
+    assert code == 0, err
+    assert f"--allow-modified: patching {TRAINING}" in err
+    assert repo.read(TRAINING) == _user_edit(golden("cpu", TRAINING))
+    stored = originals.stored_path(repo.root / ".git", TRAINING)
+    assert stored.read_bytes() == mine  # not in git: the copy is what revert can give back
+    assert _record(repo)["files"][TRAINING]["before"] == hashlib.sha256(mine).hexdigest()
+    assert ttp(capsys, "verify", str(repo.root))[0] == 0
+    code, _, err = ttp(capsys, "revert", str(repo.root))
+    assert code == 0, err
+    assert repo.read(TRAINING) == mine
+    assert not stored.exists() and not (repo.root / RECORD).exists()
+    assert repo.porcelain() == f" M {TRAINING}\n"
+
+
+def test_allow_modified_fork_commit_applies_and_reverts_to_head(repo: FixtureRepo, capsys) -> None:
+    repo.write(TRAINING, _user_edit(repo.read(TRAINING)))
+    head = repo.commit_all("fork: our docstring")
+    code, _, err = ttp(capsys, "apply", str(repo.root), "--allow-modified")
+    assert code == 0, err
+    assert f"found HEAD {head}" in err and f"differing: {TRAINING}" in err
+    assert not originals.stored_path(repo.root / ".git", TRAINING).exists()  # HEAD has them
+    assert repo.read(TRAINING) == _user_edit(golden("npu", TRAINING))
+    assert ttp(capsys, "revert", str(repo.root))[0] == 0
+    assert repo.porcelain() == ""
+
+
+@pytest.mark.parametrize(
+    "old, new, needles",
+    [
+        (
+            b"    optimizer.reduce_model_grads(args, timers)\n",
+            b"    optimizer.reduce_grads(args, timers)\n",
+            ["training/barrier-after-reduce", "function train_step()", "not found"],
+        ),
+        (
+            b"    total_loss_dict = {}\n\n    # Iterations.\n",
+            b"    total_loss_dict = {}\n    total_loss_dict = {}\n\n    # Iterations.\n",
+            ["training/start-ttp", "function train()", "found 2 times"],
+        ),
+    ],
+    ids=["anchor-gone", "anchor-twice"],
+)
+def test_allow_modified_refuses_an_anchor_that_does_not_match_once(
+    repo: FixtureRepo, capsys, old: bytes, new: bytes, needles
+) -> None:
+    data = repo.read(TRAINING)
+    assert data.count(old) == 1
+    repo.write(TRAINING, data.replace(old, new))
+    before = repo.snapshot()
+    code, _, err = ttp(capsys, "apply", str(repo.root), "--allow-modified")
+    assert code == 1
+    for needle in [TRAINING, *needles]:
+        assert needle in err, err
+    assert repo.snapshot() == before
+
+
+def test_commit_after_apply_then_revert_restores_the_recorded_original(
+    repo: FixtureRepo, capsys
+) -> None:
+    mine = _user_edit(repo.read(TRAINING))
+    repo.write(TRAINING, mine)
+    assert ttp(capsys, "apply", str(repo.root), "--allow-modified")[0] == 0
+    repo.commit_all("commit the patched tree")  # HEAD now holds our output
+    assert ttp(capsys, "revert", str(repo.root))[0] == 0
+    assert repo.read(TRAINING) == mine
+    assert repo.read("pretrain_gpt.py") == fixture_files()["pretrain_gpt.py"]  # from the commit
+
+
+def test_planted_original_copy_is_never_restored(repo: FixtureRepo, capsys) -> None:
+    repo.write(TRAINING, _user_edit(repo.read(TRAINING)))
+    assert ttp(capsys, "apply", str(repo.root), "--allow-modified")[0] == 0
+    originals.stored_path(repo.root / ".git", TRAINING).write_bytes(b"import os\n")
+    before = repo.snapshot()
+    code, _, err = ttp(capsys, "revert", str(repo.root))
+    assert code == 2 and f"the bytes {TRAINING} had before apply" in err and "--force" in err
+    assert repo.snapshot() == before
+    assert ttp(capsys, "revert", str(repo.root), "--force")[0] == 0
+    assert repo.read(TRAINING) == fixture_files()[TRAINING]  # HEAD's, as the hint said
+
+
+# --- 3. revert after the user changed other lines: take out only our edits -------------------
+
+
+def test_revert_keeps_user_changes_away_from_our_hunks(repo: FixtureRepo, capsys) -> None:
+    assert ttp(capsys, "apply", str(repo.root), "--port", "9100")[0] == 0
+    changed = _user_edit(repo.read(TRAINING)).replace(
+        b"import time\n", b"import time\nimport json  # added after apply\n"
+    )
+    repo.write(TRAINING, changed)
+    code, _, err = ttp(capsys, "revert", str(repo.root))
+    assert code == 0, err
+    assert f"kept your later changes in {TRAINING}" in err
+    want = _user_edit(fixture_files()[TRAINING]).replace(
+        b"import time\n", b"import time\nimport json  # added after apply\n"
+    )
+    assert repo.read(TRAINING) == want
+    for path in TARGETS:
+        if path != TRAINING:
+            assert repo.read(path) == fixture_files()[path]
+    assert repo.porcelain() == f" M {TRAINING}\n"
+
+
+def test_revert_after_allow_modified_and_later_edit_gives_both_user_changes(
+    repo: FixtureRepo, capsys
+) -> None:
+    mine = _user_edit(repo.read(TRAINING))
+    repo.write(TRAINING, mine)
+    assert ttp(capsys, "apply", str(repo.root), "--allow-modified")[0] == 0
+    later = b"# note added after apply\n"
+    repo.write(TRAINING, repo.read(TRAINING) + later)
+    assert ttp(capsys, "revert", str(repo.root))[0] == 0
+    assert repo.read(TRAINING) == mine + later
+
+
+@pytest.mark.parametrize(
+    "old, new, edit",
+    [
+        (  # the anchor line of 2.7 itself
+            b"    total_loss_dict = {}\n    # begin",
+            b"    total_loss_dict = dict()\n    # begin",
+            "training/start-ttp (2.7)",
+        ),
+        (  # a line right after our inserted 2.8
+            b"        args.consumed_train_samples +=",
+            b"        print(iteration)\n        args.consumed_train_samples +=",
+            "training/set-ckpt-args (2.8)",
+        ),
+    ],
+    ids=["anchor-changed", "insert-next-to-ours"],
+)
+def test_revert_refuses_a_user_change_touching_our_hunk(
+    repo: FixtureRepo, capsys, old: bytes, new: bytes, edit: str
+) -> None:
+    assert ttp(capsys, "apply", str(repo.root))[0] == 0
+    data = repo.read(TRAINING)
+    assert data.count(old) == 1, data.decode()
+    repo.write(TRAINING, data.replace(old, new))
+    before = repo.snapshot()
+    code, _, err = ttp(capsys, "revert", str(repo.root))
+    assert code == 1
+    assert f"{TRAINING}: your change at lines" in err and edit in err, err
+    assert repo.snapshot() == before
+
+
+def test_merged_revert_is_all_or_nothing(repo: FixtureRepo, capsys, monkeypatch) -> None:
+    """The merged file goes through write_all with the rest: a failing write restores all."""
+    assert ttp(capsys, "apply", str(repo.root))[0] == 0
+    repo.write(TRAINING, _user_edit(repo.read(TRAINING)))
+    before = repo.snapshot()
+    calls = []
+    real = fileio._replace_file
+
+    def fail_third(tmp: str, target: Path) -> None:
+        calls.append(target)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(tmp, target)
+
+    monkeypatch.setattr(fileio, "_replace_file", fail_third)
+    code, _, err = ttp(capsys, "revert", str(repo.root))
+    assert code == 2 and "No space left on device" in err
+    assert repo.snapshot() == before
+    assert not (repo.root / ".git" / "ttp-patch.journal").exists()
