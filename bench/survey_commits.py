@@ -283,8 +283,9 @@ def render(
         f"counted; one checkout per set ({elapsed:.0f} s in all). Pinned commit 285068c is "
         f"dated {pin_when[:10]}.",
         "",
-        "Commits (distinct sets of the 4 targets + example script in parentheses); *main line*: on the first-parent chain "
-        "of the ref; *after 285068c*: 285068c is an ancestor.",
+        "Commits (distinct sets of the 4 targets + example script in parentheses); "
+        "*main line*: on the first-parent chain of the ref; *after 285068c*: 285068c is an "
+        "ancestor.",
         "",
         "| | all in range | main line | after 285068c |",
         "|---|---:|---:|---:|",
