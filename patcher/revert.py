@@ -72,9 +72,13 @@ def _describe(path: str, c: Conflict, opts: Options) -> str:
     named = [e for e in edits_for(path) if c.our_text in _edit_text_lines(e, opts)]
     what = f"edit {named[0].id} ({named[0].number})" if named else "one of our edits"
     return (
-        f"{path}: your change at lines {c.current_lines[0]}-{c.current_lines[1]} touches {what} "
-        f"(our lines {c.ours_lines[0]}-{c.ours_lines[1]}: `{c.our_text}`)"
+        f"{path}: your change at {_lines(c.current_lines)} touches {what} "
+        f"(our {_lines(c.ours_lines)}: `{c.our_text}`)"
     )
+
+
+def _lines(span: Tuple[int, int]) -> str:
+    return f"line {span[0]}" if span[0] == span[1] else f"lines {span[0]}-{span[1]}"
 
 
 def _without_our_edits(

@@ -283,7 +283,7 @@ def test_revert_refuses_a_user_change_touching_our_hunk(
     before = repo.snapshot()
     code, _, err = ttp(capsys, "revert", str(repo.root))
     assert code == 1
-    assert f"{TRAINING}: your change at lines" in err and edit in err, err
+    assert f"{TRAINING}: your change at line" in err and edit in err, err
     assert repo.snapshot() == before
 
 
