@@ -107,7 +107,9 @@ def list_commits(
     args += [f"--until={until}T23:59:59Z", "--date-order", "--reverse"]
     if first_parent:
         args.append("--first-parent")
-    descendants = set(git(repo, "rev-list", f"{PINNED_COMMIT}..{ref}").split())
+    descendants = set(  # not `PIN..REF`: that also holds old branches merged later
+        git(repo, "rev-list", "--ancestry-path", f"{PINNED_COMMIT}..{ref}").split()
+    )
     main_line = set(git(repo, "rev-list", "--first-parent", ref).split())
     commits = []
     for line in git(repo, *args, ref).splitlines():
