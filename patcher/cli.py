@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
         help="controller port written into the start-up block (default 8000)",
     )
     sp.add_argument("--dry-run", action="store_true", help="print the diff, change nothing")
+    sp.add_argument(
+        "--allow-modified",
+        action="store_true",
+        help="also patch target files that differ from 285068c's (a fork, a later commit, "
+        "your edits) when every edit's anchor is found exactly once; revert gives your bytes back",
+    )
 
     sp = add("revert", "restore the patched files to their HEAD bytes, remove the script")
     sp.add_argument(
@@ -103,7 +109,9 @@ def _say(message: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "apply":
         opts = Options.build(args.device, args.port)
-        out = apply(args.dir, opts, dry_run=args.dry_run)
+        out = apply(args.dir, opts, dry_run=args.dry_run, allow_modified=args.allow_modified)
+        for note in out.notes:
+            _say(note)
         if args.dry_run:
             sys.stdout.write(out.diff)
             _say("dry run: nothing written" + ("" if out.written else "; nothing to do"))
@@ -123,6 +131,8 @@ def _run(args: argparse.Namespace) -> int:
             _say("--force discarded changes in: " + ", ".join(res.drifted_forced))
         for path in res.kept:
             _say(f"left {path} alone: it was not written by ttp-patch")
+        for path in res.merged:
+            _say(f"kept your later changes in {path}: took out only ttp-patch's edits")
         return EXIT_OK
     if args.command in ("status", "verify"):
         report = status(args.dir, device=args.device)

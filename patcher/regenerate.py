@@ -2,7 +2,7 @@
 
     python -m patcher.regenerate MEGATRON_DIR [--out patches/285068c]
 
-The diffs come from the HEAD blobs of MEGATRON_DIR (which must sit at the pinned commit; its
+The diffs come from the HEAD blobs of MEGATRON_DIR (its HEAD must hold the pinned targets; its
 work tree may be patched or not), so they are exactly what `ttp-patch apply` writes with the
 default port. Each is parsed back with unidiff before it is written.
 """
@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import List, Optional
 
 from .diffs import render, summarize
-from .errors import PatchError
+from .errors import PatchError, WrongCommit
 from .fileio import Change, write_all
 from .options import Device, Options
+from .pin import differing
 from .tree import Tree
 
 DEFAULT_OUT = Path("patches") / "285068c"
@@ -27,6 +28,12 @@ def regenerate(megatron_dir: str, out: Path) -> List[Path]:
     out.mkdir(parents=True, exist_ok=True)
     changes = []
     with Tree.open(megatron_dir) as tree:
+        other = differing(tree.pin, tree.checkout.head_blob_ids())
+        if other:  # patches/285068c/ must be 285068c's diffs, not a fork's
+            raise WrongCommit(
+                f"{megatron_dir}: HEAD's {', '.join(other)} differ from {tree.pin.commit[:7]}'s",
+                f"git -C {megatron_dir} checkout {tree.pin.commit}",
+            )
         for device in Device:
             text = render(tree.diffs(Options.build(device.value)))
             summarize(text)  # refuse to write a diff that does not parse back

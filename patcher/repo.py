@@ -6,22 +6,17 @@ final newline and would make byte comparisons lie.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import git
 
+from .edits import TARGET_FILES
 from .errors import MissingTarget, NotAGitRepo, UsageError, WrongCommit
+from .pin import COMMIT_OVERRIDE_ENV, PINNED_COMMIT, Pin, expected_commit, expected_pin
 
-PINNED_COMMIT = "285068c8108e0e8e6538f54fe27c3ee86c5217a2"
-# Only for testing the tool itself on small fixture repositories; documented as such.
-COMMIT_OVERRIDE_ENV = "TTP_PATCH_COMMIT"
-
-
-def expected_commit() -> str:
-    return os.environ.get(COMMIT_OVERRIDE_ENV) or PINNED_COMMIT
+__all__ = ["COMMIT_OVERRIDE_ENV", "PINNED_COMMIT", "Checkout", "expected_commit", "open_checkout"]
 
 
 @dataclass
@@ -50,12 +45,41 @@ class Checkout:
             )
         return data
 
+    def head_blob_ids(self) -> Dict[str, Optional[str]]:
+        """The targets' blob ids at HEAD (None: not in HEAD), from the tree objects alone."""
+        tree = self.repo.commit(self.commit).tree
+        out: Dict[str, Optional[str]] = {}
+        for path in TARGET_FILES:
+            try:
+                out[path] = (tree / path).hexsha
+            except KeyError:
+                out[path] = None
+        return out
+
+    def blob_at(self, commit: str, path: str) -> Optional[bytes]:
+        """A file's bytes at another commit (None when unknown here): the record names one."""
+        try:
+            blob = self.repo.commit(commit).tree / path
+        except (KeyError, ValueError, git.BadName):
+            return None
+        return blob.data_stream.read()
+
+    def pin(self) -> Pin:
+        return expected_pin(self.repo)
+
+    def relation(self, want: str) -> str:
+        return _relation(self.repo, want, self.commit)
+
     def close(self) -> None:
         self.repo.close()
 
 
 def open_checkout(directory: str) -> Checkout:
-    """The work tree at `directory`, which must be its root and sit at the pinned commit."""
+    """The work tree at `directory`, which must be its root and have a commit.
+
+    Any HEAD is opened: whether its files are the pinned ones is a question per file, asked by
+    apply (patcher/pin.py), and status, verify and revert read the files whatever HEAD is.
+    """
     root = Path(directory)
     if not root.exists():
         raise UsageError(f"{directory}: no such directory", "give the Megatron-LM checkout")
@@ -85,19 +109,12 @@ def open_checkout(directory: str) -> Checkout:
     except ValueError:
         repo.close()
         raise WrongCommit(
-            f"{directory}: the repository has no commits", _checkout_hint(root, want)
+            f"{directory}: the repository has no commits", checkout_hint(root, want)
         ) from None
-    if found != want:
-        where = _relation(repo, want, found)
-        repo.close()
-        raise WrongCommit(
-            f"{directory}: HEAD is {found}{where}; the edits are for {want} only",
-            _checkout_hint(root, want),
-        )
     return Checkout(root, repo, found)
 
 
-def _checkout_hint(root: Path, want: str) -> str:
+def checkout_hint(root: Path, want: str) -> str:
     return f"git -C {root} checkout {want}   (then run ttp-patch again)"
 
 

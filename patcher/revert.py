@@ -1,21 +1,27 @@
-"""`revert`: put every target back to its exact HEAD bytes, remove the script and the record.
+"""`revert`: put every target back to the user's bytes before apply, remove script and record.
 
-A file is only overwritten when we can prove nothing but our edits is in it (its hash is the
-recorded post-apply hash, or it equals our output for the options the files show); anything
-else is drift, listed and refused unless --force.
+With a record, "before" is what the record's sha256 names (patcher/originals.py: HEAD's blob,
+or the copy apply kept of an --allow-modified file); without one, HEAD's bytes. A file that is
+exactly what apply wrote goes back whole. One the user changed since gets only our edits taken
+out (patcher/threeway.py), proven by re-applying them: the result must give back the file on
+disk byte for byte. A change touching one of our hunks, or a file we cannot prove, is drift:
+listed (with the edit in the way) and refused unless --force, which restores the before bytes.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-from . import launch_script
-from .edits import TARGET_FILES
-from .errors import AnchorError, Drifted, ManifestError, UnreadableTarget
+from . import launch_script, originals
+from .edits import TARGET_FILES, Edit, edits_for
+from .engine import plan_file
+from .errors import AnchorError, Drifted, ManifestError, PatchError, UnreadableTarget
 from .fileio import Change, check_writable, sha256
 from .manifest import Manifest
+from .options import Options
+from .threeway import Conflict, take_out
 from .tree import Tree
 
 
@@ -25,6 +31,7 @@ class RevertOutcome:
     removed: List[str] = field(default_factory=list)
     drifted_forced: List[str] = field(default_factory=list)
     kept: List[str] = field(default_factory=list)  # not ours, left alone even with --force
+    merged: List[str] = field(default_factory=list)  # only our edits taken out, user's kept
     manifest_removed: bool = False
 
     @property
@@ -48,6 +55,60 @@ def _script_ours(tree: Tree, man: Optional[Manifest], current: bytes) -> bool:
     return any(tree.script(o.device) == current for o in tree.inferred_options())
 
 
+def _edit_text_lines(edit: Edit, opts: Options) -> List[str]:
+    texts = [
+        getattr(edit, "replacement", ""),
+        getattr(edit, "inserted", ""),
+        f"@{edit.decorator}" if getattr(edit, "decorator", "") else "",
+    ]
+    if hasattr(edit, "inserted_source"):
+        texts.append(edit.inserted_source(opts, []))
+    if opts.device is not None and edit.id == "pretrain/adaptor-import":
+        texts.append(opts.device.adaptor_import or "")
+    return [line.strip() for t in texts for line in t.splitlines() if line.strip()]
+
+
+def _describe(path: str, c: Conflict, opts: Options) -> str:
+    named = [e for e in edits_for(path) if c.our_text in _edit_text_lines(e, opts)]
+    what = f"edit {named[0].id} ({named[0].number})" if named else "one of our edits"
+    return (
+        f"{path}: your change at {_lines(c.current_lines)} touches {what} "
+        f"(our {_lines(c.ours_lines)}: `{c.our_text}`)"
+    )
+
+
+def _lines(span: Tuple[int, int]) -> str:
+    return f"line {span[0]}" if span[0] == span[1] else f"lines {span[0]}-{span[1]}"
+
+
+def _without_our_edits(
+    path: str, original: bytes, current: bytes, man: Manifest
+) -> Tuple[Optional[bytes], List[str]]:
+    """`current` minus our edits and nothing else, or why that cannot be proven."""
+    opts = man.options
+    try:
+        ours = plan_file(path, original, opts).after
+    except PatchError as exc:  # pragma: no cover - apply planned these very bytes
+        return None, [f"{path}: cannot rebuild what apply wrote ({exc.message})"]
+    if sha256(ours) != man.files[path].after:
+        return None, [f"{path}: this ttp-patch would not write what the recorded apply wrote"]
+    try:
+        merge = take_out(original, ours, current)
+    except UnicodeDecodeError:
+        return None, [f"{path}: not UTF-8 any more"]
+    if not merge.clean:
+        return None, [_describe(path, c, opts) for c in merge.conflicts]
+    try:
+        again = plan_file(path, merge.result, opts).after
+    except PatchError as exc:
+        again, why = None, exc.message
+    else:
+        why = "re-applying our edits to the result does not give your file back exactly"
+    if again != current:
+        return None, [f"{path}: {why}"]
+    return merge.result, []
+
+
 def revert(directory: str, force: bool = False) -> RevertOutcome:
     with Tree.open(directory) as tree:
         try:
@@ -59,15 +120,42 @@ def revert(directory: str, force: bool = False) -> RevertOutcome:
         outcome = RevertOutcome(manifest_removed=os.path.lexists(tree.manifest_path))
         changes: List[Change] = []
         drift: List[str] = []
+        why: List[str] = []
         for path in TARGET_FILES:
-            head = tree.head(path)
             current = tree.current(path)
+            if man is not None and path in man.files:
+                rec = man.files[path]
+                if current is not None and sha256(current) == rec.before:
+                    continue
+                before = originals.find(tree.checkout, man, path)
+                if before is None and not force:
+                    raise ManifestError(
+                        f"the bytes {path} had before apply (sha256 {rec.before[:12]}...) are "
+                        f"gone: no copy in {tree.checkout.git_dir}, not at commit "
+                        f"{man.commit[:12]} nor HEAD",
+                        "`ttp-patch revert --force` restores HEAD's bytes instead",
+                    )
+                if before is None:
+                    before = tree.head(path)
+                    drift.append(path)
+                elif current is not None and sha256(current) != rec.after:
+                    merged, reasons = _without_our_edits(path, before, current, man)
+                    if merged is not None:
+                        before = merged
+                        outcome.merged.append(path)
+                    else:
+                        drift.append(path)
+                        why += reasons
+                elif current is None:
+                    drift.append(path)
+                changes.append(Change(tree.path(path), before))
+                outcome.restored.append(path)
+                continue
+            head = tree.head(path)
             if current == head:
                 continue
             if current is None:
                 ours = False
-            elif man is not None and path in man.files:
-                ours = man.files[path].after == sha256(current)
             else:
                 ours = _ours_without_record(tree, path, current)
             if not ours:
@@ -86,16 +174,21 @@ def revert(directory: str, force: bool = False) -> RevertOutcome:
             if launch_script.SCRIPT in outcome.removed:
                 changes.append(Change(tree.path(launch_script.SCRIPT), None))
         if drift and not force:
+            detail = "".join(f"\n  {w}" for w in why)
             raise Drifted(
                 "changed since ttp-patch applied them (reverting would lose those changes): "
-                + ", ".join(drift),
+                + ", ".join(drift)
+                + detail,
                 drift,
-                "save your changes elsewhere, then `ttp-patch revert --force` restores HEAD "
-                "and removes the script",
+                "save your changes elsewhere, then `ttp-patch revert --force` restores the "
+                "files as they were before apply and removes the script",
             )
         outcome.drifted_forced = drift
         if outcome.manifest_removed:
             changes.append(Change(tree.manifest_path, None))
+        for stored in originals.all_paths(tree.checkout.git_dir):
+            if os.path.lexists(stored):
+                changes.append(Change(stored, None))
         for ch in changes:
             if ch.new is not None:
                 check_writable(ch.path, str(ch.path.relative_to(tree.root)))

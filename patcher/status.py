@@ -123,7 +123,10 @@ def status(directory: str, device: Optional[str] = None) -> StatusReport:
             if man is not None and path in man.files and data is not None:
                 rec = man.files[path]
                 if sha256(data) not in (rec.before, rec.after):
-                    report.notes.append(f"{path} changed after apply (revert will refuse it)")
+                    report.notes.append(
+                        f"{path} changed after apply (revert takes out only our edits, or "
+                        "refuses if your change touches one)"
+                    )
         report.rows.append(_script_row(tree, man.launch_script if man else None))
         if man is not None and report.overall == "clean":
             report.notes.append(f"{tree.manifest_path} is stale: `ttp-patch revert` clears it")

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import fileio, journal, launch_script, manifest
+from . import fileio, journal, launch_script, manifest, originals
 from .diffs import FileDiff
 from .edits import TARGET_FILES
 from .engine import FilePlan, plan_file
 from .errors import MissingTarget, UnsafeTarget
 from .lock import Lock
 from .options import DEFAULT_PORT, Device, Options
+from .pin import Pin
 from .repo import Checkout, open_checkout
 
 
@@ -40,6 +41,7 @@ class Tree:
     _seen: Dict[Path, Optional[bytes]] = field(default_factory=dict)
     _modes: Optional[Dict[str, str]] = None
     _lock: Optional[Lock] = None
+    _pin: Optional[Pin] = None
 
     @classmethod
     def open(cls, directory: str) -> Tree:
@@ -67,13 +69,13 @@ class Tree:
     def _recover(self) -> None:
         restored = self.journal.recover()
         ours = [self.path(p) for p in (*TARGET_FILES, launch_script.SCRIPT)]
-        ours += [self.manifest_path, self.journal.path]
+        ours += [self.manifest_path, self.journal.path, *originals.all_paths(self.checkout.git_dir)]
         journal.report(restored, journal.remove_temps(ours))
 
     def write(self, changes: Sequence[fileio.Change]) -> None:
         """All or nothing, journaled, each file checked against what this Tree read of it."""
         for ch in changes:
-            if ch.path != self.manifest_path:
+            if ch.path.parent != self.checkout.git_dir:  # the record, stored originals
                 self._check_path(ch.path.relative_to(self.root).as_posix())
         fileio.write_all(
             changes,
@@ -104,6 +106,13 @@ class Tree:
             self._manifest = None if data is None else manifest.parse(data, self.manifest_path)
             self._manifest_loaded = True
         return self._manifest
+
+    @property
+    def pin(self) -> Pin:
+        """What the edits were written for: 285068c's four blob ids (patcher/pin.py)."""
+        if self._pin is None:
+            self._pin = self.checkout.pin()
+        return self._pin
 
     def head(self, path: str) -> bytes:
         if path not in self._head:

@@ -159,11 +159,14 @@ def test_status_recognises_edits_made_by_hand(repo: FixtureRepo, capsys) -> None
 
 def test_revert_refuses_drift_and_force_restores(repo: FixtureRepo, capsys) -> None:
     ttp(capsys, "apply", str(repo.root))
-    text = repo.read("megatron/training.py") + b"# my own note\n"
+    text = repo.read("megatron/training.py").replace(  # touches our edit 2.3: drift
+        b"torch.distributed.barrier()\n", b"torch.distributed.barrier()  # my own note\n"
+    )
     repo.write("megatron/training.py", text)
     before = repo.snapshot()
     code, _, err = ttp(capsys, "revert", str(repo.root))
     assert code == 1 and "megatron/training.py" in err and "--force" in err
+    assert "training/barrier-after-reduce" in err
     assert repo.snapshot() == before
     code, _, err = ttp(capsys, "revert", str(repo.root), "--force")
     assert code == 0 and "discarded" in err

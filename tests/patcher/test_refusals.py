@@ -50,16 +50,21 @@ def test_subdirectory_of_the_checkout_is_refused(repo: FixtureRepo, capsys) -> N
 
 
 def test_wrong_commit_newer_and_older(repo: FixtureRepo, capsys, monkeypatch) -> None:
-    (repo.root / "other.txt").write_text("a later commit\n")
+    """A commit whose target files differ from the pin's; identical files apply (test_forks)."""
+    training = repo.root / "megatron/training.py"
+    training.write_bytes(training.read_bytes() + b"# a later upstream change\n")
     newer = repo.commit_all("later")
     monkeypatch.setenv(COMMIT_OVERRIDE_ENV, repo.commit)
-    err = refused(capsys, repo, ["apply", str(repo.root)], 2, newer, "newer than the pinned")
+    err = refused(
+        capsys, repo, ["apply", str(repo.root)], 2, newer, "newer than the pinned",
+        "megatron/training.py", "--allow-modified",
+    )
     assert f"checkout {repo.commit}" in err
     git(repo.root, "checkout", "-q", repo.commit)
     monkeypatch.setenv(COMMIT_OVERRIDE_ENV, newer)
     refused(capsys, repo, ["apply", str(repo.root)], 2, repo.commit, "older than the pinned")
-    refused(capsys, repo, ["verify", str(repo.root)], 2, "older than the pinned")
-    refused(capsys, repo, ["revert", str(repo.root)], 2, "older than the pinned")
+    refused(capsys, repo, ["verify", str(repo.root)], 1)  # reads the files, whatever HEAD is
+    refused(capsys, repo, ["revert", str(repo.root)], 0, "nothing to revert")
 
 
 def test_pinned_commit_unknown_to_the_repo(repo: FixtureRepo, capsys, monkeypatch) -> None:

@@ -1,0 +1,135 @@
+"""Train the tiny GPT on a few surveyed Megatron-LM commits and kill a rank: is the dying
+checkpoint there?
+
+The expensive half of the commit survey (bench/survey_commits.py checks every commit's patch;
+this runs a real job on a handful). Per commit: a `git clone --shared` of REPO at it (REPO is
+never written), `ttp-patch apply --allow-modified --device cpu`, the tiny dataset built with that
+tree's own Megatron classes, then 4 CPU ranks under `ttprun` (gloo, --use-distributed-optimizer,
+periodic save every 3) with rank 1 SIGKILLed in the forward step of iteration 5, driven by the
+test-only fault hook of tests/megatron/fault_hook. Passing means what
+tests/megatron/test_e2e_dying_checkpoint.py asserts at 285068c: the launcher fails, the tracker
+names step 4, and iter_0000004 verifies against its manifest for the DP4 layout.
+
+    python bench/survey_train.py REPO COMMIT [COMMIT ...] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from mindio_ttp.megatron_testing.data import make_tiny_dataset
+from mindio_ttp.megatron_testing.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
+from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+
+FAULT_HOOK_DIR = Path(__file__).resolve().parents[1] / "tests" / "megatron" / "fault_hook"
+TTP_OT_S = 40  # as the e2e tests: seconds ttprun keeps survivors alive after a fault
+N_ITERS = 10
+PLAN = "1:5:sigkill:before"
+JOB_TIMEOUT_S = 420.0
+DP4 = ParallelLayout(tp=1, pp=1, dp=4)
+
+
+@dataclass
+class TrainResult:
+    commit: str
+    applied: bool = False
+    dataset: bool = False
+    returncode: Optional[int] = None
+    tracker_step: Optional[int] = None
+    manifest_ok: bool = False
+    losses: Optional[Dict[int, str]] = None
+    passed: bool = False
+    wall_s: float = 0.0
+    error: str = ""
+
+
+def train_one(repo: Path, commit: str, work: Path) -> TrainResult:
+    res = TrainResult(commit)
+    t0 = time.monotonic()
+    tree = work / "Megatron-LM"
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(repo), str(tree)],
+                   check=True, timeout=300)
+    subprocess.run(["git", "-C", str(tree), "checkout", "-q", "--detach", commit],
+                   check=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "TTP_PATCH_COMMIT"}
+    applied = subprocess.run([sys.executable, "-m", "patcher", "apply", str(tree),
+                              "--allow-modified", "--device", "cpu"],
+                             capture_output=True, text=True, timeout=300, env=env)
+    res.applied = applied.returncode == 0
+    if not res.applied:
+        res.error = applied.stderr[-1000:]
+        return res
+    try:
+        data = make_tiny_dataset(tree, work / "data")
+    except RuntimeError as exc:
+        res.error = str(exc)[-1500:]
+        return res
+    res.dataset = True
+    ckpt = work / "ckpt"
+    record = work / "faults"
+    record.mkdir()
+    job_env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOK_DIR),
+                                                    os.environ.get("PYTHONPATH")])),
+        "TTP_OT": str(TTP_OT_S),
+        "TTP_CONTROLLER_PORT": str(pick_free_port()),
+        "TTP_FAULT_PLAN": PLAN,
+        "TTP_FAULT_RECORD_DIR": str(record),
+    }
+    args = tiny_gpt_args(data, train_iters=N_ITERS, save=ckpt, load=ckpt, save_interval=3)
+    with PretrainJob(tree, args, nproc=4, log_path=work / "job.log", launcher=Launcher.TTPRUN,
+                     env=job_env) as job:
+        result = job.wait(JOB_TIMEOUT_S)
+    res.returncode = result.returncode
+    res.losses = result.losses
+    if result.timed_out:
+        res.error = f"timed out after {JOB_TIMEOUT_S} s: {result.tail(1500)}"
+    elif ckpt.is_dir():
+        res.tracker_step = manifest.read_tracker(ckpt)[0]
+        step4 = ckpt / manifest.iter_dir_name(4)
+        res.manifest_ok = step4.is_dir() and manifest.verify(step4, DP4) is None
+    res.passed = (
+        not result.timed_out
+        and result.returncode != 0
+        and res.tracker_step == 4
+        and res.manifest_ok
+        and sorted(res.losses or {}) == [1, 2, 3, 4]
+    )
+    if not res.passed and not res.error:
+        res.error = result.tail(1500)
+    res.wall_s = round(time.monotonic() - t0, 1)
+    return res
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("repo", type=Path)
+    p.add_argument("commits", nargs="+")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    results = []
+    for commit in args.commits:
+        with tempfile.TemporaryDirectory(prefix="ttp-survey-train-") as tmp:
+            r = train_one(args.repo, commit, Path(tmp))
+        results.append(r)
+        print(f"{commit[:12]} applied={r.applied} dataset={r.dataset} rc={r.returncode} "
+              f"tracker={r.tracker_step} manifest_ok={r.manifest_ok} "
+              f"losses={sorted(r.losses or {})} passed={r.passed} {r.wall_s}s "
+              f"{r.error[-300:] if not r.passed else ''}", file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0 if all(r.passed for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
