@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 from . import __version__
 from .apply import apply, diff
 from .errors import EXIT_ENVIRONMENT, EXIT_OK, Interrupted, PatchError
-from .options import DEFAULT_PORT, Device, Options
+from .options import DEFAULT_PORT, PORT_RANGE, Device, Options
 from .revert import revert
 from .status import status
 
@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         "--port",
         type=int,
         default=DEFAULT_PORT,
-        help="controller port written into the start-up block (default 8000)",
+        help="TTP controller port written into the start-up block and the launch script "
+        f"({PORT_RANGE[0]}..{PORT_RANGE[1]}, default {DEFAULT_PORT})",
     )
     sp.add_argument("--dry-run", action="store_true", help="print the diff, change nothing")
 

@@ -6,9 +6,13 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
+from mindio_ttp.framework_ttp.config import CONTROLLER_PORT_RANGE
+
 from .errors import UsageError
 
 DEFAULT_PORT = 8000  # the guide's literal in the start-up block
+# The runtime refuses any other port at start-up (ttp_start_controller), so apply refuses it now.
+PORT_RANGE = CONTROLLER_PORT_RANGE
 
 
 class Device(str, enum.Enum):
@@ -44,8 +48,12 @@ class Options:
             dev = Device(device)
         except ValueError:
             raise UsageError(f"unknown device {device!r}", "use one of: npu, cuda, cpu") from None
-        if not 1 <= port <= 65535:
-            raise UsageError(f"port {port} is out of range", "give a TCP port in 1..65535")
+        lo, hi = PORT_RANGE
+        if not lo <= port <= hi:
+            raise UsageError(
+                f"--port {port} is out of range: the TTP controller takes {lo}..{hi}",
+                f"give a free TCP port in {lo}..{hi} (the default is {DEFAULT_PORT})",
+            )
         return cls(device=dev, port=port)
 
     def describe(self) -> str:

@@ -18,7 +18,15 @@ import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 from . import hooks as _hooks
-from .config import ENV_LOG_LEVEL, ENV_LOG_PATH, ExitCode, Outcome, TTPConfig, _port_env
+from .config import (
+    CONTROLLER_PORT_RANGE,
+    ENV_LOG_LEVEL,
+    ENV_LOG_PATH,
+    ExitCode,
+    Outcome,
+    TTPConfig,
+    _port_env,
+)
 from .controller import Controller
 from .hooks import TTPError, TTPForceStop
 from .processor import HANDLERS, Processor
@@ -82,7 +90,7 @@ def _port(port: Any) -> int:
     override = _port_env(os.environ)
     if override is not None:
         return override
-    return _int("port", port, 1024, 65535, " (or set TTP_CONTROLLER_PORT)")
+    return _int("port", port, *CONTROLLER_PORT_RANGE, " (or set TTP_CONTROLLER_PORT)")
 
 
 def _handler(name: str, fn: Any, nargs: int, shape: str) -> Callable[..., Any]:

@@ -149,3 +149,24 @@ def test_defaults_match_the_documented_ones():
     cfg = config.TTPConfig.from_env({"TTP_AUTH_KEY": "00" * 16})
     assert cfg.ot == 120 and cfg.heartbeat_interval == 2 and cfg.heartbeat_timeout == 6
     assert [c.value for c in config.ExitCode] == [83, 84, 85, 86]
+
+
+@pytest.mark.parametrize("port", [1, 1023, 1024, 8000, 65535, 65536])
+def test_ttp_patch_accepts_exactly_the_ports_the_runtime_accepts(port):
+    """`ttp-patch apply --port` writes the port the controller binds: a port apply takes and
+    the runtime refuses would only fail on the cluster, at train()."""
+    from patcher.errors import UsageError
+    from patcher.options import Options
+
+    try:
+        config._port_env({config.ENV_CONTROLLER_PORT: str(port)})
+        runtime_ok = True
+    except ValueError:
+        runtime_ok = False
+    try:
+        Options.build("npu", port)
+        patcher_ok = True
+    except UsageError as exc:
+        patcher_ok = False
+        assert "1024..65535" in exc.message
+    assert patcher_ok == runtime_ok == (1024 <= port <= 65535)
