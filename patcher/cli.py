@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 from . import __version__
 from .apply import apply, diff
 from .errors import EXIT_ENVIRONMENT, EXIT_OK, Interrupted, PatchError
-from .options import DEFAULT_PORT, PORT_RANGE, Device, Options
+from .options import DEFAULT_PORT, PORT_RANGE, Device, Options, adaptor_warning
 from .revert import revert
 from .status import status
 
@@ -112,6 +112,9 @@ def _run(args: argparse.Namespace) -> int:
             _say(f"already applied ({opts.describe()}): nothing to do")
         else:
             _say(f"applied ({opts.describe()}); wrote " + ", ".join(out.written))
+        warning = adaptor_warning(opts.device)
+        if warning:
+            _say(warning)
         return EXIT_OK
     if args.command == "revert":
         res = revert(args.dir, force=args.force)

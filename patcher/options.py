@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +27,24 @@ class Device(str, enum.Enum):
     def adaptor_import(self) -> Optional[str]:
         """The import statement the device needs, or None (CUDA needs no adaptor)."""
         return _ADAPTOR_IMPORTS[self]
+
+
+def adaptor_warning(device: Device) -> Optional[str]:
+    """A warning when this machine cannot import the adaptor the patched pretrain_gpt.py imports.
+
+    Not an error: the tree is often patched on a login node for the cluster. But `--device npu`
+    is the default, so on a GPU or CPU machine the user most likely wanted another device, and
+    would otherwise learn it from an ImportError at launch. Looked up, never imported: importing
+    megatron_npu loads torch_npu and patches torch.
+    """
+    if device is not Device.NPU or importlib.util.find_spec("megatron_npu") is not None:
+        return None
+    return (
+        "warning: --device npu (the default): the patched pretrain_gpt.py imports megatron_npu, "
+        "which is not importable here, so it runs only where the Ascend adaptor is installed; "
+        "to train on this machine use --device cuda (NVIDIA GPUs) or --device cpu (a CPU "
+        "rehearsal): `ttp-patch revert`, then apply again"
+    )
 
 
 _ADAPTOR_IMPORTS = {
