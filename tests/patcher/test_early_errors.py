@@ -10,7 +10,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import FixtureRepo
+from conftest import SCRIPT, FixtureRepo
 from test_refusals import refused
 
 from patcher.cli import main
@@ -88,3 +88,72 @@ def test_console_script_warns_on_stderr_only_and_pythonpath_silences_it(
     res = subprocess.run(["ttp-patch", "apply", str(repo.root)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "applied" in res.stderr and "warning" not in res.stderr
+
+
+def _run_script(repo: FixtureRepo, tmp_path, **env: str) -> subprocess.CompletedProcess[str]:
+    """The generated script under bash, with a stand-in `ttprun` first on PATH that records
+    what it was started with (its arguments and TTP_CONTROLLER_PORT) instead of training."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    ttprun = bin_dir / "ttprun"
+    ttprun.write_text('#!/bin/bash\necho "ttprun port=${TTP_CONTROLLER_PORT:-unset} args=$*"\n')
+    ttprun.chmod(0o755)
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    return subprocess.run(["bash", str(repo.root / SCRIPT)], env={**base, **env},
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+
+def _env_npu_sh(tmp_path) -> str:
+    """An env_npu.sh as the adaptor writes them: it extends a variable that may be unset."""
+    path = tmp_path / "env_npu.sh"
+    path.write_text(f'export LD_LIBRARY_PATH=/usr/local/Ascend/lib:$LD_LIBRARY_PATH\n'
+                    f'touch {tmp_path}/sourced\n')
+    return str(path)
+
+
+FILLED = {"MASTER_ADDR": "10.0.0.1", "DATA_PATH": "/data/x_text_document",
+          "CHECKPOINT_PATH": "/ckpt"}
+
+
+def test_unfilled_npu_script_names_env_npu_sh_before_bash_fails_on_the_file(
+    repo: FixtureRepo, capsys, tmp_path
+) -> None:
+    assert main(["apply", str(repo.root)]) == 0
+    res = _run_script(repo, tmp_path)
+    assert res.returncode == 2 and res.stdout == ""
+    assert "pretrain_gpt_ttp.sh: set ENV_NPU_SH" in res.stderr
+    assert "No such file" not in res.stderr and "ttprun" not in res.stdout
+    res = _run_script(repo, tmp_path, ENV_NPU_SH=str(tmp_path / "nope.sh"), **FILLED)
+    assert res.returncode == 2 and "No such file" not in res.stderr
+    assert f"ENV_NPU_SH={tmp_path}/nope.sh is not a file" in res.stderr
+
+
+@pytest.mark.parametrize("missing", sorted(FILLED))
+def test_each_unfilled_value_is_named_and_nothing_is_sourced_first(
+    repo: FixtureRepo, capsys, tmp_path, missing: str
+) -> None:
+    assert main(["apply", str(repo.root)]) == 0
+    env = {k: v for k, v in FILLED.items() if k != missing}
+    res = _run_script(repo, tmp_path, ENV_NPU_SH=_env_npu_sh(tmp_path), **env)
+    assert res.returncode == 2 and f"pretrain_gpt_ttp.sh: set {missing}:" in res.stderr
+    assert not (tmp_path / "sourced").exists() and "ttprun" not in res.stdout
+
+
+def test_filled_npu_script_sources_the_adaptor_env_under_set_u_and_launches(
+    repo: FixtureRepo, capsys, tmp_path
+) -> None:
+    assert main(["apply", str(repo.root)]) == 0
+    res = _run_script(repo, tmp_path, ENV_NPU_SH=_env_npu_sh(tmp_path), **FILLED)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "sourced").exists() and res.stdout.startswith("ttprun ")
+    assert "--master_addr 10.0.0.1" in res.stdout and "--save /ckpt" in res.stdout
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_unfilled_cuda_and_cpu_scripts_name_the_data_path(
+    repo: FixtureRepo, capsys, tmp_path, device: str
+) -> None:
+    assert main(["apply", str(repo.root), "--device", device]) == 0
+    res = _run_script(repo, tmp_path, MASTER_ADDR="10.0.0.1")
+    assert res.returncode == 2 and "pretrain_gpt_ttp.sh: set DATA_PATH:" in res.stderr
+    assert "ENV_NPU_SH" not in res.stderr
