@@ -56,7 +56,7 @@ def plan_apply(tree: Tree, opts: Options) -> ApplyOutcome:
         elif current != plan.after:
             decode(path, current)  # CRLF / non-UTF-8 get their own, more useful message
             modified.append(path)
-    script = tree.script(opts.device)
+    script = tree.script(opts)
     current_script = tree.current(launch_script.SCRIPT)
     if current_script is None:
         diffs.append(FileDiff(launch_script.SCRIPT, None, script, launch_script.SCRIPT_MODE))
@@ -91,7 +91,7 @@ def apply(directory: str, opts: Options, dry_run: bool = False) -> ApplyOutcome:
         if dry_run or (outcome.noop and tree.manifest() is not None):
             return outcome
         plans = tree.plans(opts)
-        script = tree.script(opts.device)
+        script = tree.script(opts)
         record = Manifest(
             commit=tree.checkout.commit,
             device=opts.device.value,

@@ -14,7 +14,7 @@ import shlex
 from typing import Dict, List, Optional, Tuple
 
 from .errors import UnreadableTarget
-from .options import Device
+from .options import PORT_RANGE, Device
 
 EXAMPLE = "examples/pretrain_gpt_distributed.sh"
 SCRIPT = "pretrain_gpt_ttp.sh"
@@ -134,6 +134,17 @@ def _fill_in_checks(device: Device) -> List[str]:
         "      exit 2 ;;",
         "  esac",
         "done",
+        'case "$TTP_CONTROLLER_PORT" in',
+        "  ''|*[!0-9]*|??????*) port_ok=0 ;;",
+        f"  *) port_ok=$(( 10#$TTP_CONTROLLER_PORT >= {PORT_RANGE[0]}"
+        f" && 10#$TTP_CONTROLLER_PORT <= {PORT_RANGE[1]} )) ;;",
+        "esac",
+        'if [ "$port_ok" != 1 ] || [ "$TTP_CONTROLLER_PORT" = "$MASTER_PORT" ]; then',
+        '  echo "pretrain_gpt_ttp.sh: TTP_CONTROLLER_PORT=$TTP_CONTROLLER_PORT: give a free TCP'
+        f' port in {PORT_RANGE[0]}..{PORT_RANGE[1]} other than MASTER_PORT=$MASTER_PORT (both'
+        ' listen on the master node)" >&2',
+        "  exit 2",
+        "fi",
     ]
     if device is Device.NPU:
         out += [
@@ -151,8 +162,8 @@ def _fill_in_checks(device: Device) -> List[str]:
     return out + [""]
 
 
-def build(example: bytes, device: Device) -> bytes:
-    """The script's bytes for `device`, from the example script's bytes at HEAD."""
+def build(example: bytes, device: Device, port: int) -> bytes:
+    """The script's bytes for `device` and controller `port`, from the example's bytes at HEAD."""
     try:
         text = example.decode("utf-8")
     except UnicodeDecodeError:
@@ -210,6 +221,9 @@ def build(example: bytes, device: Device) -> bytes:
         "# save the dying checkpoint before the framework exits (120 s when unset). Raise it for",
         "# big models or slow storage.",
         "export TTP_OT=${TTP_OT:-360}",
+        "# TCP port of the TTP controller on the master node (`ttp-patch apply --port`); it",
+        "# overrides the port in megatron/training.py, so change it here. Not MASTER_PORT.",
+        f"export TTP_CONTROLLER_PORT=${{TTP_CONTROLLER_PORT:-{port}}}",
         "",
         "# >>> FILL IN: data prefix, tokenizer files and checkpoint directory (--save and --load:",
         "# training resumes from the dying checkpoint written there).",

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 from conftest import SCRIPT, FixtureRepo
@@ -96,7 +97,12 @@ def _run_script(repo: FixtureRepo, tmp_path, **env: str) -> subprocess.Completed
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     ttprun = bin_dir / "ttprun"
-    ttprun.write_text('#!/bin/bash\necho "ttprun port=${TTP_CONTROLLER_PORT:-unset} args=$*"\n')
+    ttprun.write_text(
+        '#!/bin/bash\necho "ttprun port=${TTP_CONTROLLER_PORT:-unset} args=$*"\n'
+        # the port the runtime's start-up calls resolve, given training.py's literal 8000
+        f'exec {sys.executable} -c "import mindio_ttp.framework_ttp as t; '
+        'print(\'runtime port\', t._port(8000))"\n'
+    )
     ttprun.chmod(0o755)
     base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
     return subprocess.run(["bash", str(repo.root / SCRIPT)], env={**base, **env},
@@ -157,3 +163,25 @@ def test_unfilled_cuda_and_cpu_scripts_name_the_data_path(
     res = _run_script(repo, tmp_path, MASTER_ADDR="10.0.0.1")
     assert res.returncode == 2 and "pretrain_gpt_ttp.sh: set DATA_PATH:" in res.stderr
     assert "ENV_NPU_SH" not in res.stderr
+
+
+def test_script_exports_the_applied_port_and_the_runtime_uses_it(
+    repo: FixtureRepo, capsys, tmp_path
+) -> None:
+    assert main(["apply", str(repo.root), "--device", "cuda", "--port", "9123"]) == 0
+    res = _run_script(repo, tmp_path, **FILLED)
+    assert res.returncode == 0, res.stderr
+    assert "ttprun port=9123 " in res.stdout and "runtime port 9123" in res.stdout
+    res = _run_script(repo, tmp_path, TTP_CONTROLLER_PORT="9200", **FILLED)
+    assert res.returncode == 0 and "runtime port 9200" in res.stdout  # the environment wins
+
+
+@pytest.mark.parametrize("port", ["80", "65536", "abc", "08x", "1234567", "6000"])
+def test_script_refuses_a_controller_port_the_runtime_would_refuse(
+    repo: FixtureRepo, capsys, tmp_path, port: str
+) -> None:
+    assert main(["apply", str(repo.root), "--device", "cpu"]) == 0
+    res = _run_script(repo, tmp_path, TTP_CONTROLLER_PORT=port, MASTER_PORT="6000", **FILLED)
+    assert res.returncode == 2 and "ttprun" not in res.stdout
+    assert f"pretrain_gpt_ttp.sh: TTP_CONTROLLER_PORT={port}:" in res.stderr
+    assert "1024..65535" in res.stderr and "syntax error" not in res.stderr
