@@ -4,6 +4,7 @@ and `verify --json` errors a pipeline can parse."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -15,6 +16,7 @@ from conftest import SCRIPT, FixtureRepo
 from test_refusals import refused
 
 from patcher.cli import main
+from patcher.repo import COMMIT_OVERRIDE_ENV
 
 RECORD = ".git/ttp-patch.json"
 
@@ -185,3 +187,81 @@ def test_script_refuses_a_controller_port_the_runtime_would_refuse(
     assert res.returncode == 2 and "ttprun" not in res.stdout
     assert f"pretrain_gpt_ttp.sh: TTP_CONTROLLER_PORT={port}:" in res.stderr
     assert "1024..65535" in res.stderr and "syntax error" not in res.stderr
+
+
+def _json_refusal(capsys, args, code: int, error_type: str) -> dict:
+    """A `--json` command that fails: the exit code as without --json, the message on stderr,
+    and on stdout one JSON object naming the error."""
+    assert main(list(args)) == code
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["overall"] == "error" and doc["error"]["type"] == error_type
+    assert doc["error"]["exit_code"] == code and doc["error"]["message"] in err
+    return doc
+
+
+@pytest.mark.parametrize("cmd", ["verify", "status"])
+def test_json_error_when_dir_is_missing_not_a_directory_or_not_a_repo(
+    tmp_path, capsys, cmd: str
+) -> None:
+    doc = _json_refusal(capsys, [cmd, str(tmp_path / "nope"), "--json"], 2, "UsageError")
+    assert "no such directory" in doc["error"]["message"]
+    (tmp_path / "f").write_text("x")
+    _json_refusal(capsys, [cmd, str(tmp_path / "f"), "--json"], 2, "UsageError")
+    doc = _json_refusal(capsys, [cmd, str(tmp_path), "--json"], 2, "NotAGitRepo")
+    assert doc["directory"] == str(tmp_path) and doc["error"]["hint"]
+
+
+def test_json_error_for_wrong_commit_and_corrupt_record(repo: FixtureRepo, capsys,
+                                                        monkeypatch) -> None:
+    monkeypatch.setenv(COMMIT_OVERRIDE_ENV, "0" * 40)
+    _json_refusal(capsys, ["verify", str(repo.root), "--json"], 2, "WrongCommit")
+    monkeypatch.setenv(COMMIT_OVERRIDE_ENV, repo.commit)
+    assert main(["apply", str(repo.root), "--device", "cpu"]) == 0
+    (repo.root / RECORD).write_text("{not json")
+    capsys.readouterr()
+    doc = _json_refusal(capsys, ["verify", str(repo.root), "--json"], 2, "ManifestError")
+    assert "revert --force" in doc["error"]["hint"]
+
+
+def test_json_error_when_another_ttp_patch_holds_the_lock(repo: FixtureRepo, capsys) -> None:
+    fd = os.open(repo.root / ".git" / "ttp-patch.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _json_refusal(capsys, ["verify", str(repo.root), "--json"], 2, "Busy")
+    finally:
+        os.close(fd)
+
+
+def test_json_error_for_bad_arguments_keeps_argparse_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["verify", ".", "--json", "--device", "tpu"])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["error"]["type"] == "UsageError" and "invalid choice" in doc["error"]["message"]
+    assert "invalid choice" in err
+    with pytest.raises(SystemExit):
+        main(["verify", ".", "--device", "tpu"])
+    assert capsys.readouterr().out == ""  # without --json stdout stays empty
+
+
+def test_json_error_for_a_bug_then_the_traceback_as_before(repo: FixtureRepo, capsys,
+                                                           monkeypatch) -> None:
+    import patcher.cli
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(patcher.cli, "status", broken)
+    with pytest.raises(KeyError):
+        main(["verify", str(repo.root), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error"]["type"] == "InternalError" and "boom" in doc["error"]["message"]
+
+
+def test_console_verify_json_error_parses_with_the_unchanged_exit_code(tmp_path) -> None:
+    res = subprocess.run(["ttp-patch", "verify", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "not a git repository" in res.stderr
+    assert json.loads(res.stdout)["error"]["type"] == "NotAGitRepo"
