@@ -99,6 +99,10 @@ def _megatron_args(args: List[Arg], device: Device) -> List[Arg]:
             if flag in _CPU_DROP:
                 continue
             value = _CPU_VALUES.get(flag, value)
+        if flag == "--fp16":
+            # bf16 has fp32's range: no loss scale to tune, no step skipped on an overflow.
+            # Ascend 910B and NVIDIA Ampere or later train in it.
+            flag = "--bf16"
         if flag == "--activations-checkpoint-method":
             # The example's flag no longer exists at 285068c (argparse would reject the launch);
             # arguments.py names its replacement: full recompute with the same method.
@@ -238,6 +242,13 @@ def build(example: bytes, device: Device, port: int) -> bytes:
         'DISTRIBUTED_ARGS="--nproc_per_node $GPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK'
         ' --master_addr $MASTER_ADDR --master_port $MASTER_PORT"',
         "",
+    ]
+    if device is not Device.CPU:
+        out += [
+            "# Mixed precision is --bf16 (no loss scaling); for fp16 change it to --fp16 here:",
+            "# passing --fp16 as an extra argument as well makes Megatron refuse both.",
+        ]
+    out += [
         "# shellcheck disable=SC2086  # DISTRIBUTED_ARGS is a list of words",
         "ttprun $DISTRIBUTED_ARGS \\",
         '       "$MEGATRON_DIR/pretrain_gpt.py" \\',

@@ -155,6 +155,7 @@ def test_filled_npu_script_sources_the_adaptor_env_under_set_u_and_launches(
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "sourced").exists() and res.stdout.startswith("ttprun ")
     assert "--master_addr 10.0.0.1" in res.stdout and "--save /ckpt" in res.stdout
+    assert " --bf16 " in res.stdout and "--fp16" not in res.stdout
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
