@@ -57,7 +57,7 @@ def plan_apply(tree: Tree, opts: Options, allow_modified: bool = False) -> Apply
             diffs.append(FileDiff(path, plan.current, plan.after))
             outcome.written.append(path)
     outcome.targets = targets.plans
-    script = tree.script(opts.device)
+    script = tree.script(opts)
     current_script = tree.current(launch_script.SCRIPT)
     if current_script is None:
         diffs.append(FileDiff(launch_script.SCRIPT, None, script, launch_script.SCRIPT_MODE))
@@ -106,7 +106,7 @@ def apply(
         if dry_run or (outcome.noop and tree.manifest() is not None):
             return outcome
         plans = outcome.targets
-        script = tree.script(opts.device)
+        script = tree.script(opts)
         record = Manifest(
             commit=tree.checkout.commit,
             device=opts.device.value,
@@ -136,6 +136,6 @@ def diff(directory: str, opts: Options) -> str:
         for path in TARGET_FILES:  # from the user's bytes the record names (HEAD's mostly)
             base = originals.find(tree.checkout, man, path) or tree.head(path)
             diffs.append(FileDiff(path, base, plan_file(path, base, opts).after))
-        script = tree.script(man.options.device)
+        script = tree.script(man.options)
         diffs.append(FileDiff(launch_script.SCRIPT, None, script, launch_script.SCRIPT_MODE))
         return render(diffs)

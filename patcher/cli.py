@@ -1,33 +1,46 @@
 """`ttp-patch`: parse arguments, call one operation, print, return the exit code.
 
 stdout carries only the payload (diffs, the status table or JSON) so it can be redirected;
-messages and errors go to stderr. Exit codes: 0 done / nothing to do / verified,
-1 the tree is not in the state the command needs (verify failed, drift, modified files,
-anchors not found), 2 usage or environment errors (not a git repo, wrong commit, unreadable
-or read-only files, corrupt record, failed write).
+messages and errors go to stderr; with `status/verify --json` an error is also printed on
+stdout as a JSON object ({"overall": "error", "error": {"type", "message", "hint",
+"exit_code"}}), with the same exit code, so a pipeline always has a document to parse.
+Exit codes: 0 done / nothing to do / verified, 1 the tree is not in the state the command
+needs (verify failed, drift, modified files, anchors not found), 2 usage or environment
+errors (not a git repo, wrong commit, unreadable or read-only files, corrupt record, failed
+write), 128+N interrupted by signal N.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from . import __version__
 from .apply import apply, diff
-from .errors import EXIT_ENVIRONMENT, EXIT_OK, Interrupted, PatchError
-from .options import DEFAULT_PORT, Device, Options
+from .errors import EXIT_ENVIRONMENT, EXIT_OK, Interrupted, PatchError, UsageError
+from .options import DEFAULT_PORT, PORT_RANGE, Device, Options, adaptor_warning
 from .revert import revert
 from .status import status
+
+
+class _ArgumentError(SystemExit):
+    """argparse's exit, with its message kept for the JSON error of `verify --json`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_ENVIRONMENT)
+        self.message = message
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2 too; keep our prefix and hint
         self.print_usage(sys.stderr)
-        self.exit(EXIT_ENVIRONMENT, f"ttp-patch: error: {message}\n")
+        sys.stderr.write(f"ttp-patch: error: {message}\n")
+        raise _ArgumentError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
         "--port",
         type=int,
         default=DEFAULT_PORT,
-        help="controller port written into the start-up block (default 8000)",
+        help="TTP controller port written into the start-up block and the launch script "
+        f"({PORT_RANGE[0]}..{PORT_RANGE[1]}, default {DEFAULT_PORT})",
     )
     sp.add_argument("--dry-run", action="store_true", help="print the diff, change nothing")
     sp.add_argument(
@@ -119,6 +133,9 @@ def _run(args: argparse.Namespace) -> int:
             _say(f"already applied ({opts.describe()}): nothing to do")
         else:
             _say(f"applied ({opts.describe()}); wrote " + ", ".join(out.written))
+        warning = adaptor_warning(opts.device)
+        if warning:
+            _say(warning)
         return EXIT_OK
     if args.command == "revert":
         res = revert(args.dir, force=args.force)
@@ -159,8 +176,34 @@ def _log_to_stderr() -> logging.Handler:
     return handler
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """`status`/`verify` with --json, read from the words when argparse could not parse them."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return command in ("status", "verify") and "--json" in argv
+
+
+def _json_error(error: Dict[str, Any], directory: Optional[str]) -> None:
+    doc = {"schema": 1, "directory": directory, "overall": "error", "error": error}
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def _refused(exc: PatchError, as_json: bool, directory: Optional[str]) -> int:
+    print(exc.render(), file=sys.stderr)
+    if as_json:
+        _json_error(exc.as_dict(), directory)
+    return exc.exit_code
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(list(argv) if argv is not None else None)
+    words = list(argv) if argv is not None else sys.argv[1:]
+    try:
+        args = _parser().parse_args(words)
+    except _ArgumentError as exc:
+        if _wants_json(words):
+            _json_error(UsageError(exc.message, "see `ttp-patch verify --help`").as_dict(), None)
+        raise
+    as_json = bool(getattr(args, "json", False))
     in_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     handler = _log_to_stderr()
@@ -168,11 +211,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _run(args)
     except KeyboardInterrupt:  # outside the write phase (it defers signals): nothing written
         exc = Interrupted(signal.SIGINT, "interrupted (SIGINT) before anything was written")
-        print(exc.render(), file=sys.stderr)
-        return exc.exit_code
+        return _refused(exc, as_json, args.dir)
     except PatchError as exc:
-        print(exc.render(), file=sys.stderr)
-        return exc.exit_code
+        return _refused(exc, as_json, args.dir)
+    except Exception as exc:  # a bug: the traceback and exit 1 as before, but JSON first
+        if as_json:
+            _json_error({"type": "InternalError", "message": f"{type(exc).__name__}: {exc}",
+                         "hint": "a bug in ttp-patch: please report the traceback on stderr",
+                         "exit_code": 1}, args.dir)
+        raise
     finally:
         logging.getLogger("ttp_patch").removeHandler(handler)
         if in_main:

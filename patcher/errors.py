@@ -6,7 +6,7 @@ exits, so the library (and the tests) see one typed outcome per reason.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 EXIT_OK = 0
 EXIT_NOT_APPLIED = 1  # the tree's content is not what the request needs (verify, drift, anchors)
@@ -28,6 +28,18 @@ class PatchError(Exception):
         if self.hint:
             text += f"\n  hint: {self.hint}"
         return text
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The refusal for a pipeline (`verify --json`): the class names the reason."""
+        out: Dict[str, Any] = {
+            "type": type(self).__name__,
+            "message": self.message,
+            "hint": self.hint,
+            "exit_code": self.exit_code,
+        }
+        if hasattr(self, "paths"):
+            out["paths"] = list(self.paths)
+        return out
 
 
 class UsageError(PatchError):

@@ -21,12 +21,12 @@ from typing import Any, Dict, Optional
 from . import __version__
 from .edits import TARGET_FILES
 from .errors import ManifestError
-from .options import Device, Options
+from .options import PORT_RANGE, Device, Options
 
 MANIFEST_NAME = "ttp-patch.json"
 SCHEMA = 1
 MAX_BYTES = 1 << 20  # a real record is about 1 KiB; the cap bounds what a hostile one costs
-PORTS = (1024, 65535)  # the runtime's range (mindio_ttp/framework_ttp/config.py)
+PORTS = PORT_RANGE  # what apply accepts, so a record with another port was not written by us
 _SHA = r"[0-9a-f]{64}"
 
 

@@ -52,7 +52,7 @@ def _ours_without_record(tree: Tree, path: str, current: bytes) -> bool:
 def _script_ours(tree: Tree, man: Optional[Manifest], current: bytes) -> bool:
     if man is not None:
         return man.launch_script == sha256(current)
-    return any(tree.script(o.device) == current for o in tree.inferred_options())
+    return any(tree.script(o) == current for o in tree.inferred_options())
 
 
 def _edit_text_lines(edit: Edit, opts: Options) -> List[str]:

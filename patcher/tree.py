@@ -24,7 +24,7 @@ from .edits import TARGET_FILES
 from .engine import FilePlan, plan_file
 from .errors import MissingTarget, UnsafeTarget
 from .lock import Lock
-from .options import DEFAULT_PORT, Device, Options
+from .options import DEFAULT_PORT, PORT_RANGE, Device, Options
 from .pin import Pin
 from .repo import Checkout, open_checkout
 
@@ -185,15 +185,16 @@ class Tree:
             self._plans[key] = {p: plan_file(p, self.head(p), opts) for p in TARGET_FILES}
         return self._plans[key]
 
-    def script(self, device: Device) -> bytes:
-        return launch_script.build(self.head(launch_script.EXAMPLE), device)
+    def script(self, opts: Options) -> bytes:
+        assert opts.device is not None and opts.port is not None
+        return launch_script.build(self.head(launch_script.EXAMPLE), opts.device, opts.port)
 
     def diffs(self, opts: Options) -> List[FileDiff]:
         assert opts.device is not None
         out = [FileDiff(p, plan.before, plan.after) for p, plan in self.plans(opts).items()]
         out.append(
             FileDiff(
-                launch_script.SCRIPT, None, self.script(opts.device), launch_script.SCRIPT_MODE
+                launch_script.SCRIPT, None, self.script(opts), launch_script.SCRIPT_MODE
             )
         )
         return out
@@ -203,6 +204,6 @@ class Tree:
         port = DEFAULT_PORT
         training = self.current("megatron/training.py") or b""
         found = re.search(rb"^[ \t]+port = (\d+)[ \t]*$", training, flags=re.M)
-        if found and 1 <= int(found.group(1)) <= 65535:
+        if found and PORT_RANGE[0] <= int(found.group(1)) <= PORT_RANGE[1]:
             port = int(found.group(1))
         return [Options(device=d, port=port) for d in Device]

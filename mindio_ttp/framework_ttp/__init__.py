@@ -24,6 +24,7 @@ from . import claim as _claim
 from . import device as _device
 from . import hooks as _hooks
 from .config import (
+    CONTROLLER_PORT_RANGE,
     ENV_LOG_LEVEL,
     ENV_LOG_PATH,
     RUNTIME_STARTED_DIR,
@@ -99,7 +100,7 @@ def _port(port: Any) -> int:
     override = _port_env(os.environ)
     if override is not None:
         return override
-    return _int("port", port, 1024, 65535, " (or set TTP_CONTROLLER_PORT)")
+    return _int("port", port, *CONTROLLER_PORT_RANGE, " (or set TTP_CONTROLLER_PORT)")
 
 
 def _handler(name: str, fn: Any, nargs: int, shape: str) -> Callable[..., Any]:

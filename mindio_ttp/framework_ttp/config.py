@@ -37,6 +37,11 @@ ENV_HANDSHAKE_TIMEOUT = "TTP_HANDSHAKE_TIMEOUT"
 ENV_CONTROLLER_PORT = "TTP_CONTROLLER_PORT"
 ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
 
+# The controller's TCP port, inclusive: no privileged port (ranks do not run as root), and the
+# one range everything holds a port to: the port argument, TTP_CONTROLLER_PORT, `ttp-patch
+# apply --port` and its record.
+CONTROLLER_PORT_RANGE = (1024, 65535)
+
 FLOW_FINISHED_FILE = "flow-finished.json"
 # In TTP_RUN_DIR: one empty file per rank whose processor started (rank-N). The launcher holds
 # survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
@@ -113,8 +118,9 @@ def _port_env(env: Mapping[str, str]) -> Optional[int]:
         port = int(raw)
     except ValueError:
         raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is not an integer port") from None
-    if not 1024 <= port <= 65535:  # the same range the port argument is held to
-        raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is out of range: use 1024..65535")
+    lo, hi = CONTROLLER_PORT_RANGE
+    if not lo <= port <= hi:
+        raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is out of range: use {lo}..{hi}")
     return port
 
 

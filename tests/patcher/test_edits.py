@@ -25,7 +25,8 @@ def test_output_is_byte_identical_to_golden(device: str, path: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_script_is_byte_identical_to_golden(device: str) -> None:
     example = FILES[launch_script.EXAMPLE]
-    assert launch_script.build(example, Device(device)) == golden(device, launch_script.SCRIPT)
+    script = launch_script.build(example, Device(device), 8000)
+    assert script == golden(device, launch_script.SCRIPT)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -89,7 +89,10 @@ def test_launch_script_flags_exist_in_megatron(clone: Path, device: str) -> None
                      "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion"):
             assert flag in flags
         assert "--distributed-backend gloo" in script and "--fp16" not in flags
+        assert "--bf16" not in flags  # no half-precision kernels on CPU
         assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script
+    else:  # bf16: no loss scale to tune; the example's --fp16 is replaced, not added to
+        assert "--bf16" in flags and "--fp16" not in flags
 
 
 def test_apply_plus_verify_wall_time(clone: Path) -> None:

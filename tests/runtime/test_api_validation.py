@@ -164,3 +164,24 @@ def test_replica_must_agree_with_the_optimizers_shards(monkeypatch):
     monkeypatch.setattr(ttp, "_processor_args", None)
     ttp.ttp_init_processor(0, list(range(8)), 8, 8, 4, False)  # agrees: accepted
     assert ttp._processor_args == (0, list(range(8)), 8, 4)
+
+
+@pytest.mark.parametrize("port", [1, 1023, 1024, 8000, 65535, 65536])
+def test_ttp_patch_accepts_exactly_the_ports_the_runtime_accepts(port):
+    """`ttp-patch apply --port` writes the port the controller binds: a port apply takes and
+    the runtime refuses would only fail on the cluster, at train()."""
+    from patcher.errors import UsageError
+    from patcher.options import Options
+
+    try:
+        config._port_env({config.ENV_CONTROLLER_PORT: str(port)})
+        runtime_ok = True
+    except ValueError:
+        runtime_ok = False
+    try:
+        Options.build("npu", port)
+        patcher_ok = True
+    except UsageError as exc:
+        patcher_ok = False
+        assert "1024..65535" in exc.message
+    assert patcher_ok == runtime_ok == (1024 <= port <= 65535)
