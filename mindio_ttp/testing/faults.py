@@ -40,6 +40,8 @@ class Phase(str, enum.Enum):
     ``ttp_end_updating_os(k)`` (the replica partner finishes k).
     AFTER: right after ``ttp_end_updating_os(k)``, before the parameter all-gather (k).
     SAVE: inside the save handler while writing the checkpoint of step ``k``.
+    ANYTIME: at a random instant from the start of step ``k``, up to the length of step k-1
+    (a timer thread armed by the injector; where it lands is the point of the fault).
     """
 
     BEFORE = "before"
@@ -47,6 +49,7 @@ class Phase(str, enum.Enum):
     INSIDE = "inside"
     AFTER = "after"
     SAVE = "save"
+    ANYTIME = "anytime"
 
 
 class InjectedFault(RuntimeError):
@@ -67,6 +70,7 @@ class FaultSpec:
             Phase.INSIDE: "inside the update window of",
             Phase.AFTER: "after the update of",
             Phase.SAVE: "while saving the checkpoint of",
+            Phase.ANYTIME: "at a random instant of",
         }[self.phase]
         return f"{self.fault.name} rank {self.rank} {where} step {self.step}"
 
@@ -98,6 +102,9 @@ class FaultPlan:
     @property
     def faults(self) -> Tuple[FaultSpec, ...]:
         return tuple(sorted(self._faults.values(), key=lambda f: (f.step, f.rank, f.phase.value)))
+
+    def has(self, rank: int, step: int, phase: Phase) -> bool:
+        return (rank, step, phase) in self._faults
 
     def __bool__(self) -> bool:
         return bool(self._faults)

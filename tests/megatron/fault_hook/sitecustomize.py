@@ -10,7 +10,10 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
 * ``barrier``: right after the guide's barrier (the first ``torch.distributed.barrier`` after
   ``reduce_model_grads``), before ``ttp_start_updating_os``;
 * ``inside``: after the optimizer step of iteration k, still inside the update window;
-* ``after``: after ``ttp_end_updating_os(k)``, before the parameter all-gather.
+* ``after``: after ``ttp_end_updating_os(k)``, before the parameter all-gather;
+* ``anytime``: a timer armed when iteration k starts fires after a random delay, uniform in
+  [0, the wall time of iteration k-1) (``TTP_FAULT_SEED`` seeds it), wherever the rank then is:
+  in a collective, the update window, the logging, or already in iteration k+1.
 
 ``TTP_FAULT_RECORD_DIR`` (optional) is where the plan records the fault time and coordinates
 ranks killed together.
@@ -31,15 +34,29 @@ TARGET = "megatron.training"
 
 
 def _wrap_train_step(train_step, get_args, plan, record_dir):
+    import random
+    import threading
+    import time
+
     import torch
 
     from mindio_ttp.testing.faults import Phase
+
+    started = []  # monotonic start of every iteration this process ran
 
     def fault_injecting_train_step(forward_step_func, data_iterator, model, optimizer,
                                    opt_param_scheduler):
         step = get_args().curr_iteration + 1
         rank = torch.distributed.get_rank()
         fired = []
+        started.append(time.monotonic())
+        if plan.has(rank, step, Phase.ANYTIME) and len(started) >= 2:
+            rng = random.Random(f"{os.environ.get('TTP_FAULT_SEED', '0')}:{rank}:{step}")
+            delay = rng.uniform(0.0, started[-1] - started[-2])
+            print(f"rank {rank} | fault timer: {delay:.3f} s into iteration {step}", flush=True)
+            timer = threading.Timer(delay, plan.check, (rank, step, Phase.ANYTIME, record_dir))
+            timer.daemon = True
+            timer.start()
 
         def forward_step(*args, **kwargs):
             if not fired:
