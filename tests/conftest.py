@@ -5,7 +5,6 @@ what they start, or CI machines fill with orphaned ranks)."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -17,10 +16,11 @@ MEGATRON_COMMIT = "285068c8108e0e8e6538f54fe27c3ee86c5217a2"
 
 
 def pick_free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now (outside the ephemeral range;
+    see mindio_ttp.megatron_testing.launch.pick_free_port)."""
+    from mindio_ttp.megatron_testing.launch import pick_free_port as pick
+
+    return pick()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from mindio_ttp.demo import checkpoint
 from mindio_ttp.demo.model import FullState, ShardLayout
 from mindio_ttp.framework_ttp.flow_record import read_flow_record
 from mindio_ttp.testing.faults import FaultPlan
+from mindio_ttp.testing.ports import pick_free_port
 
 WORLD = 4
 
@@ -44,9 +44,7 @@ FAST_ENV: Dict[str, str] = {
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return pick_free_port()
 
 
 @dataclass

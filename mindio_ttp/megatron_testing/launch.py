@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import psutil
+
+from mindio_ttp.testing.ports import pick_free_port
 
 from .data import TinyDataset
 
@@ -127,14 +128,6 @@ def _launcher_cmd(launcher: Launcher) -> List[str]:
     if found is None:
         raise RuntimeError("ttprun is not installed: pip install -e . (it is a console script)")
     return [found]
-
-
-def pick_free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (pick one per launch: the
-    machine is shared, so a port from an earlier launch may be taken by then)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _running(proc: psutil.Process) -> bool:

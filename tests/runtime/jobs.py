@@ -11,13 +11,14 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+from mindio_ttp.testing.ports import pick_free_port
 
 from . import ttp_worker
 
@@ -39,9 +40,7 @@ FAST_ENV = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return pick_free_port()
 
 
 @dataclass
