@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
+from . import device_copy
+
 log = logging.getLogger("mindio_ttp")
 
 
@@ -132,6 +134,9 @@ def start_updating_os(backup_step: int) -> None:
 
 
 def end_updating_os(step: int) -> None:
+    # the device event first: a save of `step`, ordered once the step is published below,
+    # always finds the event of this update (device_copy.py; nothing on a rank without device)
+    device_copy.MARK.record(step)
     st = STATE
     with st.cond:
         st.state = (step, False)
@@ -177,6 +182,7 @@ def _catch_up_if_allowed() -> None:
         log.exception("the update of step %d failed while catching up: this rank stays "
                       "marked as updating (not clean)", step)
         return
+    device_copy.MARK.record(step)  # as end_updating_os: the event before the step
     with st.cond:
         st.state = (step, False)
         st.cond.notify_all()
