@@ -170,11 +170,11 @@ class DeviceReader:
         staging buffer: ``clone()`` it to keep it)."""
         src = tensor.detach().contiguous()
         nbytes = src.numel() * src.element_size()
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = None  # free the smaller buffer before taking the larger one
-            self._staging = self._alloc(max(nbytes, 1))
-        out = self._staging[:nbytes].view(src.dtype).view(src.shape)
-        with self.reading():
+        with self.reading():  # first: nothing is allocated for a state that is not ready
+            if self._staging is None or self._staging.numel() < nbytes:
+                self._staging = None  # free the smaller buffer before taking the larger one
+                self._staging = self._alloc(max(nbytes, 1))
+            out = self._staging[:nbytes].view(src.dtype).view(src.shape)
             out.copy_(src, non_blocking=True)
         return out
 
