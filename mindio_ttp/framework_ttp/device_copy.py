@@ -88,19 +88,33 @@ class ReadyMark:
         self.step: Optional[int] = None
 
     def install(self, binding: DeviceBinding, module: Optional[Any] = None) -> None:
-        """Arm the mark for the device the save handler will bind (none: stays a no-op)."""
-        self.module = module if module is not None else _module(binding.kind)
-        self.index = binding.index
-        self.event, self.step = None, None
+        """Arm the mark for the device the save handler will bind (none: stays a no-op).
+        Called in the thread that set the device (the event belongs to it); a device module
+        that cannot make an event leaves the mark disarmed, with a warning, instead of failing
+        the first training step."""
+        self.module, self.index, self.event, self.step = None, binding.index, None, None
+        module = module if module is not None else _module(binding.kind)
+        if module is None:
+            return
+        try:
+            self.event = module.Event()
+        except Exception as exc:  # noqa: BLE001 - a broken driver must not stop registration
+            log.warning("cannot create a %s event (%s): the dying checkpoint will read device "
+                        "memory on the training stream", binding.describe(), exc)
+            return
+        self.module = module
 
     def record(self, step: int) -> None:
         """Hot path (every step, training's thread and stream): record the event."""
-        module = self.module
-        if module is None:
+        if self.module is None:
             return
-        if self.event is None:
-            self.event = module.Event()
-        self.event.record()  # on the calling thread's current stream: the training stream
+        try:
+            self.event.record()  # on the calling thread's current stream: the training stream
+        except Exception as exc:  # noqa: BLE001 - never fail a training step for the mark
+            log.warning("cannot record the end-of-update event (%s): the dying checkpoint "
+                        "will read device memory on the training stream", exc)
+            self.module = self.event = None
+            return
         self.step = step
 
     def reset(self) -> None:
@@ -140,7 +154,7 @@ class DeviceReader:
     def wait_ready(self) -> None:
         """Order the private stream after the mark's event, after waiting (bounded) for it."""
         event = self._mark.event
-        if event is None:
+        if event is None or self._mark.step is None:
             return  # no update has run in this process: nothing in flight to wait for
         deadline = time.monotonic() + self._timeout_s
         pause = 0.0005

@@ -140,7 +140,7 @@ def test_to_host_copies_inside_the_private_stream_into_one_reused_buffer(fake) -
 
 def test_an_update_that_never_finishes_on_the_device_is_refused_not_waited_for(
         fake, tmp_path: Path) -> None:
-    fake.ready_after = 10**9
+    fake.events[0].ready_after = 10**9
     hooks.end_updating_os(5)
     reader = device_copy.DeviceReader(device_copy.MARK, timeout_s=0.2)
     with pytest.raises(device_copy.DeviceNotReady, match="step 5 did not finish"):
@@ -149,3 +149,25 @@ def test_an_update_that_never_finishes_on_the_device_is_refused_not_waited_for(
     with pytest.raises(device_copy.DeviceNotReady):
         checkpoint_writer.write_torch(tmp_path / "x.pt", {"a": torch.ones(4)})
     assert list(tmp_path.iterdir()) == [tmp_path / "x.pt.part"]  # nothing complete-looking
+
+
+def test_a_device_module_without_working_events_leaves_training_untouched(caplog) -> None:
+    class NoEvents(FakeDeviceModule):
+        def Event(self):  # noqa: N802
+            raise RuntimeError("driver says no")
+
+    try:
+        device_copy.MARK.install(DeviceBinding("cuda", 0), module=NoEvents())
+        assert device_copy.MARK.module is None and "cannot create a cuda:0 event" in caplog.text
+        hooks.end_updating_os(3)  # the step still ends normally
+        assert hooks.STATE.step == 3
+        assert isinstance(device_copy.reading(), contextlib.nullcontext)
+        module = FakeDeviceModule()
+        device_copy.MARK.install(DeviceBinding("cuda", 0), module=module)
+        module.events[0].record = lambda: (_ for _ in ()).throw(RuntimeError("lost device"))
+        hooks.end_updating_os(4)
+        assert hooks.STATE.step == 4 and device_copy.MARK.module is None
+        assert "cannot record the end-of-update event" in caplog.text
+    finally:
+        device_copy.MARK.reset()
+        hooks.STATE.reset()
