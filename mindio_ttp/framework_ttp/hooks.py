@@ -1,7 +1,10 @@
 """The per-step hot path and the `ttp_to_persist` decorator.
 
 `start_updating_os` / `end_updating_os` / `set_ckpt_args` run every training step, so they
-touch only this process's `HotState`: no I/O, no messages, one plain lock (a Condition).
+touch only this process's `HotState`: no I/O, no messages, one plain lock (a Condition). On a
+rank with an accelerator `end_updating_os` also records one device event on the training
+stream (device_copy.MARK: the dying save reads device memory on a private stream after it);
+without one that is a single attribute test.
 
 A lock-free variant (a Dekker handshake on one attribute under the GIL) existed until the hook
 benchmark on a realistic step said it does not matter: `bench/bench_hooks.py --compare locks`
