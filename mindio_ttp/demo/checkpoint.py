@@ -7,8 +7,9 @@ Layout under the checkpoint root::
         shard_0.pt, shard_1.pt, manifest.json   manifest: step, layout, sha256 + size per file
     latest                                      {"step": 5, "dir": "step_0000005"}, replaced last
 
-Each shard file is hashed (sha256) in the same pass as torch.save writes it to a ``.part`` name,
-fsynced and renamed, so a rank killed mid-write leaves no file that looks complete. The rename
+Each shard file is written by ``mindio_ttp.checkpoint_writer`` (the writer Megatron's dying save
+uses too): hashed (sha256) in the same pass as torch.save writes it to a ``.part`` name, fsynced
+and renamed, so a rank killed mid-write leaves no file that looks complete. The rename
 handler checks that every shard is there with the size its saver recorded before the move, and
 ``latest`` only changes after the move, so a failed or partial save is never "latest"; the
 loader verifies every sha256. ``<tag>`` is the save order's (one staging directory per flow:
