@@ -23,8 +23,8 @@ Checks (each prints one table row; all of them land in the JSON):
 
 Without CUDA every device check is skipped with its reason and the host-only parts run (the
 save on CPU tensors; the barrier loop and load's agreement on a 1-rank gloo group, labelled
-"host only"), so the script's own code is exercised on CPU (tests/writer/test_gpu_check.py). It has not yet been run
-on a GPU: no GPU figure in the docs comes from it until it has.
+"host only"), so the script's own code is exercised on CPU (tests/writer/test_gpu_check.py).
+It has not yet been run on a GPU: no GPU figure in the docs comes from it until it has.
 """
 
 from __future__ import annotations
@@ -113,12 +113,22 @@ def d2h_blocked_child(mib: int, sleep_s: float) -> Dict[str, Any]:
     row["kernel_s"] = time.perf_counter() - t0
     loaded = torch.load(out, map_location="cpu", weights_only=True)
     row["bytes_equal"] = bool(torch.equal(loaded["w"], state["w"].cpu()))
+    # the pinned one-tensor path (DeviceReader.to_host), the same way
+    torch.cuda._sleep(_sleep_cycles(sleep_s))
+    t0 = time.perf_counter()
+    host = _in_handler_thread(
+        lambda: device_copy.DeviceReader(device_copy.MARK).to_host(state["w"]).clone())
+    row["to_host_s"] = time.perf_counter() - t0
+    row["to_host_default_stream_still_blocked"] = not torch.cuda.default_stream().query()
+    torch.cuda.synchronize()
+    row["to_host_equal"] = bool(torch.equal(host, state["w"].cpu()))
     # control: the same copy on the default stream must wait for the kernel
     torch.cuda._sleep(_sleep_cycles(sleep_s))
     t0 = time.perf_counter()
     state["w"].cpu()
     row["control_default_stream_s"] = time.perf_counter() - t0
-    row["ok"] = bool(row["default_stream_still_blocked"] and row["bytes_equal"])
+    row["ok"] = bool(row["default_stream_still_blocked"] and row["bytes_equal"]
+                     and row["to_host_default_stream_still_blocked"] and row["to_host_equal"])
     row["control_ok"] = row["control_default_stream_s"] > 0.5 * sleep_s
     return row
 
