@@ -54,15 +54,25 @@ from mindio_ttp.framework_ttp import device_copy, hooks  # noqa: E402
 NO_CUDA = "skipped: no CUDA device (torch.cuda.is_available() is False)"
 
 
-def _hwm() -> int:
+def _status(key: str = "VmHWM") -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return -1
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS to its RSS now (Linux clear_refs 5); the RSS, or -1."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return -1
+    return _status("VmRSS")
 
 
 def _arm() -> None:
@@ -188,11 +198,11 @@ def check_save_memory(mib: int) -> Dict[str, Any]:
         _arm()
         hooks.end_updating_os(1)
     out = Path(tempfile.mkdtemp()) / "x.pt"
-    before = _hwm()
+    before = _reset_peak()
     t0 = time.perf_counter()
     written = _in_handler_thread(lambda: checkpoint_writer.write_torch(out, state))
     seconds = time.perf_counter() - t0
-    extra = _hwm() - before
+    extra = _status("VmHWM") - before
     out.unlink()
     row: Dict[str, Any] = {"check": "save_memory", "device": device, "params": n,
                            "file_mib": written.size / 2**20, "save_s": seconds,
