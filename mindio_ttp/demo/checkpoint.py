@@ -7,8 +7,9 @@ Layout under the checkpoint root::
         shard_0.pt, shard_1.pt, manifest.json   manifest: step, layout, sha256 + size per file
     latest                                      {"step": 5, "dir": "step_0000005"}, replaced last
 
-Each shard file is hashed (sha256) in the same pass as torch.save writes it to a ``.part`` name,
-fsynced and renamed, so a rank killed mid-write leaves no file that looks complete. The rename
+Each shard file is written by ``mindio_ttp.checkpoint_writer`` (the writer Megatron's dying save
+uses too): hashed (sha256) in the same pass as torch.save writes it to a ``.part`` name, fsynced
+and renamed, so a rank killed mid-write leaves no file that looks complete. The rename
 handler checks that every shard is there with the size its saver recorded before the move, and
 ``latest`` only changes after the move, so a failed or partial save is never "latest"; the
 loader verifies every sha256. ``<tag>`` is the save order's (one staging directory per flow:
@@ -18,19 +19,18 @@ flow's rename of the same step is refused.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from mindio_ttp import checkpoint_writer
 from mindio_ttp.demo.model import FullState, ShardLayout, ShardState
 
 LATEST = "latest"
@@ -49,157 +49,6 @@ def step_dir_name(step: int) -> str:
 def tmp_dir(root: Path, step: int, tag: str = "") -> Path:
     """The staging directory of one save order (`tag`; empty outside the runtime)."""
     return root / f"{step_dir_name(step)}{'.' + tag if tag else ''}.tmp"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write small ``data`` to ``path`` via a fsynced ``.part`` file and a rename."""
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
-
-
-def _writeback_starter() -> Callable[[int, int, int], None]:
-    """``start(fd, offset, nbytes)``: ask the kernel to begin writing that range to disk now,
-    without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``). The final fsync then
-    finds most pages already on their way instead of flushing the whole file at the end; it is
-    still what makes the file durable. A no-op where the call does not exist."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    except (OSError, AttributeError, TypeError):  # no libc (Windows) or no such call (macOS)
-        return lambda fd, offset, nbytes: None
-
-    def start(fd: int, offset: int, nbytes: int) -> None:
-        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start
-
-    return start
-
-
-_START_WRITEBACK = _writeback_starter()
-
-
-_CRC_LOCK = threading.Lock()
-_CRC_USERS = [0, True]  # savers inside _without_torch_crc32, the setting to restore
-
-
-@contextlib.contextmanager
-def _without_torch_crc32() -> Iterator[None]:
-    """Skip the CRC-32 torch.save computes for every zip record. It is a second, weaker checksum
-    of the same bytes our sha256 covers, torch.load never checks it (a flipped byte in a tensor
-    loads silently), and computing it costs about as much as the page-cache write itself. The
-    file stays a normal torch.save file (torch.load reads it); its zip CRC fields are zero.
-    torch's switch is process-wide, so concurrent savers share one reference-counted setting."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # older torch: nothing to switch off
-        yield
-        return
-    with _CRC_LOCK:
-        if _CRC_USERS[0] == 0:
-            _CRC_USERS[1] = config.save.compute_crc32
-            config.save.compute_crc32 = False
-        _CRC_USERS[0] += 1
-    try:
-        yield
-    finally:
-        with _CRC_LOCK:
-            _CRC_USERS[0] -= 1
-            if _CRC_USERS[0] == 0:
-                config.save.compute_crc32 = _CRC_USERS[1]
-
-
-class _HashingWriter(io.RawIOBase):
-    """File wrapper for torch.save that hashes (sha256) every byte it writes, in the same pass.
-
-    torch.save hands over the tensor storages themselves as large memoryviews. Each large one is
-    written in chunks while a helper thread hashes the same buffer: ``write`` and
-    ``sha256.update`` both release the GIL, so on two cores the hash costs no extra time and no
-    copy is made; ``write`` returns only when both are done, so the buffer is never used after
-    torch may free it. Small buffers (pickle records, zip headers) are hashed inline. After each
-    chunk the kernel is asked to start writing it back (`_START_WRITEBACK`), so the closing fsync
-    waits for the tail only. (Measured on the 2-core dev VM against the previous design, copy
-    every buffer and hash on a queue thread: see docs/benchmarks.md, Persist.)
-    ``midway`` runs after the first write (fault injection: a rank that dies there leaves a torn
-    ``.part`` file).
-    """
-
-    BIG = 1 << 20  # hashing on the helper pays off above this
-    CHUNK = 16 << 20  # writeback is started after every chunk
-
-    def __init__(self, f, midway: Optional[Callable[[], None]]) -> None:
-        super().__init__()
-        self._f, self._midway = f, midway
-        self._fd = f.fileno()
-        self._sha = hashlib.sha256()
-        self._todo: Optional[memoryview] = None
-        self._go = threading.Semaphore(0)
-        self._done = threading.Semaphore(0)
-        self._hasher = threading.Thread(target=self._hash_loop, name="ckpt-sha256", daemon=True)
-        self._hasher.start()
-        self.size = 0
-
-    def _hash_loop(self) -> None:
-        while True:
-            self._go.acquire()
-            buf, self._todo = self._todo, None
-            if buf is None:
-                return
-            try:
-                self._sha.update(buf)  # releases the GIL for large buffers
-            finally:
-                self._done.release()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:  # type: ignore[override]
-        mv = memoryview(b).cast("B")
-        n = mv.nbytes
-        if n < self.BIG:
-            self._f.write(mv)
-            self._sha.update(mv)
-        else:
-            self._todo = mv
-            self._go.release()
-            try:
-                self._f.flush()
-                for off in range(0, n, self.CHUNK):
-                    self._f.write(mv[off:off + self.CHUNK])
-                    _START_WRITEBACK(self._fd, self.size + off, min(self.CHUNK, n - off))
-            finally:
-                self._done.acquire()  # the helper is done with the buffer before we return
-        self.size += n
-        if self._midway is not None:
-            self._f.flush()
-            midway, self._midway = self._midway, None
-            midway()
-        return n
-
-    def hexdigest(self) -> str:
-        """The sha256 of everything written (all hashing finished inside ``write``)."""
-        self.abandon()
-        return self._sha.hexdigest()
-
-    def abandon(self) -> None:
-        """Stop the helper thread (its current buffer, if any, was already waited for)."""
-        if self._hasher.is_alive():
-            self._todo = None
-            self._go.release()
-            self._hasher.join(5.0)
 
 
 def _exact_slice(flat: torch.Tensor, bounds: slice) -> torch.Tensor:
@@ -251,27 +100,16 @@ def save_shard(
         "exp_avg_sq": state.exp_avg_sq,
     }
     name = f"shard_{state.shard}.pt"
-    part = tmp / (name + ".part")
-    with open(part, "wb") as f:
-        writer = _HashingWriter(f, midway)
-        try:
-            with _without_torch_crc32():
-                torch.save(payload, writer)
-            f.flush()
-            os.fsync(f.fileno())
-        finally:
-            writer.abandon()
-    digest = writer.hexdigest()
-    os.replace(part, tmp / name)
+    written = checkpoint_writer.write_torch(tmp / name, payload, midway)
     entry = {
         "file": name,
-        "sha256": digest,
-        "bytes": writer.size,
+        "sha256": written.sha256,
+        "bytes": written.size,
         "rank": rank,
         "seconds": time.perf_counter() - started,
         "finished_at": time.time(),
     }
-    _write_atomic(tmp / f"shard_{state.shard}.json", json.dumps(entry).encode())
+    checkpoint_writer.write_bytes(tmp / f"shard_{state.shard}.json", json.dumps(entry).encode())
     return entry
 
 
@@ -307,18 +145,17 @@ def finalize(root: Path, step: int, layout: ShardLayout, tag: str = "") -> Path:
         "files": files,
         "renamed_at": time.time(),
     }
-    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    checkpoint_writer.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     for shard in range(layout.replica):
         (tmp / f"shard_{shard}.json").unlink()
-    _fsync_dir(tmp)  # the shard and manifest renames inside it are durable before `latest` moves
+    checkpoint_writer.fsync_dir(tmp)  # the unlinks too, before `latest` moves
     try:  # rename(2) refuses a non-empty target: a racing flow's checkpoint is never replaced
         os.rename(tmp, final)
     except OSError as exc:
         raise CheckpointError(f"cannot move {tmp} to {final}: {exc.strerror}") from None
-    _fsync_dir(root)
+    checkpoint_writer.fsync_dir(root)
     marker = {"step": step, "dir": final.name}
-    _write_atomic(root / LATEST, json.dumps(marker).encode())
-    _fsync_dir(root)
+    checkpoint_writer.write_bytes(root / LATEST, json.dumps(marker).encode())  # fsyncs root
     return final
 
 

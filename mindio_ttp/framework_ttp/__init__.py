@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from . import claim as _claim
 from . import device as _device
+from . import device_copy as _device_copy
 from . import hooks as _hooks
 from .config import (
     CONTROLLER_PORT_RANGE,
@@ -261,6 +262,8 @@ def ttp_register_save_ckpt_handler(fn: Callable[[int, List[int], tuple], None]) 
     HANDLERS["save"] = _handler("ttp_register_save_ckpt_handler", fn, 3,
                                 "fn(step, save_ranks, ckpt_args)")
     HANDLERS["device"] = _device.capture()  # the handler threads bind this device (device.py)
+    # and read it on a private stream after the last update's event (device_copy.py)
+    _device_copy.MARK.install(HANDLERS["device"])
 
 
 def ttp_register_rename_handler(fn: Callable[[int, tuple], None]) -> None:

@@ -43,6 +43,10 @@ ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
 CONTROLLER_PORT_RANGE = (1024, 65535)
 
 FLOW_FINISHED_FILE = "flow-finished.json"
+# The save handler waits at most this long for the device event recorded at the end of the
+# update it saves (device_copy.py) before it refuses: that update's kernels normally finished
+# long before a fault is handled; one that has not in this time waits on a hung kernel.
+DEVICE_READY_TIMEOUT_S = 30.0
 # In TTP_RUN_DIR: one empty file per rank whose processor started (rank-N). The launcher holds
 # survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
 # rank holds anything a dying checkpoint could use.

@@ -1,7 +1,10 @@
 """The per-step hot path and the `ttp_to_persist` decorator.
 
 `start_updating_os` / `end_updating_os` / `set_ckpt_args` run every training step, so they
-touch only this process's `HotState`: no I/O, no messages, one plain lock (a Condition).
+touch only this process's `HotState`: no I/O, no messages, one plain lock (a Condition). On a
+rank with an accelerator `end_updating_os` also records one device event on the training
+stream (device_copy.MARK: the dying save reads device memory on a private stream after it);
+without one that is a single attribute test.
 
 A lock-free variant (a Dekker handshake on one attribute under the GIL) existed until the hook
 benchmark on a realistic step said it does not matter: `bench/bench_hooks.py --compare locks`
@@ -21,6 +24,8 @@ import logging
 import threading
 import time
 from typing import Any, Callable, Optional, Tuple, TypeVar
+
+from . import device_copy
 
 log = logging.getLogger("mindio_ttp")
 
@@ -132,6 +137,9 @@ def start_updating_os(backup_step: int) -> None:
 
 
 def end_updating_os(step: int) -> None:
+    # the device event first: a save of `step`, ordered once the step is published below,
+    # always finds the event of this update (device_copy.py; nothing on a rank without device)
+    device_copy.MARK.record(step)
     st = STATE
     with st.cond:
         st.state = (step, False)
@@ -177,6 +185,7 @@ def _catch_up_if_allowed() -> None:
         log.exception("the update of step %d failed while catching up: this rank stays "
                       "marked as updating (not clean)", step)
         return
+    device_copy.MARK.record(step)  # as end_updating_os: the event before the step
     with st.cond:
         st.state = (step, False)
         st.cond.notify_all()

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from mindio_ttp import checkpoint_writer
+
 MANIFEST = "ttp_manifest.json"
 PART_PREFIX = "ttp_manifest.rank"
 FORMAT = "ttp-checkpoint/1"
@@ -94,12 +96,8 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Small files (manifests, marker, tracker): `.part`, fsync, rename, fsync the directory."""
+    checkpoint_writer.write_bytes(path, data)
 
 
 def write_part(iter_dir: Path, rank: int, entries: Dict[str, Dict[str, object]]) -> None:

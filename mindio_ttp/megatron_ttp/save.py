@@ -12,8 +12,6 @@ DP rank, re-cut from the shards so stock Megatron can load them.
 from __future__ import annotations
 
 import copy
-import hashlib
-import io
 import shutil
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -23,6 +21,7 @@ from megatron import get_args
 from megatron.core import mpu
 from megatron.utils import unwrap_model
 
+from mindio_ttp import checkpoint_writer
 from mindio_ttp.framework_ttp import save_session
 
 from . import exchange, layout, manifest
@@ -189,11 +188,6 @@ def _replace_tensors(tree, rebuilt):
 
 
 def _save(iter_dir: Path, rel: str, state) -> Dict[str, object]:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    path = iter_dir / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    manifest.write_atomic(path, data)
-    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-
+    """Stream `state` into `iter_dir/rel` (checkpoint_writer: hashed while written, no copy of
+    the file in memory, device tensors read on a private stream); its manifest entry."""
+    return checkpoint_writer.write_torch(iter_dir / rel, state).entry()

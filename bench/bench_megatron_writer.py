@@ -1,0 +1,220 @@
+"""The Megatron dying-save writer against torch.save of the same tensors, and the host memory
+each way of writing adds, on state dicts shaped like Megatron 285068c's checkpoint files.
+
+    python bench/bench_megatron_writer.py [--hidden 768] [--layers 4] [--repeats 5] [--dir DIR]
+
+Files (one model-parallel rank, DP position 0 of 4): ``mp_rank_00/model_rng.pt`` (args, the
+GPT model state dict in fp32: embedding, per layer QKV / dense / MLP / layer norms, the RNG
+states) and ``mp_rank_00_000/optim.pt`` (one DP position's distributed-optimizer state: fp32
+param, exp_avg, exp_avg_sq per group, the scheduler). Methods, each writing both files into a
+fresh directory of the same disk:
+
+* ``torch.save``: straight to the file, page cache only;
+* ``torch.save + fsync``: the same, durable (the like-for-like baseline of a dying save);
+* ``BytesIO _save (before)``: what megatron_ttp/save.py did before checkpoint_writer:
+  torch.save into BytesIO, ``getvalue()``, sha256 of the bytes, write + fsync + rename;
+* ``checkpoint_writer``: the writer the dying save uses now (streamed into the file, sha256
+  in the same pass, fsync, rename, directory fsync).
+
+Throughput: interleaved repeats, median. Peak memory: each method once in a fresh process,
+VmHWM after the save minus VmHWM before it (the state already resident), over the state size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from argparse import Namespace
+from pathlib import Path
+from typing import Callable, Dict
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from mindio_ttp import checkpoint_writer  # noqa: E402
+
+MODEL_FILE = "mp_rank_00/model_rng.pt"
+OPTIM_FILE = "mp_rank_00_000/optim.pt"
+
+
+def megatron_states(hidden: int, layers: int, vocab: int, dp: int) -> Dict[str, dict]:
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    encoder: Dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        p = f"layers.{i}."
+        encoder[p + "input_layernorm.weight"] = w(hidden)
+        encoder[p + "input_layernorm.bias"] = w(hidden)
+        encoder[p + "self_attention.query_key_value.weight"] = w(3 * hidden, hidden)
+        encoder[p + "self_attention.query_key_value.bias"] = w(3 * hidden)
+        encoder[p + "self_attention.dense.weight"] = w(hidden, hidden)
+        encoder[p + "self_attention.dense.bias"] = w(hidden)
+        encoder[p + "post_attention_layernorm.weight"] = w(hidden)
+        encoder[p + "post_attention_layernorm.bias"] = w(hidden)
+        encoder[p + "mlp.dense_h_to_4h.weight"] = w(4 * hidden, hidden)
+        encoder[p + "mlp.dense_h_to_4h.bias"] = w(4 * hidden)
+        encoder[p + "mlp.dense_4h_to_h.weight"] = w(hidden, 4 * hidden)
+        encoder[p + "mlp.dense_4h_to_h.bias"] = w(hidden)
+    encoder["final_layernorm.weight"] = w(hidden)
+    encoder["final_layernorm.bias"] = w(hidden)
+    embedding = {"word_embeddings": {"weight": w(vocab, hidden)},
+                 "position_embeddings": {"weight": w(1024, hidden)}}
+    rng = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state(),
+           "cuda_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+    args = Namespace(hidden_size=hidden, num_layers=layers, padded_vocab_size=vocab,
+                     iteration=4, consumed_train_samples=64)
+    model = {"args": args, "checkpoint_version": 3.0, "iteration": 4,
+             "model": {"language_model": {"embedding": embedding, "encoder": encoder}},
+             "rng_state": [rng]}
+    numel = sum(t.numel() for t in encoder.values()) + vocab * hidden + 1024 * hidden
+    shard = -(-numel // dp)
+    group = {"param": w(shard), "exp_avg": w(shard), "exp_avg_sq": w(shard).abs()}
+    optim = {"optimizer": {"optimizer": {"state": {0: group}, "param_groups": [
+        {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01, "step": 4,
+         "params": [0]}]}, "grad_scaler": None},
+        "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": 64, "decay_style": "cosine"}}
+    return {MODEL_FILE: model, OPTIM_FILE: optim}
+
+
+def state_bytes(states: Dict[str, dict]) -> int:
+    total = 0
+
+    def walk(x) -> None:
+        nonlocal total
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif torch.is_tensor(x):
+            total += x.numel() * x.element_size()
+
+    walk(states)
+    return total
+
+
+def _plain(path: Path, state: dict, fsync: bool) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _bytesio_before(path: Path, state: dict) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    hashlib.sha256(data).hexdigest()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+METHODS: Dict[str, Callable[[Path, dict], None]] = {
+    "torch.save": lambda p, s: _plain(p, s, fsync=False),
+    "torch.save + fsync": lambda p, s: _plain(p, s, fsync=True),
+    "BytesIO _save (before)": _bytesio_before,
+    "checkpoint_writer": lambda p, s: checkpoint_writer.write_torch(p, s),
+}
+
+
+def write_all(method: str, root: Path, states: Dict[str, dict]) -> None:
+    for rel, state in states.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        METHODS[method](root / rel, state)
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def peak_child(method: str, root: Path, hidden: int, layers: int, vocab: int) -> None:
+    states = megatron_states(hidden, layers, vocab, dp=4)
+    before = _hwm()
+    write_all(method, root, states)
+    print(json.dumps({"extra": _hwm() - before, "state": state_bytes(states)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=16000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="ttp-bench-mw-", dir=a.dir))
+    if a.child:
+        try:
+            peak_child(a.child, base, a.hidden, a.layers, a.vocab)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return
+    states = megatron_states(a.hidden, a.layers, a.vocab, dp=4)
+    nbytes = state_bytes(states)
+    times: Dict[str, list] = {m: [] for m in METHODS}
+    sizes: Dict[str, int] = {}
+    try:
+        for m in METHODS:  # warm-up: page cache, allocator
+            write_all(m, base / "warm", states)
+            shutil.rmtree(base / "warm")
+        for r in range(a.repeats):
+            for m in METHODS:
+                d = base / f"{r}-{m.replace(' ', '_')}"
+                t0 = time.perf_counter()
+                write_all(m, d, states)
+                times[m].append(time.perf_counter() - t0)
+                sizes[m] = sum(f.stat().st_size for f in d.rglob("*.pt"))
+                shutil.rmtree(d)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    peaks = {}
+    for m in METHODS:
+        cmd = [sys.executable, __file__, "--child", m, "--hidden", str(a.hidden), "--layers",
+               str(a.layers), "--vocab", str(a.vocab)] + (["--dir", str(a.dir)] if a.dir else [])
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+        peaks[m] = json.loads(done.stdout.strip().splitlines()[-1])
+    med = {m: statistics.median(v) for m, v in times.items()}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"state {nbytes / 2**20:.0f} MiB in 2 files ({MODEL_FILE}, {OPTIM_FILE}), "
+          f"{a.repeats} interleaved repeats, median; load average {load:.2f}")
+    print("| method | median s | MiB/s | vs torch.save | vs torch.save + fsync | "
+          "peak extra RSS / state |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for m in METHODS:
+        print(f"| {m} | {med[m]:.3f} | {sizes[m] / 2**20 / med[m]:.0f} | "
+              f"{med['torch.save'] / med[m]:.0%} | {med['torch.save + fsync'] / med[m]:.0%} | "
+              f"{peaks[m]['extra'] / peaks[m]['state']:.2f} |")
+    if a.json:
+        a.json.write_text(json.dumps({"state_bytes": nbytes, "times": times, "median": med,
+                                      "peaks": peaks, "load": load}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

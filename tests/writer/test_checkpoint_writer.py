@@ -1,0 +1,141 @@
+"""The one checkpoint writer (mindio_ttp/checkpoint_writer.py): digests, atomicity under a kill
+or an exception, and the host memory a save stages."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindio_ttp import checkpoint_writer
+from mindio_ttp.megatron_ttp import manifest
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_digest_is_the_sha256_of_the_file_and_torch_load_reads_it(tmp_path: Path) -> None:
+    """Large storages take the parallel-hash path in chunks, small records the inline one:
+    either way the digest is that of the bytes on disk, in order."""
+    big = torch.arange(9 * 2**20, dtype=torch.float32)  # 36 MiB: three chunks of the big path
+    state = {"big": big, "small": torch.ones(10), "mid": torch.randn(300_000),
+             "nested": {"step": 7, "half": torch.randn(1000).half()}}
+    path = tmp_path / "sub" / "x.pt"
+    written = checkpoint_writer.write_torch(path, state)
+    data = path.read_bytes()
+    assert written.size == len(data)
+    assert written.sha256 == hashlib.sha256(data).hexdigest()
+    assert written.entry() == {"sha256": written.sha256, "size": len(data)}
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["big"], big) and torch.equal(loaded["mid"], state["mid"])
+    assert loaded["nested"]["step"] == 7
+    assert torch.equal(loaded["nested"]["half"], state["nested"]["half"])
+    assert sorted(p.name for p in path.parent.iterdir()) == ["x.pt"]  # no .part left
+
+
+def test_an_exception_mid_write_leaves_only_a_part_file_and_the_tracker(tmp_path: Path) -> None:
+    manifest.write_tracker(tmp_path, 5)
+    iter_dir = tmp_path / "iter_0000006"
+
+    def die() -> None:
+        raise Boom("half-way")
+
+    with pytest.raises(Boom):
+        checkpoint_writer.write_torch(iter_dir / "mp_rank_00" / "model_rng.pt",
+                                      {"w": torch.randn(2**20)}, midway=die)
+    assert [p.name for p in (iter_dir / "mp_rank_00").iterdir()] == ["model_rng.pt.part"]
+    assert manifest.read_tracker(tmp_path) == (5, None)
+
+
+def test_a_kill_mid_write_leaves_no_complete_looking_file_and_no_tracker_change(
+        tmp_path: Path) -> None:
+    """A real SIGKILL after the first bytes: the caller's next steps (manifest, tracker) never
+    run, and what is on disk cannot be taken for a file."""
+    manifest.write_tracker(tmp_path, 5)
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from pathlib import Path
+        from mindio_ttp import checkpoint_writer
+        from mindio_ttp.megatron_ttp import manifest
+        root = Path({str(tmp_path)!r})
+        kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint_writer.write_torch(root / "iter_0000006/x/optim.pt",
+                                      {{"a": torch.randn(2**21)}}, midway=kill)
+        manifest.write_tracker(root, 6)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert [p.name for p in (tmp_path / "iter_0000006/x").iterdir()] == ["optim.pt.part"]
+    part = tmp_path / "iter_0000006/x/optim.pt.part"
+    assert part.stat().st_size < 4 * 2**21  # torn: the tensor was not all written
+    assert manifest.read_tracker(tmp_path) == (6 - 1, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000006", "latest_checkpointed_iteration.txt"]
+
+
+def test_write_bytes_replaces_atomically_and_leaves_no_part(tmp_path: Path) -> None:
+    target = tmp_path / "m.json"
+    checkpoint_writer.write_bytes(target, b'{"a": 1}')
+    checkpoint_writer.write_bytes(target, b'{"a": 2}')
+    assert json.loads(target.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+def test_the_largest_buffer_staged_is_one_tensor_not_the_file(tmp_path: Path) -> None:
+    """torch.save hands the writer each storage itself; nothing accumulates the file."""
+    tensors = {f"t{i}": torch.randn(2**20 * (i + 1)) for i in range(4)}  # 4..16 MiB, 40 total
+    path = tmp_path / "x.pt"
+    with open(path, "wb") as f:
+        writer = checkpoint_writer.HashingWriter(f)
+        torch.save(tensors, writer)
+        writer.abandon()
+    largest = max(t.numel() * t.element_size() for t in tensors.values())
+    assert writer.max_write == largest
+    assert writer.size > 2.4 * largest
+
+
+_PEAK = textwrap.dedent("""
+    import io, json, sys, torch
+    from pathlib import Path
+    from mindio_ttp import checkpoint_writer
+
+    def hwm():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+
+    out, how = Path(sys.argv[1]), sys.argv[2]
+    state = {"a": torch.randn(24 * 2**20), "b": torch.randn(8 * 2**20)}  # 128 MiB
+    size = sum(t.numel() * 4 for t in state.values())
+    before = hwm()
+    if how == "writer":
+        checkpoint_writer.write_torch(out, state)
+    else:  # what Megatron's _save did before the writer
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+        checkpoint_writer.write_bytes(out, data)
+    print(json.dumps({"extra": hwm() - before, "size": size}))
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
+def test_peak_host_memory_of_a_save_is_not_a_copy_of_the_file(tmp_path: Path) -> None:
+    """Peak RSS above the state while saving 128 MiB: the writer adds almost nothing, the
+    BytesIO path it replaced adds a file-sized copy (the check sees copies when there are)."""
+    result = {}
+    for how in ("writer", "bytesio"):
+        done = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / f"{how}.pt"), how],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        result[how] = json.loads(done.stdout.strip().splitlines()[-1])
+    size = result["writer"]["size"]
+    assert result["writer"]["extra"] < 0.15 * size, result
+    assert result["bytesio"]["extra"] > 0.9 * size, result
