@@ -5,16 +5,23 @@ megatron.optimizer exists, and megatron/optimizer/__init__.py imports Replicated
 here while it is itself half-imported. So nothing is imported eagerly: each name loads its
 module on first use (PEP 562 module __getattr__).
 
-`ttp_save_checkpoint` is fetched once, when train() registers the handler, before the first
-step: that is where a run without --use-distributed-optimizer is stopped with a clear message
-instead of an AttributeError on `optimizer.current_step` inside train_step.
+A run without --use-distributed-optimizer is stopped where the optimizer is built
+(`check_args`, called by ttp-patch's edit 3.3). For a tree patched by hand with only the guide's
+edits the same check runs when train() fetches `ttp_save_checkpoint` to register it: later, and
+inside the fault flow, but still before the first step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ReplicatedOptimizer", "load_checkpoint", "ttp_save_checkpoint", "rename_save_result"]
+__all__ = [
+    "ReplicatedOptimizer",
+    "check_args",
+    "load_checkpoint",
+    "ttp_save_checkpoint",
+    "rename_save_result",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +29,10 @@ def __getattr__(name: str) -> Any:
         from .replicated_optimizer import ReplicatedOptimizer
 
         return ReplicatedOptimizer
+    if name == "check_args":
+        from .args_check import check_args
+
+        return check_args
     if name == "load_checkpoint":
         from .load import load_checkpoint
 
@@ -41,17 +52,11 @@ def __getattr__(name: str) -> Any:
 def _check_startup() -> None:
     from megatron import get_args
 
-    from .load import NEEDS_REPLICATED
+    from .args_check import check_args
 
     args = get_args()
-    if not args.use_distributed_optimizer:
-        kind = "Float16OptimizerWithFloat16Params" if (args.fp16 or args.bf16) else "FP32Optimizer"
-        raise RuntimeError(NEEDS_REPLICATED.format(kind=kind))
+    check_args(args)
     if args.save:  # faults are claimed beside the checkpoints: at most one save per fault
         from mindio_ttp.framework_ttp import ttp_set_checkpoint_dir
 
         ttp_set_checkpoint_dir(args.save)
-    if getattr(args, "data_parallel_random_init", False):
-        raise RuntimeError("mindio_ttp: --data-parallel-random-init is not supported by the dying "
-                           "checkpoint (it saves one RNG state per DP rank, the chosen ranks "
-                           "hold only their own); drop the flag")

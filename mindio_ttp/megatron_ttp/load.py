@@ -16,14 +16,9 @@ import torch
 from megatron import checkpointing, get_args, print_rank_0
 
 from . import manifest
+from .args_check import NEEDS_REPLICATED
 from .replicated_optimizer import ReplicatedOptimizer
 from .save import parallel_layout
-
-NEEDS_REPLICATED = (
-    "mindio_ttp: the dying checkpoint needs Megatron's --use-distributed-optimizer (the patched "
-    "tree then builds ReplicatedOptimizer, which keeps every optimizer shard on two DP ranks); "
-    "got {kind}. Add --use-distributed-optimizer, or run the unpatched tree (`ttp-patch revert`)."
-)
 
 
 def require_replicated(optimizer) -> None:

@@ -1,4 +1,5 @@
-"""The guide's 14 edits in EDITS.md order, grouped by the file they change."""
+"""The guide's 14 edits in EDITS.md order, plus ttp-patch's 3.3 (an early check of the
+optimizer flags), grouped by the file they change."""
 
 from __future__ import annotations
 

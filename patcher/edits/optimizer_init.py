@@ -1,4 +1,4 @@
-"""Edits 3.1-3.2: megatron/optimizer/__init__.py builds the replicated optimizer."""
+"""Edits 3.1-3.3: megatron/optimizer/__init__.py builds the replicated optimizer."""
 
 from __future__ import annotations
 
@@ -45,4 +45,21 @@ class UseReplicatedOptimizer(ReplaceAnchor):
         return stmt.visit(SwapOptimizerClass())
 
 
-EDITS = [ImportReplicatedOptimizer(), UseReplicatedOptimizer()]
+class CheckOptimizerArgs(InsertAfterAnchor):
+    """Not in the guide: without --use-distributed-optimizer, 3.2 never builds ours, and the
+    guide's tree fails only at train(), inside the fault flow; this stops it here, plainly."""
+
+    id = "optimizer/check-args"
+    number = "3.3"
+    file = FILE
+    scope = "get_megatron_optimizer"
+    anchor = "args = get_args()"
+    inserted = (
+        "# mindio_ttp needs --use-distributed-optimizer: say so now, not at train()\n"
+        "from mindio_ttp.megatron_ttp import check_args\n"
+        "check_args(args)\n"
+    )
+    summary = "refuse a run without --use-distributed-optimizer (ttp-patch's, not the guide's)"
+
+
+EDITS = [ImportReplicatedOptimizer(), UseReplicatedOptimizer(), CheckOptimizerArgs()]

@@ -1,7 +1,7 @@
 """ReplicatedOptimizer against Megatron-LM 285068c's own DistributedOptimizer, on real Megatron
 (4 CPU ranks, gloo): same losses up to fp32 reduction order, twice the optimizer state per rank
-(every shard on two ranks), checkpoints interchangeable both ways, and a clear start-up error
-without --use-distributed-optimizer. Needs TTP_MEGATRON_DIR."""
+(every shard on two ranks), checkpoints interchangeable both ways, and a plain error where the
+optimizer is built without --use-distributed-optimizer. Needs TTP_MEGATRON_DIR."""
 
 from __future__ import annotations
 
@@ -18,12 +18,16 @@ from megatron_e2e import (
     run_job,
 )
 
+from mindio_ttp.framework_ttp.config import ExitCode
 from mindio_ttp.megatron_testing.launch import Launcher
 from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.megatron_ttp.args_check import NEEDS_REPLICATED
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 ITERS = 8
+NO_CONSISTENT_STEP = int(ExitCode.NO_CONSISTENT_STEP)  # what the fault flow exits with
+FAST_FAIL_S = 120  # start-up of 2 ranks on a loaded 2-core machine, with no TTP_OT wait in it
 _MEMORY_RE = re.compile(r"ReplicatedOptimizer rank (\d+) .*?: (\d+) of (\d+) params, optimizer "
                         r"state (\d+) B = ([0-9.]+) B/param; DistributedOptimizer would hold "
                         r"(\d+) params = ([0-9.]+) B/param")
@@ -97,12 +101,21 @@ def test_replicated_optimizer_resumes_a_stock_checkpoint(stock_run, patched_mega
     assert_close_losses(resumed.losses, want)
 
 
-def test_without_distributed_optimizer_fails_at_startup(patched_megatron_tree, tiny_dataset,
-                                                       work):
+def test_without_distributed_optimizer_fails_at_optimizer_build(patched_megatron_tree,
+                                                              tiny_dataset, work):
+    """Edit 3.3 refuses the run inside get_megatron_optimizer: a plain error, before data
+    loading and before train() starts the TTP controller, so no fault flow and no exit 84."""
     result = run_job(patched_megatron_tree, tiny_dataset, work / "no_distopt.log",
                      work / "no_distopt_ckpt", iters=4, nproc=2, distributed_optimizer=False,
-                     load=False)
-    assert result.returncode != 0
-    assert "needs Megatron's --use-distributed-optimizer" in result.log, result.tail()
-    assert "AttributeError" not in result.log
+                     load=False, timeout_s=180)
+    log = result.log
+    print(f"failed after {result.wall_s:.1f} s, exit {result.returncode}")
+    assert result.returncode not in (0, NO_CONSISTENT_STEP), result.tail()
+    assert NEEDS_REPLICATED.format(kind="FP32Optimizer") in log, result.tail()
+    assert "in get_megatron_optimizer" in log, "the check must run where the optimizer is built"
+    assert not re.search(r"\bfault", log, re.IGNORECASE), result.tail()  # ("default" is fine)
+    assert "no dying-checkpoint flow ran" in log, result.tail()
+    assert "AttributeError" not in log
     assert not result.losses, "no training step may run"
+    assert not list((work / "no_distopt_ckpt").glob("iter_*")), "nothing may be saved"
+    assert result.wall_s < FAST_FAIL_S, f"took {result.wall_s:.1f} s"

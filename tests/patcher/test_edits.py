@@ -58,11 +58,12 @@ def test_every_seed_edit_has_a_stable_unique_id() -> None:
         "2.8",
         "3.1",
         "3.2",
+        "3.3",
         "4.1",
         "4.2",
         "4.3",
     ]
-    assert len({e.id for e in ALL_EDITS}) == 14
+    assert len({e.id for e in ALL_EDITS}) == 15
 
 
 def test_only_the_port_literal_changes_with_port() -> None:
@@ -89,6 +90,57 @@ def test_continuation_layout_of_opt_ty_is_kept() -> None:
         "            if args.use_distributed_optimizer else \\\n"
         "            Float16OptimizerWithFloat16Params\n"
     ) in after
+
+
+OPTIMIZER_FACTORY_285068C = (  # the head of get_megatron_optimizer as 285068c spells it
+    "def get_megatron_optimizer(model,\n"
+    "                           no_weight_decay_cond=None,\n"
+    "                           scale_lr_cond=None,\n"
+    "                           lr_mult=1.0):\n"
+    "    args = get_args()\n"
+    "\n"
+    "    # Base optimizer.\n"
+)
+
+
+def test_check_args_goes_first_in_the_optimizer_factory() -> None:
+    path = "megatron/optimizer/__init__.py"
+    text = FILES[path].decode()
+    head = text[text.index("def get_megatron_optimizer(") : text.index("    optimizer = Adam")]
+    after = plan_file(path, text.replace(head, OPTIMIZER_FACTORY_285068C).encode(),
+                      Options.build("npu")).after.decode()
+    assert (
+        "                           lr_mult=1.0):\n"
+        "    args = get_args()\n"
+        "    # mindio_ttp needs --use-distributed-optimizer: say so now, not at train()\n"
+        "    from mindio_ttp.megatron_ttp import check_args\n"
+        "    check_args(args)\n"
+        "\n"
+        "    # Base optimizer.\n"
+    ) in after
+
+
+def test_a_guide_only_optimizer_file_misses_just_the_check() -> None:
+    path = "megatron/optimizer/__init__.py"
+    text = golden("npu", path).decode()
+    check = ("    # mindio_ttp needs --use-distributed-optimizer: say so now, not at train()\n"
+             "    from mindio_ttp.megatron_ttp import check_args\n"
+             "    check_args(args)\n")
+    assert text.count(check) == 1
+    results = assess_module(path, parse(path, text.replace(check, "").encode()),
+                            Options.build("npu"))
+    states = {e.id: r.state for e, r in results}
+    assert states == {"optimizer/import-replicated": State.APPLIED,
+                      "optimizer/replicated-opt-ty": State.APPLIED,
+                      "optimizer/check-args": State.MISSING}
+
+
+def test_check_without_its_import_is_drift() -> None:
+    path = "megatron/optimizer/__init__.py"
+    text = golden("npu", path).decode()
+    text = text.replace("    from mindio_ttp.megatron_ttp import check_args\n", "")
+    with pytest.raises(AnchorError, match="optimizer/check-args"):
+        plan_file(path, text.encode(), Options.build("npu"))
 
 
 # For each edit: the fixture text that holds its anchor, and a change that removes the anchor.
@@ -130,6 +182,10 @@ BREAK_ANCHOR = {
     "optimizer/replicated-opt-ty": (
         "opt_ty = DistributedOptimizer \\",
         "opt_ty = SomeOptimizer \\",
+    ),
+    "optimizer/check-args": (
+        "    args = get_args()\n    optimizer = Adam",
+        "    args = megatron.get_args()\n    optimizer = Adam",
     ),
     "parallel-state/all-dp-ranks-var": (
         "_GLOBAL_MEMORY_BUFFER = None",
