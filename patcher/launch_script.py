@@ -60,13 +60,30 @@ _FROM_VARIABLES = {
 }
 
 
+LAUNCHERS = (OLD_LAUNCHER, "torchrun")  # 285068c's example, and the one from 2023-02 on
+
+
 def _parse_example(text: str) -> Tuple[Dict[str, str], List[Arg]]:
-    """The example's `NAME=value` variables and its Megatron arguments, in order."""
+    """The example's `NAME=value` variables and its Megatron arguments, in order.
+
+    Two shapes occur: 285068c's (`python -m torch.distributed.launch ... pretrain_gpt.py
+    --flag value ...`) and later commits' (`torchrun $DISTRIBUTED_ARGS pretrain_gpt.py $GPT_ARGS
+    $DATA_ARGS ...`, the flags in multi-line `NAME="..."` blocks). A `$NAME` token that names
+    a block is replaced by the block's flags; a flag value `$NAME` by that variable's value.
+    """
     variables = dict(re.findall(r"^([A-Z_]+)=(.*)$", text, flags=re.M))
+    blocks = {
+        name: body.replace("\\\n", " ").replace("\\", " ")
+        for name, body in re.findall(r'^([A-Z_]+)="\n(.*?)\n"\s*$', text, flags=re.M | re.S)
+    }
+    for name in blocks:
+        variables.pop(name, None)
     lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith(OLD_LAUNCHER)), None)
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(LAUNCHERS)), None)
     if start is None:
-        raise UnreadableTarget(f"{EXAMPLE}: no `{OLD_LAUNCHER}` line to derive the TTP script from")
+        raise UnreadableTarget(
+            f"{EXAMPLE}: no `{OLD_LAUNCHER}` or `torchrun` line to derive the TTP script from"
+        )
     command = []
     for line in lines[start:]:
         command.append(line.rstrip("\\").strip())
@@ -77,12 +94,21 @@ def _parse_example(text: str) -> Tuple[Dict[str, str], List[Arg]]:
         tokens = tokens[tokens.index("pretrain_gpt.py") + 1 :]
     except ValueError:
         raise UnreadableTarget(f"{EXAMPLE}: the launch does not run pretrain_gpt.py") from None
-    args: List[Arg] = []
+    expanded: List[str] = []
     for tok in tokens:
+        name = tok[1:].strip("{}") if tok.startswith("$") else None
+        if name in blocks:
+            expanded += shlex.split(blocks[name], posix=False)
+        else:
+            expanded.append(tok)
+    args: List[Arg] = []
+    for tok in expanded:
         if tok.startswith("--"):
             args.append((tok, None))
         elif args and args[-1][1] is None:
-            args[-1] = (args[-1][0], tok)
+            name = tok[1:].strip("{}") if tok.startswith("$") else None
+            value = variables[name] if name in variables else tok
+            args[-1] = (args[-1][0], value)
         else:
             raise UnreadableTarget(f"{EXAMPLE}: cannot read argument {tok!r}")
     for name in ("GPUS_PER_NODE", "MASTER_PORT", "NNODES", "NODE_RANK"):

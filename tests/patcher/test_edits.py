@@ -29,6 +29,39 @@ def test_launch_script_is_byte_identical_to_golden(device: str) -> None:
     assert script == golden(device, launch_script.SCRIPT)
 
 
+def _torchrun_shaped(example: bytes) -> bytes:
+    """285068c's example rewritten the way Megatron's own example reads from 2023-02 on
+    (`torchrun $DISTRIBUTED_ARGS pretrain_gpt.py $GPT_ARGS $DATA_ARGS`, flags in multi-line
+    blocks, file names in variables): the same launch, so the same script must come out."""
+    text = example.decode()
+    head, launch = text.split("python -m torch.distributed.launch", 1)
+    flags = [ln.strip().rstrip("\\").strip() for ln in launch.splitlines()[2:] if ln.strip()]
+    flags = [f.replace("gpt2-vocab.json", "$VOCAB_FILE").replace("gpt2-merges.txt", "$MERGE_FILE")
+             for f in flags]
+    head = head.replace(
+        'DISTRIBUTED_ARGS="--nproc_per_node $GPUS_PER_NODE --nnodes $NNODES --node_rank '
+        '$NODE_RANK --master_addr $MASTER_ADDR --master_port $MASTER_PORT"',
+        'VOCAB_FILE=gpt2-vocab.json\nMERGE_FILE=gpt2-merges.txt\n\nDISTRIBUTED_ARGS="\n'
+        '    --nproc_per_node $GPUS_PER_NODE \\\n    --nnodes $NNODES \\\n'
+        '    --node_rank $NODE_RANK \\\n    --master_addr $MASTER_ADDR \\\n'
+        '    --master_port $MASTER_PORT\n"')
+    assert "VOCAB_FILE=" in head
+    half = len(flags) // 2
+    blocks = "".join(
+        f'{name}="\n' + " \\\n".join(f"    {f}" for f in part) + '\n"\n\n'
+        for name, part in (("GPT_ARGS", flags[:half]), ("DATA_ARGS", flags[half:])))
+    return (head + blocks + "torchrun $DISTRIBUTED_ARGS pretrain_gpt.py \\\n"
+            "    $GPT_ARGS \\\n    $DATA_ARGS\n").encode()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torchrun_shaped_example_gives_the_same_script(device: str) -> None:
+    example = _torchrun_shaped(FILES[launch_script.EXAMPLE])
+    assert b"torch.distributed.launch" not in example and b"$GPT_ARGS" in example
+    script = launch_script.build(example, Device(device), 8000)
+    assert script == golden(device, launch_script.SCRIPT)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", TARGETS)
 def test_second_pass_changes_nothing(device: str, path: str) -> None:
