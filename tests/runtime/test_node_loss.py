@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
@@ -136,15 +137,23 @@ def test_silent_loss_of_node_0_is_detected_within_the_heartbeat_timeout(
     assert took < HB_TIMEOUT + 10.0, (took, two_nodes.outputs())
 
 
-def test_partition_into_halves_saves_at_most_one_checkpoint(two_nodes: DemoNodes) -> None:
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_partition_into_halves_saves_at_most_one_checkpoint(two_nodes: DemoNodes,
+                                                            rdzv: str) -> None:
     """Both halves keep running and both can save; exactly one flow wins the fault's claim, the
-    other saves nothing and says why."""
-    two_nodes.start()
+    other saves nothing and says why. c10d: the half without the rendezvous store is not held
+    up by it either (its agent's store calls time out, they must not hold the launcher)."""
+    two_nodes.start(rdzv=rdzv)
     node0, node1 = two_nodes.nodes
     two_nodes.wait_for_line(node0, "rank 0 | step 3/")
     two_nodes.cut()
     codes = [two_nodes.wait(n) for n in two_nodes.nodes]
     assert codes == [1, 1], two_nodes.outputs()
+    assert two_nodes.cut_at is not None
+    # c10d: node 1's store calls would each block for torch's read_timeout (60 s)
+    assert time.time() - two_nodes.cut_at < 30, two_nodes.outputs()
+    if rdzv == "c10d":
+        assert "ttprun: not closing the rendezvous" in node1.output(), two_nodes.outputs()
     flows: Dict[int, Optional[dict]] = {n.index: two_nodes.flow(n) for n in two_nodes.nodes}
     assert all(flows.values()), (flows, two_nodes.outputs())
     outcomes = sorted(f["outcome"] for f in flows.values())  # type: ignore[index]
