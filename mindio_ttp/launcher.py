@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -71,6 +71,9 @@ DEFAULT_OT_S = DEFAULTS[ENV_OT]
 POST_FLOW_EXIT_S = 15.0
 POLL_S = 0.05
 RDZV_WAIT_NOTICE_S = float(os.environ.get("TTPRUN_RDZV_NOTICE_S", "10"))
+# How long the monitor loop waits for one answer of the rendezvous store before it goes on
+# watching the workers (the answer is used when it comes; a healthy store answers in ms).
+RDZV_QUERY_WAIT_S = 1.0
 MULTI_NODE_KEY_MESSAGE = (
     "a multi-node job needs a control-plane key that every node already has: export "
     f"{ENV_AUTH_KEY}=<64 hex chars> on every node (e.g. generate it once with `python -c "
@@ -137,36 +140,52 @@ class TTPElasticAgent(LocalElasticAgent):
 
     # -- the rendezvous ---------------------------------------------------------------------
     def _guard_rendezvous(self) -> None:
-        """Losing the rendezvous store must not stop this node's workers.
+        """Losing the rendezvous store must not stop this node's workers, nor freeze the agent.
 
         The store lives on one node (c10d: the first agent at the endpoint; static: node 0).
         When that node is lost, torch's monitor loop asks the store for waiting nodes, gets a
         RendezvousConnectionError and shuts this node's workers down (SIGTERM, SIGKILL 30 s
         later): the survivors die before their dying checkpoint. Here the loss is logged and
         the workers get the same grace as after a worker failure (TTP_OT), then the run ends.
+        When the store's node is silent instead (partition, power loss: no RST), each store call
+        blocks for torch's read_timeout (60 s): the query runs off the monitor loop, so the
+        agent keeps watching its workers, and the rendezvous is not closed on the way out (its
+        close would block the same way, once per store call).
         """
         handler = self._worker_group.spec.rdzv_handler
-        asked = handler.num_nodes_waiting
+        query = _OffLoopQuery(handler.num_nodes_waiting, RDZV_QUERY_WAIT_S)
+        shutdown = handler.shutdown
 
         def num_nodes_waiting() -> int:
             if self._store_lost:
                 return 0
-            try:
-                return asked()
-            except Exception as exc:  # RendezvousConnectionError, DistNetworkError, ...
-                self._store_lost = True
+            waiting = query()
+            if query.error is None:
+                return waiting
+            exc = query.error
+            self._store_lost = True
+            logger.warning(
+                "ttprun: lost the rendezvous store (%s: %s): the node that hosts it is gone "
+                "or unreachable; keeping this node's workers up to %.0f s (TTP_OT) for the "
+                "dying checkpoint",
+                type(exc).__name__, exc, self._ot_s,
+            )
+            pcontext = self._pcontext
+            if isinstance(pcontext, SubprocessContext):
+                self._hold_survivors(pcontext)
+            return 0
+
+        def shutdown_unless_unreachable() -> bool:
+            if self._store_lost or query.in_flight:
                 logger.warning(
-                    "ttprun: lost the rendezvous store (%s: %s): the node that hosts it is gone "
-                    "or unreachable; keeping this node's workers up to %.0f s (TTP_OT) for the "
-                    "dying checkpoint",
-                    type(exc).__name__, exc, self._ot_s,
+                    "ttprun: not closing the rendezvous: its store %s; this node leaves "
+                    "without it", "is gone" if self._store_lost else "does not answer",
                 )
-                pcontext = self._pcontext
-                if isinstance(pcontext, SubprocessContext):
-                    self._hold_survivors(pcontext)
-                return 0
+                return False
+            return shutdown()
 
         handler.num_nodes_waiting = num_nodes_waiting
+        handler.shutdown = shutdown_unless_unreachable
 
     # -- worker lifecycle -------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -324,6 +343,41 @@ class TTPElasticAgent(LocalElasticAgent):
         for handler in pcontext.subprocess_handlers.values():
             with contextlib.suppress(Exception):
                 handler.proc.wait(timeout=10)
+
+
+class _OffLoopQuery:
+    """A store query run in a thread of its own, at most one at a time.
+
+    The caller waits up to ``wait_s`` for the answer; while a query is still out it gets 0
+    ("no node waiting": torch then changes nothing) and the query goes on in the background.
+    ``error`` is what the last finished query raised, if it raised."""
+
+    def __init__(self, call: Callable[[], int], wait_s: float) -> None:
+        self._call = call
+        self._wait_s = wait_s
+        self._thread: Optional[threading.Thread] = None
+        self._answer = 0
+        self.error: Optional[BaseException] = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __call__(self) -> int:
+        if self.in_flight or self.error is not None:
+            return 0
+        self._answer = 0
+        self._thread = threading.Thread(target=self._run, name="ttprun-rdzv-query",
+                                        daemon=True)
+        self._thread.start()
+        self._thread.join(self._wait_s)
+        return 0 if self.in_flight else self._answer
+
+    def _run(self) -> None:
+        try:
+            self._answer = self._call()
+        except Exception as exc:  # noqa: BLE001 - RendezvousConnectionError, DistNetworkError, ...
+            self.error = exc
 
 
 @contextlib.contextmanager

@@ -1,13 +1,9 @@
 """Losing a whole node, and splitting the job in two, with two real `ttprun` "nodes".
 
-Each node is a network namespace with one end of a veth pair (10.213.0.1 and 10.213.0.2, no
-other route): a launcher with 2 ranks of the 4-rank demo job runs in each, node 0 hosting
-torch's rendezvous store (its agent), the primary controller (rank 0) and MASTER_ADDR. A node
-is lost by freezing and then killing every process in its namespace (`ip netns pids`: torch
-puts each worker in its own session, so one killpg would miss them); a silent loss takes the
-link down first (no FIN, no RST reaches the survivors); a partition takes the link down and
-leaves both halves running. Everything made here (processes, namespaces, the veth pair) is
-removed by the fixture's finalizer, also when a test fails.
+The nodes are network namespaces joined by a veth pair (mindio_ttp.testing.netns, which
+describes how a node is lost, silenced or partitioned and how everything is cleaned up): a
+launcher with 2 ranks of the 4-rank demo job runs in each, node 0 hosting torch's rendezvous
+store (its agent), the primary controller (rank 0) and MASTER_ADDR.
 
 Layout: one DP group [0, 1, 2, 3], replica 2: shard 0 on ranks 0 and 2, shard 1 on ranks 1 and
 3, so either node alone holds a clean replica of every shard and could save.
@@ -15,17 +11,11 @@ Layout: one DP group [0, 1, 2, 3], replica 2: shard 0 on ranks 0 and 2, shard 1 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
-import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
@@ -33,10 +23,11 @@ import pytest
 
 from mindio_ttp.demo import checkpoint
 from mindio_ttp.demo.model import ShardLayout, emulate
+from mindio_ttp.testing.netns import Node, TwoNodes, namespaces_unavailable
+from mindio_ttp.testing.netns import two_nodes as two_nodes_made
 
 pytestmark = pytest.mark.slow
 
-SUBNET = "10.213.0"
 HB_INTERVAL, HB_TIMEOUT = 0.25, 2.0
 ENV = {
     "TTP_OT": "40",
@@ -55,186 +46,42 @@ JOB_TIMEOUT = 90.0  # a launcher still running after this is a failure (and kill
 SAVED, NOT_CLAIMED = 83, 87
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20,
-                          check=check)
+class DemoNodes(TwoNodes):
+    """The 4-rank demo job on the two namespaced nodes."""
 
-
-@dataclass
-class Node:
-    index: int
-    ns: str
-    veth: str
-    proc: Optional[subprocess.Popen] = None
-    lines: List[str] = field(default_factory=list)
-    reader: Optional[threading.Thread] = None
-
-    @property
-    def addr(self) -> str:
-        return f"{SUBNET}.{self.index + 1}"
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-
-class TwoNodes:
-    """Two namespaces joined by one veth pair, and the demo job launched across them."""
-
-    def __init__(self, work: Path) -> None:
-        tag = secrets.token_hex(3)
-        self.work = work
-        self.nodes = [Node(i, f"ttp-nl{i}-{tag}", f"tnl{i}{tag}") for i in range(2)]
-        self.ckpt = work / "ckpt"
-        self.cut_at: Optional[float] = None
-        self._made: List[str] = []
-
-    # -- set-up and tear-down (the fixture calls these) --------------------------------------
-    def create(self) -> None:
-        a, b = self.nodes
-        for n in self.nodes:
-            _ip("netns", "add", n.ns)
-            self._made.append(n.ns)
-            _ip("-n", n.ns, "link", "set", "lo", "up")
-        _ip("link", "add", a.veth, "type", "veth", "peer", "name", b.veth)
-        try:
-            for n in self.nodes:
-                _ip("link", "set", n.veth, "netns", n.ns)
-                _ip("-n", n.ns, "addr", "add", f"{n.addr}/24", "dev", n.veth)
-                _ip("-n", n.ns, "link", "set", n.veth, "up")
-        finally:
-            _ip("link", "del", a.veth, check=False)  # only if it is still outside (failure)
-
-    def close(self) -> None:
-        for n in self.nodes:
-            if n.ns in self._made:
-                self.kill(n)
-        for n in self.nodes:
-            if n.proc is not None and n.proc.poll() is None:
-                n.proc.kill()
-            if n.proc is not None:
-                n.proc.wait(10)
-            if n.reader is not None:
-                n.reader.join(5)
-        for ns in self._made:
-            _ip("netns", "del", ns, check=False)  # the veth pair goes with its namespaces
-        self._made.clear()
-
-    # -- the job ----------------------------------------------------------------------------
-    def start(self, steps: int = 100000, step_delay: float = 0.02) -> None:
+    def start(self, steps: int = 100000, step_delay: float = 0.02, rdzv: str = "static") -> None:
         env = dict(os.environ, **ENV)
         env["TTP_AUTH_KEY"] = secrets.token_hex(32)  # multi-node: the user's key, on both
         env["TTP_CONTROLLER_PORT"] = str(20000 + secrets.randbelow(20000))  # fresh namespaces
-        master_port = str(40000 + secrets.randbelow(20000))
+        port = 40000 + secrets.randbelow(20000)
         self.ckpt.mkdir(parents=True, exist_ok=True)
         for n in self.nodes:
-            run_dir = self.work / f"runs{n.index}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            # gloo would resolve the host name (127.0.0.1 here): make it use the node's link
-            env_n = dict(env, TTP_RUN_DIR=str(run_dir), GLOO_SOCKET_IFNAME=n.veth)
             cmd = [
-                "ip", "netns", "exec", n.ns, sys.executable, "-m", "mindio_ttp.launcher",
-                "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=static",
-                f"--master-addr={self.nodes[0].addr}", f"--master-port={master_port}",
-                f"--node-rank={n.index}", "--monitor-interval=0.05",
+                sys.executable, "-m", "mindio_ttp.launcher",
+                *self.ttprun_args(n, nproc=2, port=port, rdzv=rdzv),
                 "-m", "mindio_ttp.demo.job", f"--steps={steps}", f"--ckpt-dir={self.ckpt}",
                 f"--out={self.work / f'out{n.index}'}", f"--step-delay={step_delay}",
             ]  # fmt: skip
-            n.proc = subprocess.Popen(cmd, env=env_n, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True)
-            n.reader = threading.Thread(target=self._pump, args=(n,), daemon=True)
-            n.reader.start()
-
-    @staticmethod
-    def _pump(n: Node) -> None:
-        assert n.proc is not None and n.proc.stdout is not None
-        for line in n.proc.stdout:
-            n.lines.append(line.rstrip("\n"))
-
-    def wait_for_line(self, n: Node, text: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(text in line for line in list(n.lines)):
-                return
-            if n.proc is not None and n.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        pytest.fail(f"node {n.index} never printed {text!r}; output:\n{self.outputs()}")
-
-    def kill(self, n: Node) -> None:
-        """Every process of the node at once: freeze them all (none can react to another's
-        death), then SIGKILL them all, until the namespace holds no process."""
-        for _ in range(20):
-            pids = [int(p) for p in _ip("netns", "pids", n.ns, check=False).stdout.split()]
-            if not pids:
-                return
-            for sig in (signal.SIGSTOP, signal.SIGKILL):
-                for pid in pids:
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-            time.sleep(0.05)
-
-    def cut(self) -> None:
-        """Take the link down on both ends: from now on nothing crosses, not even a RST."""
-        for n in self.nodes:
-            _ip("-n", n.ns, "link", "set", n.veth, "down")
-        self.cut_at = time.time()
+            self.launch(n, cmd, env)
 
     def wait(self, n: Node, timeout: float = JOB_TIMEOUT) -> int:
-        assert n.proc is not None
-        try:
-            return n.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"node {n.index}'s ttprun still runs after {timeout:.0f} s; output:\n"
-                        f"{self.outputs()}")
-
-    def flow(self, n: Node) -> Optional[dict]:
-        for path in sorted((self.work / f"runs{n.index}").glob("*/flow-finished.json")):
-            return json.loads(path.read_text(encoding="utf-8"))
-        return None
+        return super().wait(n, timeout)
 
     def step_dirs(self) -> List[Path]:
         return sorted(p for p in self.ckpt.glob("step_*") if p.is_dir()
                       and not p.name.endswith(".tmp"))
 
-    def claims(self) -> List[dict]:
-        return [json.loads(p.read_text()) for p in sorted((self.ckpt / ".ttp-claims").glob("*"))]
-
-    def outputs(self) -> str:
-        return "\n".join(f"===== node {n.index} =====\n{n.output()}" for n in self.nodes)
-
-
-def _namespaces_unavailable() -> Optional[str]:
-    if sys.platform != "linux":
-        return "network namespaces are Linux-only"
-    if shutil.which("ip") is None:
-        return "no `ip` (iproute2) to make network namespaces"
-    if os.geteuid() != 0:
-        return "making network namespaces needs root"
-    probe = f"ttp-nlprobe-{secrets.token_hex(3)}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
-
 
 @pytest.fixture
-def two_nodes(tmp_path: Path) -> Iterator[TwoNodes]:
-    why = _namespaces_unavailable()
+def two_nodes(tmp_path: Path) -> Iterator[DemoNodes]:
+    why = namespaces_unavailable()
     if why:
         pytest.skip(why)
-    nodes = TwoNodes(tmp_path)
-    try:
-        nodes.create()
+    with two_nodes_made(tmp_path, DemoNodes) as nodes:
         yield nodes
-    finally:
-        nodes.close()
 
 
-def check_checkpoint(nodes: TwoNodes, flow: dict, savers: List[int]) -> None:
+def check_checkpoint(nodes: DemoNodes, flow: dict, savers: List[int]) -> None:
     """The one dying checkpoint: in place, latest, every shard bit-exact at its step."""
     assert flow["outcome"] == "saved" and flow["ranks"] == savers, flow
     step = flow["step"]
@@ -247,7 +94,7 @@ def check_checkpoint(nodes: TwoNodes, flow: dict, savers: List[int]) -> None:
     assert len(claims) == 1 and claims[0]["state"] == "done", claims
 
 
-def test_losing_node_1_node_0_saves(two_nodes: TwoNodes) -> None:
+def test_losing_node_1_node_0_saves(two_nodes: DemoNodes) -> None:
     two_nodes.start()
     node0, node1 = two_nodes.nodes
     two_nodes.wait_for_line(node0, "rank 0 | step 3/")
@@ -257,7 +104,7 @@ def test_losing_node_1_node_0_saves(two_nodes: TwoNodes) -> None:
 
 
 def test_losing_node_0_standby_on_node_1_saves_without_the_rendezvous_store(
-        two_nodes: TwoNodes) -> None:
+        two_nodes: DemoNodes) -> None:
     """Node 0 held rank 0, the primary controller and torch's store: the save group of ranks 2
     and 3 is built on the store their standby controller hosts for the order."""
     two_nodes.start()
@@ -274,7 +121,7 @@ def test_losing_node_0_standby_on_node_1_saves_without_the_rendezvous_store(
 
 
 def test_silent_loss_of_node_0_is_detected_within_the_heartbeat_timeout(
-        two_nodes: TwoNodes) -> None:
+        two_nodes: DemoNodes) -> None:
     two_nodes.start()
     node0, node1 = two_nodes.nodes
     two_nodes.wait_for_line(node0, "rank 0 | step 3/")
@@ -290,15 +137,23 @@ def test_silent_loss_of_node_0_is_detected_within_the_heartbeat_timeout(
     assert took < HB_TIMEOUT + 10.0, (took, two_nodes.outputs())
 
 
-def test_partition_into_halves_saves_at_most_one_checkpoint(two_nodes: TwoNodes) -> None:
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_partition_into_halves_saves_at_most_one_checkpoint(two_nodes: DemoNodes,
+                                                            rdzv: str) -> None:
     """Both halves keep running and both can save; exactly one flow wins the fault's claim, the
-    other saves nothing and says why."""
-    two_nodes.start()
+    other saves nothing and says why. c10d: the half without the rendezvous store is not held
+    up by it either (its agent's store calls time out, they must not hold the launcher)."""
+    two_nodes.start(rdzv=rdzv)
     node0, node1 = two_nodes.nodes
     two_nodes.wait_for_line(node0, "rank 0 | step 3/")
     two_nodes.cut()
     codes = [two_nodes.wait(n) for n in two_nodes.nodes]
     assert codes == [1, 1], two_nodes.outputs()
+    assert two_nodes.cut_at is not None
+    # c10d: node 1's store calls would each block for torch's read_timeout (60 s)
+    assert time.time() - two_nodes.cut_at < 30, two_nodes.outputs()
+    if rdzv == "c10d":
+        assert "ttprun: not closing the rendezvous" in node1.output(), two_nodes.outputs()
     flows: Dict[int, Optional[dict]] = {n.index: two_nodes.flow(n) for n in two_nodes.nodes}
     assert all(flows.values()), (flows, two_nodes.outputs())
     outcomes = sorted(f["outcome"] for f in flows.values())  # type: ignore[index]
@@ -312,3 +167,23 @@ def test_partition_into_halves_saves_at_most_one_checkpoint(two_nodes: TwoNodes)
     assert loser["exit_code"] == NOT_CLAIMED
     check_checkpoint(two_nodes, flows[winner], [0, 1] if winner == 0 else [2, 3])
     assert not list(two_nodes.ckpt.glob("*.tmp"))  # the loser never started a save
+
+
+def test_c10d_losing_node_0_which_hosts_the_store_node_1_holds_its_workers_and_saves(
+        two_nodes: DemoNodes) -> None:
+    """c10d rendezvous: node 0's agent hosts the rendezvous store. Node 1's agent loses it in
+    its monitor loop; it must hold its workers (torch's own reaction is SIGTERM, SIGKILL 30 s
+    later) until their flow has saved."""
+    two_nodes.start(rdzv="c10d")
+    node0, node1 = two_nodes.nodes
+    two_nodes.wait_for_line(node0, "rank 0 | step 3/")
+    two_nodes.kill(node0)
+    assert two_nodes.wait(node1) == 1, two_nodes.outputs()
+    flow = two_nodes.flow(node1)
+    assert flow is not None, two_nodes.outputs()
+    check_checkpoint(two_nodes, flow, [2, 3])
+    assert flow["exit_code"] == SAVED
+    out = node1.output()
+    assert "ttprun: lost the rendezvous store" in out, out
+    assert "closing signal" not in out, out  # torch's SIGTERM to the workers never came
+    assert re.search(r"exitcode\s*:\s*83", out), out  # the workers ended by the flow's exit
