@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -337,6 +338,53 @@ def test_target_with_git_mode_other_than_100644_is_refused(
     (repo.root / "pretrain_gpt.py").chmod(0o755)
     monkeypatch.setenv("TTP_PATCH_COMMIT", repo.commit_all("executable"))
     refused(repo, capsys, ["apply", str(repo.root)], 2, "git mode 100755")
+
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_target_that_is_not_a_regular_file_is_refused_unopened(
+    repo: FixtureRepo, capsys, kind: str
+) -> None:
+    """A FIFO opened for reading would hang the patcher; a directory used to be a traceback.
+    Run as a subprocess with a deadline, so a patcher that opened the FIFO fails the test."""
+    target = repo.root / "megatron/training.py"
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.mkdir()
+    for args in (["apply"], ["revert", "--force"]):
+        before = repo.snapshot()
+        done = subprocess.run(["ttp-patch", *args, str(repo.root)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "megatron/training.py exists but is not a regular file" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert repo.snapshot() == before
+    assert stat.S_ISFIFO(os.lstat(target).st_mode) if kind == "fifo" else target.is_dir()
+
+
+def test_launch_script_that_is_a_symlink_to_outside_is_refused(
+    repo: FixtureRepo, capsys, tmp_path
+) -> None:
+    """pretrain_gpt_ttp.sh linked to a file outside the tree: apply must not write through it."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "victim.sh").write_bytes(b"#!/bin/sh\necho mine\n")
+    os.symlink(outside / "victim.sh", repo.root / SCRIPT)
+    refused(repo, capsys, ["apply", str(repo.root)], 2, f"{SCRIPT} is a symlink", outside=outside)
+    assert os.readlink(repo.root / SCRIPT) == str(outside / "victim.sh")
+
+
+def test_symlinked_subdirectory_inside_the_path_is_refused(
+    repo: FixtureRepo, capsys, tmp_path
+) -> None:
+    """megatron/core linked elsewhere: parallel_state.py would be written outside the tree."""
+    outside = tmp_path / "core"
+    os.rename(repo.root / "megatron/core", outside)
+    os.symlink(outside, repo.root / "megatron/core")
+    refused(repo, capsys, ["apply", str(repo.root)], 2, "megatron/core is a symlink",
+            outside=outside)
 
 
 # 9 -----------------------------------------------------------------------------------------
