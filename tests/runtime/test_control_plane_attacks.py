@@ -130,6 +130,32 @@ def test_replayed_register_does_not_evict_a_live_rank(ctl, caplog):
             f.close()
 
 
+
+def test_a_fresh_register_for_a_live_rank_is_refused_and_logged_with_its_address(ctl, caplog):
+    """Someone with the key (or a confused second process) completes a real handshake as rank 1
+    while rank 1 heartbeats: refused, logged at WARNING with both addresses, rank 1 kept."""
+    fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4)]
+    try:
+        assert wait_for(lambda: len(ctl.registered) == 4)
+        with socket.create_connection(ctl.address, timeout=5) as s:
+            hs = handshake(s, register(1))
+            answer = read_frames(s, hs.dec)
+            impostor = f"127.0.0.1:{s.getsockname()[1]}"
+            assert closed_by_peer(s)
+        assert isinstance(answer[0], P.Reject), answer
+        assert "rank 1 is already connected" in answer[0].reason
+        tried_at = time.monotonic()
+        assert wait_for(lambda: ctl._ranks[1].last_seen > tried_at + 0.3)  # its own stream lives
+        assert ctl.registered == [0, 1, 2, 3] and ctl.faults == []
+        warned = [r for r in caplog.records if r.levelname == "WARNING"
+                  and "refused a Register for rank 1" in r.getMessage()]
+        assert warned and impostor in warned[0].getMessage(), caplog.text
+        assert fakes[1].exit is None and not fakes[1].got_exit.is_set()
+    finally:
+        for f in fakes:
+            f.close()
+
+
 def test_register_replayed_while_its_rank_is_away_is_refused(ctl, caplog):
     """Rank 1 finished training and left; its Register replayed on a new connection would have
     re-registered it (then, when the replayer hung up, counted it dead and ended the job)."""
