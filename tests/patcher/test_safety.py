@@ -134,23 +134,29 @@ def test_signal_after_the_second_replace_rolls_back(
     assert temps(repo) == [] and not (repo.root / JOURNAL).exists()
 
 
-def test_sigint_during_the_write_phase_loop(repo: FixtureRepo, capsys) -> None:
-    rng = random.Random(9)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_at_random_moments_of_the_write_phase_loop(
+    repo: FixtureRepo, capsys, signum: int
+) -> None:
+    """Ctrl-C, or the SIGTERM of a scheduler or `kill`, at a random instant of apply or revert."""
+    rng = random.Random(9 + signum)
+    interrupted = 128 + signum
     outcomes = set()
     for _ in range(6):
         applied = state(repo) == "applied"
         proc = spawn(repo, "revert" if applied else "apply", pause=0.03)
         if wait_for_write_phase(repo, proc):
             time.sleep(rng.uniform(0, 0.2))  # the random moment under test, not synchronisation
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
         code, _, err = finish(proc)
         assert "Traceback" not in err, err
-        assert code in (0, 130), err
+        assert code in (0, interrupted), err
         now = recover_and_check(repo, capsys)
-        if code == 130:  # interrupted: rolled back to where it started
+        if code == interrupted:  # interrupted: rolled back to where it started
             assert now == ("applied" if applied else "clean"), err
+            assert f"interrupted by {signal.Signals(signum).name}" in err, err
         outcomes.add(code)
-    assert 130 in outcomes
+    assert interrupted in outcomes
 
 
 # 6 -----------------------------------------------------------------------------------------
