@@ -427,6 +427,75 @@ def test_hostile_record_is_a_clear_error_and_revert_force_clears_it(
     assert state(repo) == "clean" and not os.path.lexists(repo.root / RECORD)
 
 
+
+_VALID = {
+    "commit": "a" * 40,
+    "device": "npu",
+    "port": 8000,
+    "files": {TARGETS[0]: {"before": "b" * 64, "after": "c" * 64}},
+    "launch_script": "d" * 64,
+    "tool_version": "0",
+    "libcst_version": "1",
+    "schema": 1,
+}
+
+@pytest.mark.parametrize(
+    "kind,record",
+    [
+        ("file", b""),
+        ("file", b"\xff\xfe not utf-8"),
+        ("file", b"[1, 2]"),
+        ("file", json.dumps({**_VALID, "files": {"../../etc/passwd": {}}}).encode()),
+        ("file", json.dumps({**_VALID, "files": [1]}).encode()),
+        ("file", json.dumps({**_VALID, "device": "rm -rf /"}).encode()),
+        ("file", json.dumps({**_VALID, "schema": 99}).encode()),
+        ("fifo", None),
+        ("directory", None),
+    ],
+    ids=["empty", "not-utf8", "list", "traversal", "files-list", "device", "schema", "fifo",
+         "directory"],
+)
+def test_revert_force_clears_whatever_the_record_holds(
+    repo: FixtureRepo, capsys, kind: str, record: Optional[bytes]
+) -> None:
+    """Every command refuses the record with the way out; `revert --force` takes it."""
+    assert main(["apply", str(repo.root)]) == 0
+    path = repo.root / RECORD
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(record)
+    capsys.readouterr()
+    assert main(["status", str(repo.root)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "ttp-patch revert --force" in err, err
+    assert main(["revert", "--force", str(repo.root)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert state(repo) == "clean" and not os.path.lexists(path)
+
+
+
+def test_a_record_that_is_a_directory_with_files_is_kept_and_named(
+    repo: FixtureRepo, capsys
+) -> None:
+    """Not ours to delete: every command, `revert --force` too, says what to look at."""
+    assert main(["apply", str(repo.root)]) == 0
+    path = repo.root / RECORD
+    path.unlink()
+    path.mkdir()
+    (path / "notes").write_text("someone's\n")
+    capsys.readouterr()
+    for cmd in (["status"], ["revert", "--force"]):
+        assert main([*cmd, str(repo.root)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"rm -r {path}" in err, err
+    assert (path / "notes").read_text() == "someone's\n"
+    assert all(repo.read(p) == golden("npu", p) for p in TARGETS)  # nothing half-reverted
+
+
 @pytest.mark.parametrize("port", [-1, True, 1e30, 80, 70000, "8000", None])
 def test_record_port_must_be_an_int_in_the_runtime_range(repo: FixtureRepo, capsys, port) -> None:
     assert main(["apply", str(repo.root)]) == 0
@@ -445,16 +514,6 @@ _json = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner),
     max_leaves=20,
 )
-_VALID = {
-    "commit": "a" * 40,
-    "device": "npu",
-    "port": 8000,
-    "files": {TARGETS[0]: {"before": "b" * 64, "after": "c" * 64}},
-    "launch_script": "d" * 64,
-    "tool_version": "0",
-    "libcst_version": "1",
-    "schema": 1,
-}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
