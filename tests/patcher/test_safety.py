@@ -232,6 +232,67 @@ def test_a_journal_whose_file_changed_since_is_refused_not_overwritten(
     assert repo.read(written[0]) == b"# the user's own edit\n"
 
 
+
+def test_a_journal_naming_a_path_that_is_not_ours_is_refused_untouched(
+    repo: FixtureRepo, capsys
+) -> None:
+    """A damaged or planted journal must not make recovery write .git/hooks, or write through a
+    link that an earlier entry of the same journal put back."""
+    hook = repo.root / ".git" / "hooks" / "pre-commit"
+    entries = [
+        {"base": "tree", "rel": "out", "kind": "symlink", "data": "L3RtcA==", "mode": 420,
+         "new": None},  # a link to /tmp ...
+        {"base": "tree", "rel": "out/planted", "kind": "file", "data": "eA==", "mode": 420,
+         "new": None},  # ... then a file through it
+        {"base": "git", "rel": "hooks/pre-commit", "kind": "file",
+         "data": "IyEvYmluL3NoCmVjaG8gcHduZWQK", "mode": 0o755, "new": None},
+    ]
+    for entry in entries:
+        (repo.root / JOURNAL).write_text(json.dumps({"schema": 1, "entries": [entry]}))
+        refused(repo, capsys, ["status", str(repo.root)], 2, "is not one ttp-patch writes")
+    assert not os.path.lexists(hook) and not os.path.lexists(repo.root / "out")
+
+
+_journal_entry = st.fixed_dictionaries({
+    "base": st.sampled_from(["git", "tree"]) | st.text(max_size=5),
+    "rel": st.sampled_from([TARGETS[0], SCRIPT, "x/../y", "/etc/passwd", "a\0b", ""])
+    | st.text(max_size=10),
+    "kind": st.sampled_from(["absent", "file", "symlink"]) | st.integers() | st.none(),
+    "data": st.sampled_from(["", "eA==", "!!"]) | st.integers() | st.none(),
+    "mode": st.sampled_from([0o644, 10**30, -1, 1e400, "420", True]) | st.integers(),
+    "new": st.none() | st.text(max_size=5) | st.integers(),
+})
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.one_of(
+    st.binary(max_size=200),
+    st.lists(_journal_entry, max_size=3).map(
+        lambda es: json.dumps({"schema": 1, "entries": es}).encode()),
+))
+def test_journal_loader_fuzz_raises_only_patch_errors(tmp_path, data: bytes) -> None:
+    """Whatever the journal holds, recovery is a PatchError (a clear message) or a rollback of
+    our own paths, never a traceback."""
+    from patcher.errors import PatchError
+    from patcher.journal import Journal
+
+    root = tmp_path / "fuzz"
+    (root / ".git").mkdir(parents=True, exist_ok=True)
+    ours = [root / TARGETS[0], root / SCRIPT]
+    j = Journal(root / ".git", {"git": root / ".git", "tree": root}, ours)
+    j.path.write_bytes(data)
+    try:
+        j.recover()
+    except PatchError:
+        pass
+    finally:
+        if os.path.lexists(j.path):
+            j.path.unlink()
+    left = {p.relative_to(root).as_posix() for p in root.rglob("*")} - {".git"}
+    assert left <= {TARGETS[0], SCRIPT}, left
+
+
 # 7 -----------------------------------------------------------------------------------------
 
 
