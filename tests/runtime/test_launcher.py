@@ -213,6 +213,17 @@ def test_multi_node_start_without_a_key_is_refused(tmp_path: Path, free_port: in
     assert done.returncode == 2, done.stderr
     assert "multi-node job needs a control-plane key" in done.stderr
     assert "TTP_AUTH_KEY_FILE" in done.stderr
+    # the insecure opt-in is for one machine: each node would make up another key
+    done = subprocess.run(cmd, env=dict(env, TTP_INSECURE_NO_AUTH="1"), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "multi-node job needs a control-plane key" in done.stderr
+    # a key file others can read is no secret on a shared cluster: refused before any start
+    key_file = tmp_path / "ttp.key"
+    key_file.write_text("ab" * 32 + "\n")
+    key_file.chmod(0o644)
+    done = subprocess.run(cmd, env=dict(env, TTP_AUTH_KEY_FILE=str(key_file)),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"chmod 600 {key_file}" in done.stderr, done.stderr
 
 
 @pytest.mark.slow
