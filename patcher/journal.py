@@ -34,9 +34,15 @@ class JournalError(PatchError):
 class Journal:
     """`bases` names the directories paths are stored relative to, so a moved checkout recovers."""
 
-    def __init__(self, git_dir: Path, bases: Dict[str, Path]) -> None:
+    def __init__(
+        self, git_dir: Path, bases: Dict[str, Path], ours: Optional[Iterable[Path]] = None
+    ) -> None:
         self.path = git_dir / JOURNAL_NAME
         self.bases = bases
+        # the only paths a rollback may touch: a journal naming any other (damaged, or written
+        # by someone else) must not make recovery write .git/hooks or, through a link it
+        # restored first, a file outside the tree
+        self.ours = None if ours is None else frozenset(ours)
 
     def _split(self, path: Path) -> Tuple[str, str]:
         for name, base in self.bases.items():
@@ -98,10 +104,15 @@ class Journal:
                 rel = Path(e["rel"])
                 if rel.is_absolute() or ".." in rel.parts:
                     raise ValueError(f"path {e['rel']!r}")
+                if self.ours is not None and base / rel not in self.ours:
+                    raise ValueError(f"path {e['rel']!r} is not one ttp-patch writes")
                 if e["kind"] not in ("absent", "file", "symlink"):
                     raise ValueError(f"kind {e['kind']!r}")
                 data = base64.b64decode(e["data"], validate=True)
-                old = Snapshot(e["kind"], data, int(e["mode"]))
+                mode = e["mode"]
+                if type(mode) is not int or not 0 <= mode <= 0o7777:
+                    raise ValueError(f"mode {mode!r}")
+                old = Snapshot(e["kind"], data, mode)
                 new = e["new"]
                 if new is not None and not isinstance(new, str):
                     raise ValueError(f"new {new!r}")

@@ -77,13 +77,40 @@ def read_bytes(path: Path) -> Optional[bytes]:
         if exc.errno == errno.ELOOP:
             raise ManifestError(f"{path} is a symlink, not a record we wrote", hint) from None
         raise ManifestError(f"{path} cannot be read: {exc.strerror}", hint) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # checked before fdopen, which raises for a directory
+        os.close(fd)
+        if stat.S_ISDIR(mode) and any(os.scandir(path)):
+            hint = f"it holds files ttp-patch did not write: look, then `rm -r {path}`"
+        raise ManifestError(f"{path} is not a regular file: not a record we wrote", hint)
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ManifestError(f"{path} is not a regular file", hint)
         data = f.read(MAX_BYTES + 1)
     if len(data) > MAX_BYTES:
         raise ManifestError(f"{path} is over {MAX_BYTES} bytes: not a record ttp-patch wrote", hint)
     return data
+
+
+def clear_unreadable(path: Path) -> bool:
+    """For `revert --force`: take away a record that is not a file or a link (a FIFO, a socket,
+    an empty directory), which the journaled write cannot snapshot; True when one was removed.
+    A directory with something in it is refused, so nobody's files go with it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return False  # the journaled write removes (and can restore) these
+    if stat.S_ISDIR(mode):
+        try:
+            os.rmdir(path)
+        except OSError:
+            raise ManifestError(
+                f"{path} is a directory with files in it, not a record ttp-patch wrote",
+                f"look, then `rm -r {path}`, and run `ttp-patch revert --force` again",
+            ) from None
+    else:
+        os.unlink(path)  # a FIFO or socket holds no bytes to lose
+    return True
 
 
 def _hint(path: Path) -> str:

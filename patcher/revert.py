@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from . import launch_script, originals
+from . import launch_script, manifest, originals
 from .edits import TARGET_FILES, Edit, edits_for
 from .engine import plan_file
 from .errors import AnchorError, Drifted, ManifestError, PatchError, UnreadableTarget
@@ -117,7 +117,12 @@ def revert(directory: str, force: bool = False) -> RevertOutcome:
             if not force:
                 raise
             man = None
-        outcome = RevertOutcome(manifest_removed=os.path.lexists(tree.manifest_path))
+            cleared = manifest.clear_unreadable(tree.manifest_path)
+        else:
+            cleared = False
+        outcome = RevertOutcome(
+            manifest_removed=cleared or os.path.lexists(tree.manifest_path)
+        )
         changes: List[Change] = []
         drift: List[str] = []
         why: List[str] = []

@@ -64,13 +64,16 @@ class Tree:
     @property
     def journal(self) -> journal.Journal:
         git_dir = self.checkout.git_dir
-        return journal.Journal(git_dir, {"git": git_dir, "tree": self.root})
+        return journal.Journal(git_dir, {"git": git_dir, "tree": self.root}, self._ours())
+
+    def _ours(self) -> List[Path]:
+        """Every path ttp-patch ever writes: the targets, the script, the record, the copies."""
+        ours = [self.path(p) for p in (*TARGET_FILES, launch_script.SCRIPT)]
+        return ours + [self.manifest_path, *originals.all_paths(self.checkout.git_dir)]
 
     def _recover(self) -> None:
         restored = self.journal.recover()
-        ours = [self.path(p) for p in (*TARGET_FILES, launch_script.SCRIPT)]
-        ours += [self.manifest_path, self.journal.path, *originals.all_paths(self.checkout.git_dir)]
-        journal.report(restored, journal.remove_temps(ours))
+        journal.report(restored, journal.remove_temps([*self._ours(), self.journal.path]))
 
     def write(self, changes: Sequence[fileio.Change]) -> None:
         """All or nothing, journaled, each file checked against what this Tree read of it."""

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -133,23 +134,29 @@ def test_signal_after_the_second_replace_rolls_back(
     assert temps(repo) == [] and not (repo.root / JOURNAL).exists()
 
 
-def test_sigint_during_the_write_phase_loop(repo: FixtureRepo, capsys) -> None:
-    rng = random.Random(9)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_at_random_moments_of_the_write_phase_loop(
+    repo: FixtureRepo, capsys, signum: int
+) -> None:
+    """Ctrl-C, or the SIGTERM of a scheduler or `kill`, at a random instant of apply or revert."""
+    rng = random.Random(9 + signum)
+    interrupted = 128 + signum
     outcomes = set()
     for _ in range(6):
         applied = state(repo) == "applied"
         proc = spawn(repo, "revert" if applied else "apply", pause=0.03)
         if wait_for_write_phase(repo, proc):
             time.sleep(rng.uniform(0, 0.2))  # the random moment under test, not synchronisation
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
         code, _, err = finish(proc)
         assert "Traceback" not in err, err
-        assert code in (0, 130), err
+        assert code in (0, interrupted), err
         now = recover_and_check(repo, capsys)
-        if code == 130:  # interrupted: rolled back to where it started
+        if code == interrupted:  # interrupted: rolled back to where it started
             assert now == ("applied" if applied else "clean"), err
+            assert f"interrupted by {signal.Signals(signum).name}" in err, err
         outcomes.add(code)
-    assert 130 in outcomes
+    assert interrupted in outcomes
 
 
 # 6 -----------------------------------------------------------------------------------------
@@ -223,6 +230,67 @@ def test_a_journal_whose_file_changed_since_is_refused_not_overwritten(
     err = capsys.readouterr().err
     assert "changed after an interrupted ttp-patch" in err
     assert repo.read(written[0]) == b"# the user's own edit\n"
+
+
+
+def test_a_journal_naming_a_path_that_is_not_ours_is_refused_untouched(
+    repo: FixtureRepo, capsys
+) -> None:
+    """A damaged or planted journal must not make recovery write .git/hooks, or write through a
+    link that an earlier entry of the same journal put back."""
+    hook = repo.root / ".git" / "hooks" / "pre-commit"
+    entries = [
+        {"base": "tree", "rel": "out", "kind": "symlink", "data": "L3RtcA==", "mode": 420,
+         "new": None},  # a link to /tmp ...
+        {"base": "tree", "rel": "out/planted", "kind": "file", "data": "eA==", "mode": 420,
+         "new": None},  # ... then a file through it
+        {"base": "git", "rel": "hooks/pre-commit", "kind": "file",
+         "data": "IyEvYmluL3NoCmVjaG8gcHduZWQK", "mode": 0o755, "new": None},
+    ]
+    for entry in entries:
+        (repo.root / JOURNAL).write_text(json.dumps({"schema": 1, "entries": [entry]}))
+        refused(repo, capsys, ["status", str(repo.root)], 2, "is not one ttp-patch writes")
+    assert not os.path.lexists(hook) and not os.path.lexists(repo.root / "out")
+
+
+_journal_entry = st.fixed_dictionaries({
+    "base": st.sampled_from(["git", "tree"]) | st.text(max_size=5),
+    "rel": st.sampled_from([TARGETS[0], SCRIPT, "x/../y", "/etc/passwd", "a\0b", ""])
+    | st.text(max_size=10),
+    "kind": st.sampled_from(["absent", "file", "symlink"]) | st.integers() | st.none(),
+    "data": st.sampled_from(["", "eA==", "!!"]) | st.integers() | st.none(),
+    "mode": st.sampled_from([0o644, 10**30, -1, 1e400, "420", True]) | st.integers(),
+    "new": st.none() | st.text(max_size=5) | st.integers(),
+})
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.one_of(
+    st.binary(max_size=200),
+    st.lists(_journal_entry, max_size=3).map(
+        lambda es: json.dumps({"schema": 1, "entries": es}).encode()),
+))
+def test_journal_loader_fuzz_raises_only_patch_errors(tmp_path, data: bytes) -> None:
+    """Whatever the journal holds, recovery is a PatchError (a clear message) or a rollback of
+    our own paths, never a traceback."""
+    from patcher.errors import PatchError
+    from patcher.journal import Journal
+
+    root = tmp_path / "fuzz"
+    (root / ".git").mkdir(parents=True, exist_ok=True)
+    ours = [root / TARGETS[0], root / SCRIPT]
+    j = Journal(root / ".git", {"git": root / ".git", "tree": root}, ours)
+    j.path.write_bytes(data)
+    try:
+        j.recover()
+    except PatchError:
+        pass
+    finally:
+        if os.path.lexists(j.path):
+            j.path.unlink()
+    left = {p.relative_to(root).as_posix() for p in root.rglob("*")} - {".git"}
+    assert left <= {TARGETS[0], SCRIPT}, left
 
 
 # 7 -----------------------------------------------------------------------------------------
@@ -339,6 +407,53 @@ def test_target_with_git_mode_other_than_100644_is_refused(
     refused(repo, capsys, ["apply", str(repo.root)], 2, "git mode 100755")
 
 
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_target_that_is_not_a_regular_file_is_refused_unopened(
+    repo: FixtureRepo, capsys, kind: str
+) -> None:
+    """A FIFO opened for reading would hang the patcher; a directory used to be a traceback.
+    Run as a subprocess with a deadline, so a patcher that opened the FIFO fails the test."""
+    target = repo.root / "megatron/training.py"
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.mkdir()
+    for args in (["apply"], ["revert", "--force"]):
+        before = repo.snapshot()
+        done = subprocess.run(["ttp-patch", *args, str(repo.root)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "megatron/training.py exists but is not a regular file" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert repo.snapshot() == before
+    assert stat.S_ISFIFO(os.lstat(target).st_mode) if kind == "fifo" else target.is_dir()
+
+
+def test_launch_script_that_is_a_symlink_to_outside_is_refused(
+    repo: FixtureRepo, capsys, tmp_path
+) -> None:
+    """pretrain_gpt_ttp.sh linked to a file outside the tree: apply must not write through it."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "victim.sh").write_bytes(b"#!/bin/sh\necho mine\n")
+    os.symlink(outside / "victim.sh", repo.root / SCRIPT)
+    refused(repo, capsys, ["apply", str(repo.root)], 2, f"{SCRIPT} is a symlink", outside=outside)
+    assert os.readlink(repo.root / SCRIPT) == str(outside / "victim.sh")
+
+
+def test_symlinked_subdirectory_inside_the_path_is_refused(
+    repo: FixtureRepo, capsys, tmp_path
+) -> None:
+    """megatron/core linked elsewhere: parallel_state.py would be written outside the tree."""
+    outside = tmp_path / "core"
+    os.rename(repo.root / "megatron/core", outside)
+    os.symlink(outside, repo.root / "megatron/core")
+    refused(repo, capsys, ["apply", str(repo.root)], 2, "megatron/core is a symlink",
+            outside=outside)
+
+
 # 9 -----------------------------------------------------------------------------------------
 
 
@@ -373,6 +488,75 @@ def test_hostile_record_is_a_clear_error_and_revert_force_clears_it(
     assert state(repo) == "clean" and not os.path.lexists(repo.root / RECORD)
 
 
+
+_VALID = {
+    "commit": "a" * 40,
+    "device": "npu",
+    "port": 8000,
+    "files": {TARGETS[0]: {"before": "b" * 64, "after": "c" * 64}},
+    "launch_script": "d" * 64,
+    "tool_version": "0",
+    "libcst_version": "1",
+    "schema": 1,
+}
+
+@pytest.mark.parametrize(
+    "kind,record",
+    [
+        ("file", b""),
+        ("file", b"\xff\xfe not utf-8"),
+        ("file", b"[1, 2]"),
+        ("file", json.dumps({**_VALID, "files": {"../../etc/passwd": {}}}).encode()),
+        ("file", json.dumps({**_VALID, "files": [1]}).encode()),
+        ("file", json.dumps({**_VALID, "device": "rm -rf /"}).encode()),
+        ("file", json.dumps({**_VALID, "schema": 99}).encode()),
+        ("fifo", None),
+        ("directory", None),
+    ],
+    ids=["empty", "not-utf8", "list", "traversal", "files-list", "device", "schema", "fifo",
+         "directory"],
+)
+def test_revert_force_clears_whatever_the_record_holds(
+    repo: FixtureRepo, capsys, kind: str, record: Optional[bytes]
+) -> None:
+    """Every command refuses the record with the way out; `revert --force` takes it."""
+    assert main(["apply", str(repo.root)]) == 0
+    path = repo.root / RECORD
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(record)
+    capsys.readouterr()
+    assert main(["status", str(repo.root)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "ttp-patch revert --force" in err, err
+    assert main(["revert", "--force", str(repo.root)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert state(repo) == "clean" and not os.path.lexists(path)
+
+
+
+def test_a_record_that_is_a_directory_with_files_is_kept_and_named(
+    repo: FixtureRepo, capsys
+) -> None:
+    """Not ours to delete: every command, `revert --force` too, says what to look at."""
+    assert main(["apply", str(repo.root)]) == 0
+    path = repo.root / RECORD
+    path.unlink()
+    path.mkdir()
+    (path / "notes").write_text("someone's\n")
+    capsys.readouterr()
+    for cmd in (["status"], ["revert", "--force"]):
+        assert main([*cmd, str(repo.root)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"rm -r {path}" in err, err
+    assert (path / "notes").read_text() == "someone's\n"
+    assert all(repo.read(p) == golden("npu", p) for p in TARGETS)  # nothing half-reverted
+
+
 @pytest.mark.parametrize("port", [-1, True, 1e30, 80, 70000, "8000", None])
 def test_record_port_must_be_an_int_in_the_runtime_range(repo: FixtureRepo, capsys, port) -> None:
     assert main(["apply", str(repo.root)]) == 0
@@ -391,16 +575,6 @@ _json = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner),
     max_leaves=20,
 )
-_VALID = {
-    "commit": "a" * 40,
-    "device": "npu",
-    "port": 8000,
-    "files": {TARGETS[0]: {"before": "b" * 64, "after": "c" * 64}},
-    "launch_script": "d" * 64,
-    "tool_version": "0",
-    "libcst_version": "1",
-    "schema": 1,
-}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -130,6 +130,32 @@ def test_replayed_register_does_not_evict_a_live_rank(ctl, caplog):
             f.close()
 
 
+
+def test_a_fresh_register_for_a_live_rank_is_refused_and_logged_with_its_address(ctl, caplog):
+    """Someone with the key (or a confused second process) completes a real handshake as rank 1
+    while rank 1 heartbeats: refused, logged at WARNING with both addresses, rank 1 kept."""
+    fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4)]
+    try:
+        assert wait_for(lambda: len(ctl.registered) == 4)
+        with socket.create_connection(ctl.address, timeout=5) as s:
+            hs = handshake(s, register(1))
+            answer = read_frames(s, hs.dec)
+            impostor = f"127.0.0.1:{s.getsockname()[1]}"
+            assert closed_by_peer(s)
+        assert isinstance(answer[0], P.Reject), answer
+        assert "rank 1 is already connected" in answer[0].reason
+        tried_at = time.monotonic()
+        assert wait_for(lambda: ctl._ranks[1].last_seen > tried_at + 0.3)  # its own stream lives
+        assert ctl.registered == [0, 1, 2, 3] and ctl.faults == []
+        warned = [r for r in caplog.records if r.levelname == "WARNING"
+                  and "refused a Register for rank 1" in r.getMessage()]
+        assert warned and impostor in warned[0].getMessage(), caplog.text
+        assert fakes[1].exit is None and not fakes[1].got_exit.is_set()
+    finally:
+        for f in fakes:
+            f.close()
+
+
 def test_register_replayed_while_its_rank_is_away_is_refused(ctl, caplog):
     """Rank 1 finished training and left; its Register replayed on a new connection would have
     re-registered it (then, when the replayer hung up, counted it dead and ended the job)."""
@@ -220,6 +246,52 @@ def test_registers_recorded_at_the_primary_cannot_promote_a_standby(ctl, tmp_pat
             assert standby.sm.state.name == "STANDBY" and standby.faults == []
             assert standby.rejected_frames == 3
     finally:
+        for f in fakes:
+            f.close()
+        proc._stop.set()
+        proc._mail.wake()
+        if proc.standby:
+            proc.standby.stop()
+        hooks.STATE.reset()
+
+
+
+def test_a_standby_listener_has_the_same_pre_authentication_limits(ctl):
+    """Every processor's standby listens on the cluster network too: a large unauthenticated
+    frame is refused from its header, and connections that never register are capped."""
+    hooks.STATE.reset()
+    proc = Processor(TTPConfig.from_env(ENV), 0, DP, 4, 2)
+    proc.exit_fn = lambda code: None
+    fakes, socks = [], []
+    try:
+        proc.start("127.0.0.1", ctl.address[1])
+        fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in (1, 2, 3)]
+        assert wait_for(lambda: len(ctl.registered) == 4)
+        standby = proc.standby
+        rss_before = psutil.Process().memory_info().rss
+        header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, 15 * 1024 * 1024)
+        for _ in range(10):
+            s = socket.create_connection(standby.address, timeout=5)
+            socks.append(s)
+            s.sendall(header)
+            try:
+                for _ in range(15):
+                    s.sendall(b"\0" * (1 << 20))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        assert all(closed_by_peer(s) for s in socks)
+        assert standby.rejected_frames >= 10
+        growth = psutil.Process().memory_info().rss - rss_before
+        assert growth < 32 * 1024 * 1024, f"the standby buffered {growth / 2**20:.0f} MiB"
+        cap = 4 + 64
+        waiting = [socket.create_connection(standby.address, timeout=5) for _ in range(cap + 10)]
+        socks += waiting
+        assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in waiting[cap:]) == 10)
+        assert standby.sm.state.name == "STANDBY" and standby.faults == []
+        assert ctl.faults == []
+    finally:
+        for s in socks:
+            s.close()
         for f in fakes:
             f.close()
         proc._stop.set()

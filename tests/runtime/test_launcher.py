@@ -213,21 +213,42 @@ def test_multi_node_start_without_a_key_is_refused(tmp_path: Path, free_port: in
     assert done.returncode == 2, done.stderr
     assert "multi-node job needs a control-plane key" in done.stderr
     assert "TTP_AUTH_KEY_FILE" in done.stderr
+    # the insecure opt-in is for one machine: each node would make up another key
+    done = subprocess.run(cmd, env=dict(env, TTP_INSECURE_NO_AUTH="1"), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "multi-node job needs a control-plane key" in done.stderr
+    # a key file others can read is no secret on a shared cluster: refused before any start
+    key_file = tmp_path / "ttp.key"
+    key_file.write_text("ab" * 32 + "\n")
+    key_file.chmod(0o644)
+    done = subprocess.run(cmd, env=dict(env, TTP_AUTH_KEY_FILE=str(key_file)),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"chmod 600 {key_file}" in done.stderr, done.stderr
 
 
 @pytest.mark.slow
 def test_two_nodes_use_the_given_key_and_none_is_in_the_store(tmp_path: Path,
                                                               free_port: int) -> None:
     script = tmp_path / "key.py"
-    script.write_text(
-        "import os, pathlib, datetime\n"
-        "from torch.distributed import TCPStore\n"
-        "store = TCPStore('127.0.0.1', int(os.environ['RDZV_PORT']), is_master=False,\n"
-        "                 timeout=datetime.timedelta(seconds=10))\n"
-        "leaked = store.check(['ttprun/auth_key'])\n"
-        "pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(\n"
-        "    os.environ['TTP_AUTH_KEY'] + ('|LEAKED' if leaked else ''))\n"
-    )
+    # What an outsider does: a plain TCPStore client at the rendezvous endpoint and at
+    # MASTER_PORT lists every key and reads every value (the first ttprun put the key there).
+    script.write_text(textwrap.dedent("""
+        import datetime, json, os, pathlib
+        from torch.distributed import TCPStore
+        key = os.environ['TTP_AUTH_KEY']
+        seen, leaked = 0, []
+        for port in sorted({int(os.environ['RDZV_PORT']), int(os.environ['MASTER_PORT'])}):
+            store = TCPStore('127.0.0.1', port, is_master=False,
+                             timeout=datetime.timedelta(seconds=10))
+            for name in store.list_keys():
+                value = store.get(name)
+                seen += 1
+                if (key.lower().encode() in value.lower() or bytes.fromhex(key) in value
+                        or key.lower() in name.lower()):
+                    leaked.append(name)
+        pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(
+            json.dumps({'key': key, 'seen': seen, 'leaked': leaked}))
+    """))
     key = os.urandom(32).hex()
     env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY_FILE")}
     env.update(OUT=str(tmp_path), TTP_AUTH_KEY=key, RDZV_PORT=str(free_port))
@@ -240,7 +261,10 @@ def test_two_nodes_use_the_given_key_and_none_is_in_the_store(tmp_path: Path,
                               text=True) for _ in range(2)]  # fmt: skip
     outputs = [_finish(node) for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs
-    assert {(tmp_path / r).read_text() for r in ("0", "1")} == {key}
+    found = [json.loads((tmp_path / r).read_text()) for r in ("0", "1")]
+    assert [f["key"] for f in found] == [key, key]  # the given key, on both nodes
+    assert all(f["seen"] > 0 for f in found), found  # the outsider did read the stores
+    assert [f["leaked"] for f in found] == [[], []], found
 
 
 @pytest.mark.slow
