@@ -8,6 +8,10 @@ processor) runs the same code in STANDBY until at least half of the world has fa
 it, then runs the flow itself; ranks that never reached it count as dead. Half is not a
 majority: a split job's two halves may both promote, so every flow must win the fault's claim
 (claim.py) before its first save order (docs/node-loss.md).
+
+The controller is composed, not mixed: it owns a `Roster` (roster.py), a `Flow` (flow.py) and
+a `MailOutbox`, and hands the flow only those, its condition and its state machine; the flow
+reports back through its own methods (`fault`, `joined`, `left`, `report`, `result`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,15 @@ import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import claim as C
 from . import protocol as P
 from . import save_session
 from .config import TTPConfig
-from .flow import Decision, FlowMixin
+from .flow import Decision, Flow
 from .hooks import TTPError
+from .roster import RankInfo, Roster
 from .session import ListenerHandshake
 from .state import ControllerState as S
 from .state import StateMachine
@@ -35,21 +39,29 @@ from .transport import Conn, ConnClosed, Mailbox
 log = logging.getLogger("mindio_ttp.controller")
 
 
-@dataclass
-class RankInfo:
-    rank: int
-    dp_ranks: Tuple[int, ...]
-    host: str
-    standby_port: int
-    conn: Optional[Conn]
-    last_seen: float
-    step: Optional[int] = None
-    updating: bool = False
-    status: str = "alive"  # alive | dead | hung | gone (said goodbye)
-    note: str = ""
+class MailOutbox:
+    """The flow's `Outbox` over the I/O thread's mailbox: frames are queued and written by the
+    I/O thread, the only thread that touches a connection."""
+
+    def __init__(self, mail: Mailbox) -> None:
+        self._mail = mail
+
+    def broadcast(self, msg: P.Message, exclude: Optional[int] = None) -> None:
+        self._mail.put("send_alive", msg, exclude)
+
+    def send_many(self, ranks: List[int], msg: P.Message) -> None:
+        self._mail.put("send_many", ranks, msg)
+
+    def send(self, rank: int, msg: P.Message) -> None:
+        self._mail.put("send", rank, msg)
+
+    def flush(self, timeout: float) -> bool:
+        ev = threading.Event()
+        self._mail.put("flush", ev)
+        return ev.wait(timeout)
 
 
-class Controller(FlowMixin):
+class Controller:
     def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int,
                  standby: bool = False,
                  claims: Callable[[], Optional[C.ClaimSpace]] = C.registered) -> None:
@@ -62,14 +74,10 @@ class Controller(FlowMixin):
         self.sm = StateMachine(self.name)
         self.address: Optional[Tuple[str, int]] = None
         self.rejected_frames = 0
-        self.decision: Optional[Decision] = None
-        self.decided = threading.Event()
-        self.fault_at: Optional[float] = None
-        self.timeline: Dict[str, float] = {}  # flow milestones, time.monotonic()
-        self.faults: List[str] = []
-        self._ranks: Dict[int, RankInfo] = {}
+        self._ranks = Roster()
         self._cond = threading.Condition(threading.RLock())
         self._mail = Mailbox()
+        self._outbox = MailOutbox(self._mail)
         self._sel = selectors.DefaultSelector()
         self._listener: Optional[socket.socket] = None
         self._pending: Dict[Conn, float] = {}  # accepted, not registered yet
@@ -81,20 +89,36 @@ class Controller(FlowMixin):
         self._flush_waiters: List[threading.Event] = []
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._flow_thread: Optional[threading.Thread] = None
-        self._promoted = False
-        self._flow_id = 0
-        self._lock_msgs: List[P.Message] = []  # also sent to ranks registering mid-flow
-        self._reports: Dict[int, Dict[int, Tuple[Optional[int], bool]]] = {1: {}, 2: {}}
-        self._results: Dict[int, P.Message] = {}
         self._backups: List[List[object]] = []
-        self._n_alive = 0
         self._progress_at: Optional[float] = None  # last heartbeat showing a step change
-        self._awaiting: Set[int] = set()  # ranks the flow still waits for (see _await)
-        self._await_kind: Tuple[str, int] = ("", 0)
-        self.claims = claims  # where faults are claimed (read at the fault: set after start)
-        self._claim: Optional[C.Claim] = None
-        self._save_store: Any = None  # the TCPStore of the current save order
+        # the save store is hosted on our listening address, known once listen() ran
+        self.flow = Flow(cfg, world_size, replica, host_rank, self.name, self.sm, self._cond,
+                         self._ranks, self._outbox, self._listen_host, claims)
+
+    # -- what the flow found (read by tests, benchmarks and the API) ---------------------------
+    @property
+    def decision(self) -> Optional[Decision]:
+        return self.flow.decision
+
+    @property
+    def decided(self) -> threading.Event:
+        return self.flow.decided
+
+    @property
+    def fault_at(self) -> Optional[float]:
+        return self.flow.fault_at
+
+    @property
+    def timeline(self) -> Dict[str, float]:
+        return self.flow.timeline
+
+    @property
+    def faults(self) -> List[str]:
+        return self.flow.faults
+
+    def _listen_host(self) -> str:
+        assert self.address is not None, "listen() first"
+        return self.address[0]
 
     # -- life cycle --------------------------------------------------------------------------
     def listen(self, ip: str, port: int) -> Tuple[str, int]:
@@ -130,10 +154,10 @@ class Controller(FlowMixin):
         if self.sm.is_in(S.SERVING) and wait_goodbyes > 0:
             deadline = time.monotonic() + wait_goodbyes
             with self._cond:
-                while any(i.status == "alive" for i in self._ranks.values()):
+                while self._ranks.alive():
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        busy = sorted(r for r, i in self._ranks.items() if i.status == "alive")
+                        busy = sorted(self._ranks.alive())
                         log.warning("%s: stopping while rank(s) %s still train: they are no "
                                     "longer protected", self.name, busy[:16])
                         break
@@ -149,14 +173,12 @@ class Controller(FlowMixin):
         self._close_all()
 
     def flush(self, timeout: float) -> bool:
-        ev = threading.Event()
-        self._mail.put("flush", ev)
-        return ev.wait(timeout)
+        return self._outbox.flush(timeout)
 
     @property
     def registered(self) -> List[int]:
         with self._cond:
-            return sorted(r for r, i in self._ranks.items() if i.status == "alive")
+            return sorted(self._ranks.alive())
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -240,7 +262,7 @@ class Controller(FlowMixin):
 
     def _send_alive_now(self, msg: P.Message, exclude: Optional[int] = None) -> None:
         payload = None
-        for info in list(self._ranks.values()):
+        for info in self._ranks.values():
             if info.status == "alive" and info.conn is not None and info.rank != exclude:
                 payload = payload or P.encode_payload(msg)
                 info.conn.queue_payload(msg.TYPE, payload)
@@ -296,15 +318,13 @@ class Controller(FlowMixin):
                         self._set_status(info, "gone", "left after the exit order")
                     else:
                         self._set_status(info, "dead", f"dead ({why})")
-                        self._fault(f"rank {info.rank} {info.note}")
+                        self.flow.fault(f"rank {info.rank} {info.note}")
 
     def _set_status(self, info: RankInfo, status: str, note: str) -> None:
         """Change a rank's status (caller holds _cond); a rank leaving 'alive' is no longer
         awaited by the flow."""
-        if info.status == "alive" and status != "alive":
-            self._n_alive -= 1
-            self._awaiting.discard(info.rank)
-        info.status, info.note = status, note
+        if self._ranks.set_status(info, status, note):
+            self.flow.left(info.rank)
         self._cond.notify_all()
 
     def _check_silence(self, now: float) -> None:
@@ -320,15 +340,15 @@ class Controller(FlowMixin):
         if stall and self._progress_at is not None and now - self._progress_at > stall \
                 and self.sm.is_in(S.SERVING):
             with self._cond:  # every rank alive yet none advanced: a job-wide stall
-                self._fault(f"no training progress for {now - self._progress_at:.1f} s "
+                self.flow.fault(f"no training progress for {now - self._progress_at:.1f} s "
                             f"(TTP_STEP_TIMEOUT={stall:g}) while every processor heartbeats")
         limit = self.cfg.heartbeat_timeout
-        for info in list(self._ranks.values()):
+        for info in self._ranks.values():
             if info.status == "alive" and now - info.last_seen > limit:
                 with self._cond:
                     self._set_status(info, "hung",
                                      f"hung (no heartbeat for {now - info.last_seen:.1f} s)")
-                    self._fault(f"rank {info.rank} {info.note}")
+                    self.flow.fault(f"rank {info.rank} {info.note}")
                 if info.conn is not None:
                     conn, info.conn = info.conn, None
                     self._drop(conn, "hung")
@@ -354,17 +374,13 @@ class Controller(FlowMixin):
             self._flush(conn)
         elif isinstance(msg, P.FaultReport):
             with self._cond:
-                self._fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}")
+                self.flow.fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}")
         elif isinstance(msg, P.StateReport):
             with self._cond:
-                if msg.flow_id == self._flow_id and msg.phase in self._reports:
-                    self._reports[msg.phase][info.rank] = (msg.step, msg.updating)
-                    self._arrived(("report", msg.phase), info.rank)
+                self.flow.report(msg.flow_id, msg.phase, info.rank, msg.step, msg.updating)
         elif isinstance(msg, (P.SaveResult, P.RenameResult)):
             with self._cond:
-                if msg.flow_id == self._flow_id:
-                    self._results[info.rank] = msg
-                    self._arrived(("result", 0), info.rank)
+                self.flow.result(msg.flow_id, info.rank, msg)
         elif isinstance(msg, P.Goodbye):
             with self._cond:
                 self._set_status(info, "gone", "finished training")
@@ -412,17 +428,13 @@ class Controller(FlowMixin):
             self._pending.pop(conn, None)
             conn.dec.authenticated()
             conn.rank = m.rank
-            if old is None or old.status != "alive":
-                self._n_alive += 1
-            self._ranks[m.rank] = RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port,
-                                           conn, now, m.step, m.updating)
-            kind, phase = self._await_kind
-            if kind == "report" and m.rank not in self._reports.get(phase, {}):
-                self._awaiting.add(m.rank)  # joined mid-flow: it gets the lock orders below
+            self._ranks.register(RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port,
+                                          conn, now, m.step, m.updating))
+            self.flow.joined(m.rank)  # if mid-flow: it gets the lock orders below
             self._cond.notify_all()
         conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
                                  self._backups))
-        for lock_msg in self._lock_msgs:
+        for lock_msg in self.flow.lock_msgs:
             conn.queue(lock_msg)
         self._flush(conn)
         if m.failover or m.locked:
@@ -430,16 +442,15 @@ class Controller(FlowMixin):
         if self.sm.is_in(S.SERVING) and m.standby_port > 0 and m.rank != self.host_rank:
             self._consider_backup(m.rank, m.host, m.standby_port)
         if self.sm.is_in(S.STANDBY):
-            alive = self._n_alive
+            alive = self._ranks.n_alive
             if 2 * alive >= self.world_size:  # exactly half: the fault claim decides
-                self._promoted = True
                 share = "a majority" if 2 * alive > self.world_size else \
                     "exactly half: the fault claim decides whether it saves"
                 self.sm.transition_to(S.SERVING, f"{alive} of {self.world_size} ranks failed "
                                       f"over ({share})")
                 with self._cond:
-                    self._fault(f"primary controller lost ({alive} ranks failed over to "
-                                f"rank {self.host_rank})")
+                    self.flow.fault(f"primary controller lost ({alive} ranks failed over to "
+                                    f"rank {self.host_rank})", promoted=True)
 
     def _consider_backup(self, rank: int, host: str, port: int) -> None:
         """Keep the two best standby candidates: other hosts first, then lowest rank."""
@@ -455,7 +466,7 @@ class Controller(FlowMixin):
             self._send_alive_now(P.Backups(new))
 
     def _send_alive(self, msg: P.Message, exclude: Optional[int] = None) -> None:
-        self._mail.put("send_alive", msg, exclude)
+        self._outbox.broadcast(msg, exclude)
 
     def _close_all(self) -> None:
         for conn in list(self._conns.values()):

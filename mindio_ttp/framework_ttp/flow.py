@@ -1,10 +1,15 @@
-"""The dying-checkpoint flow, run by the controller in its own thread after the first fault.
+"""The dying-checkpoint flow: what a controller does about a fault, in its own thread.
 
 lock (phase 1) -> advance to the newest step (phase 2) -> choose_step -> claim the fault ->
 save orders (each with its own store) -> rename on one rank -> exit orders. Every wait is
-bounded and O(1) per answer: the controller's I/O thread removes answering (or dying) ranks
-from `_awaiting` and wakes the flow only when the set is empty. Mixed into `Controller`, whose
-attributes it uses.
+bounded and O(1) per answer: the controller's I/O thread tells the flow of each answer (or
+death) and the flow wakes only when nobody it waits for is left.
+
+A `Flow` is owned by one controller and is given exactly what it uses, so it can run (and be
+tested) without one: the controller's condition (`lock`, which guards the roster and the flow's
+own answer sets), its state machine (the one place for states), its `Roster`, and an `Outbox`
+(four ways to send). The controller's I/O thread calls back into the flow through `fault`,
+`joined`, `left`, `report` and `result`, always holding `lock`.
 """
 
 from __future__ import annotations
@@ -13,14 +18,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
 from . import claim as C
 from . import protocol as P
 from . import save_session
-from .config import Outcome
+from .config import Outcome, TTPConfig
+from .roster import Roster
 from .selection import Layout, choose_step, savers_for, states_from
 from .state import ControllerState as S
+from .state import StateMachine
 
 log = logging.getLogger("mindio_ttp.controller")
 
@@ -34,22 +41,99 @@ class Decision:
     seconds: float  # from the first fault to the exit orders
 
 
-class FlowMixin:
-    def _fault(self, desc: str) -> None:
-        """Record a fault (caller holds _cond); the first one starts the flow thread."""
+class Outbox(Protocol):
+    """How the flow reaches the ranks: the controller's I/O thread does the sending, so none of
+    these blocks on a socket (flush waits, bounded, until every queued frame is written)."""
+
+    def broadcast(self, msg: P.Message, exclude: Optional[int] = None) -> None:
+        """To every live rank (but `exclude`)."""
+
+    def send_many(self, ranks: List[int], msg: P.Message) -> None:
+        """To these ranks, serialised once."""
+
+    def send(self, rank: int, msg: P.Message) -> None:
+        """To one rank."""
+
+    def flush(self, timeout: float) -> bool:
+        """True once everything queued so far is written."""
+
+
+class Flow:
+    def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int, name: str,
+                 sm: StateMachine, lock: threading.Condition, roster: Roster, outbox: Outbox,
+                 store_host: Callable[[], str],
+                 claims: Callable[[], Optional[C.ClaimSpace]] = C.registered) -> None:
+        self.cfg, self.world_size, self.replica = cfg, world_size, replica
+        self.host_rank, self.name = host_rank, name
+        self.sm = sm
+        self._cond = lock
+        self._ranks = roster
+        self._out = outbox
+        self._store_host = store_host  # the controller's address: known once it listens
+        self._claims = claims  # where faults are claimed (read at the fault: set after start)
+        self.decision: Optional[Decision] = None
+        self.decided = threading.Event()
+        self.fault_at: Optional[float] = None
+        self.timeline: Dict[str, float] = {}  # flow milestones, time.monotonic()
+        self.faults: List[str] = []
+        self._thread: Optional[threading.Thread] = None
+        self._promoted = False
+        self._flow_id = 0
+        self._lock_msgs: List[P.Message] = []  # also sent to ranks registering mid-flow
+        self._reports: Dict[int, Dict[int, Tuple[Optional[int], bool]]] = {1: {}, 2: {}}
+        self._results: Dict[int, P.Message] = {}
+        self._awaiting: Set[int] = set()  # ranks the flow still waits for (see _await)
+        self._await_kind: Tuple[str, int] = ("", 0)
+        self._claim: Optional[C.Claim] = None
+        self._save_store: Any = None  # the TCPStore of the current save order
+
+    # -- called by the controller's I/O thread, holding `lock` ----------------------------------
+    def fault(self, desc: str, promoted: bool = False) -> None:
+        """Record a fault; the first one while SERVING starts the flow thread. `promoted`: this
+        controller is a standby that just took over, so slower processors may still fail over
+        to it before the flow freezes the membership."""
         self.faults.append(desc)
-        if self._flow_thread is not None:
+        if self._thread is not None:
             log.warning("%s: further fault during the flow: %s", self.name, desc)
             return
         if not self.sm.is_in(S.SERVING):
             return
         log.error("%s: FAULT %s; starting the dying-checkpoint flow", self.name, desc)
+        self._promoted = promoted
         self.fault_at = time.monotonic()
         self.timeline["fault"] = self.fault_at
         self.sm.transition_to(S.COLLECTING, desc)
-        self._flow_thread = threading.Thread(target=self._flow, name="ttp-flow", daemon=True)
-        self._flow_thread.start()
+        self._thread = threading.Thread(target=self._flow, name="ttp-flow", daemon=True)
+        self._thread.start()
 
+    def joined(self, rank: int) -> None:
+        """A rank registered (again) mid-flow: it gets `lock_msgs` and is awaited for them."""
+        kind, phase = self._await_kind
+        if kind == "report" and rank not in self._reports.get(phase, {}):
+            self._awaiting.add(rank)
+
+    def left(self, rank: int) -> None:
+        """A rank is no longer alive: the flow stops waiting for it."""
+        self._awaiting.discard(rank)
+
+    def report(self, flow_id: int, phase: int, rank: int, step: Optional[int],
+               updating: bool) -> None:
+        if flow_id == self._flow_id and phase in self._reports:
+            self._reports[phase][rank] = (step, updating)
+            self._arrived(("report", phase), rank)
+
+    def result(self, flow_id: int, rank: int, msg: P.Message) -> None:
+        """A SaveResult or RenameResult."""
+        if flow_id == self._flow_id:
+            self._results[rank] = msg
+            self._arrived(("result", 0), rank)
+
+    @property
+    def lock_msgs(self) -> List[P.Message]:
+        """The lock orders of the running flow, for a rank that registers mid-flow."""
+        return list(self._lock_msgs)
+
+    # -- the flow thread -----------------------------------------------------------------------
     def _flow(self) -> None:
         try:
             outcome, step, ranks, reason = self._run_flow()
@@ -70,9 +154,9 @@ class FlowMixin:
             return True
 
     def _await(self, timeout: float) -> List[int]:
-        """Block until every rank in `ranks` answered `kind` (or died), or timeout; returns the
-        ranks still missing. O(1) per answer: the I/O thread shrinks the set and only wakes
-        us when it is empty, so 4096 answers cost no quadratic re-scans."""
+        """Block until every rank named by the last `_expect` answered (or died), or timeout;
+        returns the ranks still missing. O(1) per answer: the I/O thread shrinks the set and
+        only wakes us when it is empty, so 4096 answers cost no quadratic re-scans."""
         deadline = time.monotonic() + timeout
         with self._cond:
             try:
@@ -99,12 +183,13 @@ class FlowMixin:
                 self._cond.notify_all()
 
     def _alive(self) -> List[int]:
-        return [r for r, i in self._ranks.items() if i.status == "alive"]
+        with self._cond:  # the I/O thread may register a rank meanwhile
+            return self._ranks.alive()
 
     def _run_flow(self) -> Tuple[Outcome, Optional[int], List[int], str]:
         cfg = self.cfg
         if self._promoted:  # let slower processors fail over before freezing the membership
-            self._wait_until(lambda: self._n_alive >= self.world_size - 1,
+            self._wait_until(lambda: self._ranks.n_alive >= self.world_size - 1,
                              2 * cfg.heartbeat_interval + 0.5)
         with self._cond:
             self._flow_id += 1
@@ -113,7 +198,7 @@ class FlowMixin:
             self._lock_msgs = [P.Lock(fid)]
         # phase 1: freeze (no new update may start) and learn who is where
         self._expect(("report", 1), self._alive())
-        self._send_alive(self._lock_msgs[0])
+        self._out.broadcast(self._lock_msgs[0])
         self._await(cfg.collect_timeout)
         self.timeline["locked"] = time.monotonic()
         with self._cond:
@@ -124,13 +209,13 @@ class FlowMixin:
         with self._cond:
             self._lock_msgs.append(advance)
             self._expect(("report", 2), self._alive())
-        self._send_alive(advance)
+        self._out.broadcast(advance)
         silent = self._await(cfg.update_grace + cfg.heartbeat_interval + 1.0)
         with self._cond:
             for r in silent:
                 self._ranks[r].note = "did not answer the collect in time"
             reports = dict(self._reports[2])
-            notes = {r: i.note for r, i in self._ranks.items()}
+            notes = {i.rank: i.note for i in self._ranks.values()}
             for r in range(self.world_size):
                 notes.setdefault(r, "did not register with this controller (dead or hung)")
             groups = {i.dp_ranks for i in self._ranks.values()}
@@ -154,9 +239,9 @@ class FlowMixin:
         log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why, savers)
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
         # the chosen ranks rendezvous on a store this controller hosts for this order alone
-        self._save_store, port = save_session.host_store(self.address[0], cfg.save_time_limit)
+        self._save_store, port = save_session.host_store(self._store_host(), cfg.save_time_limit)
         order = P.SaveOrder(fid, step, savers, cfg.save_time_limit,
-                            save_session.format_address(self.address[0], port),
+                            save_session.format_address(self._store_host(), port),
                             save_session.new_tag())
         ok, why = self._order(savers, order, cfg.save_time_limit)
         self.timeline["saved"] = time.monotonic()
@@ -178,7 +263,7 @@ class FlowMixin:
         claim (whatever its size: a split job's halves cannot count each other, the claim file
         is the one decision both see). Without one, only with a strict majority of the world
         answering: two disjoint parts cannot both have one."""
-        space = self.claims()
+        space = self._claims()
         if space is None:
             if 2 * len(members) > self.world_size:
                 return True, f"{len(members)} of {self.world_size} ranks answered (a majority)"
@@ -198,7 +283,7 @@ class FlowMixin:
             self._results.clear()
             self._expect(("result", 0), ranks)
         t0 = time.monotonic()
-        self._mail.put("send_many", ranks, msg)
+        self._out.send_many(ranks, msg)
         self._await(limit + 2 * self.cfg.heartbeat_interval + 1.0)
         errors = []
         with self._cond:
@@ -229,11 +314,11 @@ class FlowMixin:
         self._save_store = None  # the save is over: stop its store
         order = P.ExitOrder(self._flow_id, outcome.value, step, ranks, outcome.exit_code, reason)
         # our own process exits on its order: every other rank must have its order first
-        self._send_alive(order, exclude=self.host_rank)
-        self.flush(2.0)
+        self._out.broadcast(order, exclude=self.host_rank)
+        self._out.flush(2.0)
         self.timeline["exit_sent"] = time.monotonic()
         self.decided.set()
-        self._mail.put("send", self.host_rank, order)
+        self._out.send(self.host_rank, order)
 
 
 def _summary(reports: Dict[int, Tuple[Optional[int], bool]]) -> str:

@@ -1,6 +1,12 @@
-"""Running the save and rename handlers for the processor: one handler thread at a time,
-each with a deadline the processor's loop enforces (a handler cannot be killed; past its limit
-it is reported as failed and the exit order ends the process).
+"""Running the save and rename handlers of one rank: one handler thread at a time, each with a
+deadline the processor's loop enforces (a handler cannot be killed; past its limit it is
+reported as failed and the exit order ends the process).
+
+`Handlers` is owned by the processor and given only what it uses, so it runs (and is tested)
+without one: the rank, `send` (a result to the controller, called on the processor's thread)
+and `done` (a handler's end, called on the handler's thread: it must hand over to the
+processor's thread, which then calls `finished`). The processor's loop asks it for `deadline()`
+and calls `expire(now)`; orders arrive through `start_save` and `start_rename`.
 """
 
 from __future__ import annotations
@@ -8,12 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 from . import protocol as P
 from . import save_session
 from .device import NO_DEVICE
-from .hooks import STATE
+from .hooks import STATE, HotState
 
 log = logging.getLogger("mindio_ttp.processor")
 
@@ -21,7 +27,9 @@ log = logging.getLogger("mindio_ttp.processor")
 HANDLERS: dict = {"save": None, "rename": None, "device": NO_DEVICE}
 
 
-class _Job:
+class Job:
+    """One handler run: what it answers (kind, flow), and when it must have answered."""
+
     def __init__(self, kind: str, fid: int, limit: float) -> None:
         self.kind, self.fid = kind, fid
         self.t0 = time.monotonic()
@@ -29,11 +37,22 @@ class _Job:
         self.reported = False
 
 
-class HandlerMixin:
-    """Mixed into Processor: needs rank, _mail, _send, _job, _job_thread."""
+class Handlers:
+    def __init__(self, rank: int, send: Callable[[P.Message], None],
+                 done: Callable[[Job, bool, str], None], state: HotState = STATE,
+                 registry: Mapping[str, Any] = HANDLERS) -> None:
+        self.rank = rank
+        self._send = send
+        self._done = done
+        self._state = state  # this rank's step, and the ckpt_args the handlers get
+        self._registry = registry  # read at each order: handlers may be registered late
+        self._job: Optional[Job] = None
+        self._job_thread: Optional[threading.Thread] = None
+        self._session: Optional[save_session.SaveSession] = None  # of the last save order
 
-    def _start_save(self, m: P.SaveOrder) -> None:
-        step, updating = STATE.snapshot()
+    # -- orders (on the processor's thread) ------------------------------------------------------
+    def start_save(self, m: P.SaveOrder) -> None:
+        step, updating = self._state.snapshot()
         problem = ""
         if step != m.step or updating:
             problem = (f"rank {self.rank} holds step {step}{' (updating)' if updating else ''},"
@@ -54,21 +73,43 @@ class HandlerMixin:
             self._send(P.SaveResult(m.flow_id, self.rank, False, problem, 0.0))
             return
         self._session = session
-        self._start_job("save", m.flow_id, m.time_limit, HANDLERS["save"],
-                        (m.step, list(m.save_ranks), STATE.ckpt_args), session)
+        self._start_job("save", m.flow_id, m.time_limit, self._registry["save"],
+                        (m.step, list(m.save_ranks), self._state.ckpt_args), session)
 
-    def _start_rename(self, m: P.RenameOrder) -> None:
+    def start_rename(self, m: P.RenameOrder) -> None:
         """The rename runs in the session of this flow's save order (its staging directory)."""
         session = self._session
         if session is not None and (session.flow_id, session.step) != (m.flow_id, m.step):
             session = None
-        self._start_job("rename", m.flow_id, m.time_limit, HANDLERS["rename"],
-                        (m.step, STATE.ckpt_args), session)
+        self._start_job("rename", m.flow_id, m.time_limit, self._registry["rename"],
+                        (m.step, self._state.ckpt_args), session)
 
+    # -- the processor's loop --------------------------------------------------------------------
+    def deadline(self) -> Optional[float]:
+        """When the running handler must have answered; None when none is outstanding."""
+        job = self._job
+        return job.deadline if job is not None and not job.reported else None
+
+    def expire(self, now: float) -> None:
+        """Report a handler past its deadline as failed (it keeps running: it cannot be
+        killed; the exit order ends the process)."""
+        job = self._job
+        if job is not None and not job.reported and now > job.deadline:
+            job.reported = True
+            self._result(job, False, f"{job.kind} handler exceeded its time limit "
+                                     f"({job.deadline - job.t0:g} s)")
+
+    def finished(self, job: Job, ok: bool, err: str) -> None:
+        """A handler ended (handed over by `done`): its result, unless it already expired."""
+        if not job.reported:
+            job.reported = True
+            self._result(job, ok, err)
+
+    # -- internals -------------------------------------------------------------------------------
     def _start_job(self, kind: str, fid: int, limit: float, fn: Optional[Callable[..., Any]],
                    args: Tuple[Any, ...],
                    session: Optional[save_session.SaveSession] = None) -> None:
-        job = _Job(kind, fid, limit)
+        job = Job(kind, fid, limit)
         if fn is None:
             self._result(job, False, f"no {kind} handler registered on rank {self.rank} "
                          f"(call ttp_register_{'save_ckpt' if kind == 'save' else kind}_handler)")
@@ -76,7 +117,8 @@ class HandlerMixin:
         self._job = job
         log.info("rank %d: running the %s handler for step %s", self.rank, kind, args[0])
         prev = self._job_thread
-        binding = HANDLERS.get("device") or NO_DEVICE
+        binding = self._registry.get("device") or NO_DEVICE
+        done = self._done
 
         def run() -> None:
             # a flow re-run by a standby controller may order the same save again: never run
@@ -84,8 +126,7 @@ class HandlerMixin:
             if prev is not None and prev.is_alive():
                 prev.join(max(0.0, job.deadline - time.monotonic()))
                 if prev.is_alive():
-                    self._mail.put("job_done", job, False, "the previous handler of this rank "
-                                   "is still running")
+                    done(job, False, "the previous handler of this rank is still running")
                     return
             save_session.activate(session)
             try:
@@ -93,13 +134,13 @@ class HandlerMixin:
                 fn(*args)
             except BaseException as exc:  # report anything; the exit order ends the process
                 log.exception("rank %d: %s handler failed", self.rank, kind)
-                self._mail.put("job_done", job, False, f"{type(exc).__name__}: {exc}"[:2000])
+                done(job, False, f"{type(exc).__name__}: {exc}"[:2000])
             else:
-                self._mail.put("job_done", job, True, "")
+                done(job, True, "")
         self._job_thread = threading.Thread(target=run, name=f"ttp-{kind}-handler", daemon=True)
         self._job_thread.start()
 
-    def _result(self, job: _Job, ok: bool, err: str) -> None:
+    def _result(self, job: Job, ok: bool, err: str) -> None:
         secs = time.monotonic() - job.t0
         cls = P.SaveResult if job.kind == "save" else P.RenameResult
         (log.info if ok else log.error)("rank %d: %s handler %s in %.3f s%s", self.rank, job.kind,

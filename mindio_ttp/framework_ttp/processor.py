@@ -5,6 +5,10 @@ the rank can still answer, save (handlers run in a processor-owned thread, time-
 exit. It also hosts this rank's standby controller. When the controller dies or falls silent
 the processor stops its own training (lock), then registers with the announced backups in
 order; if none answers within TTP_OT it ends the process with ExitCode.NO_VERDICT.
+
+The handlers are a composed `Handlers` object (handlers.py), not a mixin: the processor gives it
+`_send` and a way to hand a handler's end back to this thread (the mailbox), and its loop asks
+it for the running handler's deadline.
 """
 
 from __future__ import annotations
@@ -24,9 +28,8 @@ from . import protocol as P
 from .config import FLOW_FINISHED_FILE, Outcome, TTPConfig
 from .controller import Controller
 from .flow_record import FlowRecord
-from .handlers import HANDLERS, HandlerMixin, _Job  # noqa: F401 - HANDLERS re-exported
+from .handlers import HANDLERS, Handlers, Job
 from .hooks import STATE, TTPError
-from .save_session import SaveSession
 from .session import RankHandshake
 from .transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 
@@ -42,7 +45,7 @@ class HandshakeFailed(Exception):
     """The listener did not complete the handshake; the text says why and what to do."""
 
 
-class Processor(HandlerMixin):
+class Processor:
     def __init__(self, cfg: TTPConfig, rank: int, dp_ranks: List[int], world_size: int,
                  replica: int) -> None:
         self.cfg, self.rank, self.dp_ranks = cfg, rank, list(dp_ranks)
@@ -63,9 +66,7 @@ class Processor(HandlerMixin):
         self._stop = threading.Event()
         self._closing = False
         self._seq = 0
-        self._job: Optional[_Job] = None
-        self._job_thread: Optional[threading.Thread] = None
-        self._session: Optional[SaveSession] = None  # of the last save order
+        self.handlers = Handlers(rank, self._send, self._handler_done)
         self._preempted = False
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
@@ -242,8 +243,9 @@ class Processor(HandlerMixin):
             wake = [next_hb]
             if self._conn is not None:
                 wake.append(self._conn.last_rx + cfg.heartbeat_timeout)
-            if self._job is not None and not self._job.reported:
-                wake.append(self._job.deadline)
+            job_deadline = self.handlers.deadline()
+            if job_deadline is not None:
+                wake.append(job_deadline)
             if self._fault_time is not None:
                 wake.append(self._fault_time + self.ot)
             for key, mask in self._sel.select(max(0.0, min(wake) - time.monotonic())):
@@ -261,11 +263,7 @@ class Processor(HandlerMixin):
             now = time.monotonic()
             if self._conn is not None and now - self._conn.last_rx > cfg.heartbeat_timeout:
                 self._controller_lost(f"controller silent for {now - self._conn.last_rx:.1f} s")
-            job = self._job
-            if job is not None and not job.reported and now > job.deadline:
-                job.reported = True
-                self._result(job, False, f"{job.kind} handler exceeded its time limit "
-                                         f"({job.deadline - job.t0:g} s)")
+            self.handlers.expire(now)
             if self._fault_time is not None and now > self._fault_time + self.ot:
                 self._exit(Outcome.NO_VERDICT, None, [], f"no exit order within TTP_OT="
                            f"{self.ot:g} s after the fault")
@@ -312,14 +310,15 @@ class Processor(HandlerMixin):
             elif kind == "state":
                 self._send(P.StateReport(item[1], 2, self.rank, item[2], item[3]))
             elif kind == "job_done":
-                job, ok, err = item[1], item[2], item[3]
-                if not job.reported:
-                    job.reported = True
-                    self._result(job, ok, err)
+                self.handlers.finished(item[1], item[2], item[3])
             elif kind == "goodbye":
                 self._closing = True
                 self._send(P.Goodbye(self.rank))
                 item[1].set()
+
+    def _handler_done(self, job: Job, ok: bool, err: str) -> None:
+        """On a handler's thread: its result is sent from ours (only we touch the socket)."""
+        self._mail.put("job_done", job, ok, err)
 
     def _note_fault(self) -> None:
         self.fault_seen = True
@@ -344,9 +343,9 @@ class Processor(HandlerMixin):
                 self._mail.put("state", fid, step, updating)
             threading.Thread(target=advance, name="ttp-advance", daemon=True).start()
         elif isinstance(m, P.SaveOrder):
-            self._start_save(m)
+            self.handlers.start_save(m)
         elif isinstance(m, P.RenameOrder):
-            self._start_rename(m)
+            self.handlers.start_rename(m)
         elif isinstance(m, P.ExitOrder):
             self._exit(Outcome(m.outcome), m.step, m.ranks, m.reason, m.exit_code)
         elif isinstance(m, P.Closing):
