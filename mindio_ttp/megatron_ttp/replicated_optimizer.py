@@ -450,9 +450,12 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
 
 
 def _hostname() -> str:
-    """This rank's host name; TTP_TEST_HOSTNAME overrides it (test-only: lets one machine
-    play a multi-host job for the partner-placement check)."""
-    return os.environ.get(ttp_config.ENV_TEST_HOSTNAME) or socket.gethostname()
+    """This rank's host name. TTP_TEST_HOSTNAME (test-only: lets one machine play a multi-host
+    job for the partner-placement check) is a comma-separated list, entry r for global rank r."""
+    fake = os.environ.get(ttp_config.ENV_TEST_HOSTNAME)
+    if fake:
+        return fake.split(",")[torch.distributed.get_rank()]
+    return socket.gethostname()
 
 
 def check_partner_hosts(dp_groups, hosts: Dict[int, str]) -> None:
@@ -469,11 +472,16 @@ def check_partner_hosts(dp_groups, hosts: Dict[int, str]) -> None:
         return
     head = ", ".join(f"ranks {a} and {b} on {hosts[a]}" for a, b in same[:4])
     more = f" and {len(same) - 4} more" if len(same) > 4 else ""
-    msg = (f"mindio_ttp: {len(same)} optimizer shard(s) have both copies on one host ({head}"
-           f"{more}): losing that host loses the shard and the dying checkpoint. DP position p "
-           f"is paired with position p + DP/2: order the ranks (torchrun node ranks, or "
-           f"fewer ranks per host) so that the first half of every DP group runs on other "
-           f"hosts than its second half")
+    total = sum(len(ranks) // 2 for ranks in dp_groups)
+    gap = same[0][1] - same[0][0]
+    per_host = max(sum(1 for h in hosts.values() if h == host) for host in set(hosts.values()))
+    msg = (f"mindio_ttp: {len(same)} optimizer shard(s) of {total} have both copies on one "
+           f"host ({head}{more}): losing that host loses the shard and the dying checkpoint. "
+           f"DP position p is paired with position p + DP/2, here {gap} global ranks apart, "
+           f"and a host holds up to {per_host} ranks. Fix the rank order so that ranks r and "
+           f"r + {gap} never share a host: hosts holding consecutive blocks of at most {gap} "
+           f"ranks (torchrun --node-rank in host order, at most {gap} ranks per host), or "
+           f"rank r on host (r // {gap}) % (number of hosts)")
     if os.environ.get(ttp_config.ENV_REQUIRE_CROSS_HOST_REPLICAS, "") == "1":
         raise RuntimeError(msg + f"; refusing to start because "
                            f"{ttp_config.ENV_REQUIRE_CROSS_HOST_REPLICAS}=1")

@@ -5,13 +5,14 @@ uninterrupted run. Needs TTP_MEGATRON_DIR."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 from megatron_e2e import N_ITERS, copy_checkpoints, loss_table, run_job, tracker_step
 
-from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints
+from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints, load_checkpoint_file
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -23,7 +24,7 @@ CASES = {
     "bf16_after_update": (["--bf16"], 4, "1:5:sigkill:after", 5),
     "fp16_dynamic_scale_inside": (FP16, 4, "2:5:sigkill:inside", 5),
     "fp16_dynamic_scale_before": (FP16, 4, "3:6:sigkill:before", 5),
-    "dp8_after_update": ([], 8, "6:5:sigkill:after", 5),
+    "dp8_after_update": (["--global-batch-size", "16"], 8, "6:5:sigkill:after", 5),
 }
 
 
@@ -59,4 +60,39 @@ def test_dying_checkpoint_resumes_bit_exact(name, patched_megatron_tree, tiny_da
     print(loss_table({"uninterrupted": ref.losses, "resumed": resumed.losses}))
     assert resumed.losses == {i: v for i, v in ref.losses.items() if i > saved}
     comparison = compare_checkpoints(resumed_ckpt, ref_ckpt, N_ITERS)
+    assert comparison.bit_exact, comparison.summary()
+
+
+GROUP_STEP_HOOK = Path(__file__).resolve().parent / "group_step_adam"
+
+
+def test_step_kept_in_param_groups_resumes_with_the_right_step(patched_megatron_tree,
+                                                               tiny_dataset, work):
+    """An optimizer that keeps `step` in its param groups (like apex FusedAdam), where some DP
+    position's stripe has no parameter of one group: the dying checkpoint resumes bit-exact,
+    and every saved group counts every update."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(GROUP_STEP_HOOK),
+                                                       os.environ.get("PYTHONPATH")])),
+           "TTP_TEST_GROUP_STEP_ADAM": "1"}
+    kwargs = dict(env_extra=env, save_interval=4)
+    ref_ckpt = work / "groupstep_ref"
+    ref = run_job(patched_megatron_tree, tiny_dataset, work / "groupstep_ref.log", ref_ckpt,
+                  **kwargs)
+    assert ref.returncode == 0, ref.tail()
+    ckpt = work / "groupstep_killed"
+    killed = run_job(patched_megatron_tree, tiny_dataset, work / "groupstep_killed.log", ckpt,
+                     plan="2:7:sigkill:before", **kwargs)
+    assert tracker_step(ckpt) == 6, killed.tail()
+    groups = {}
+    for path in sorted((ckpt / "iter_0000006").rglob("optim.pt")):
+        saved = load_checkpoint_file(path)["optimizer"]["optimizer"]["param_groups"]
+        groups[path.parent.name] = [(g.get("weight_decay"), g.get("step")) for g in saved]
+    print(groups)
+    assert any(len(g) == 1 for g in groups.values()), "no stripe lacks a group: not exercised"
+    assert all(step == 6 for g in groups.values() for _, step in g), groups
+    resumed = run_job(patched_megatron_tree, tiny_dataset, work / "groupstep_resumed.log",
+                      ckpt, **kwargs)
+    assert resumed.returncode == 0, resumed.tail()
+    assert resumed.losses == {i: v for i, v in ref.losses.items() if i > 6}
+    comparison = compare_checkpoints(ckpt, ref_ckpt, N_ITERS)
     assert comparison.bit_exact, comparison.summary()

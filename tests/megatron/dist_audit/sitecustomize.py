@@ -98,7 +98,9 @@ def _wrap_collective(name, real):
         _write({"op": name, "group": _group_name(group), "group_size": size,
                 "devices": sorted({str(t.device) for t in tensors}),
                 "bytes": sum(t.numel() * t.element_size() for t in tensors),
-                "tensor_bytes": [t.numel() * t.element_size() for t in tensors][:64]})
+                "tensor_bytes": [t.numel() * t.element_size() for t in tensors][:64],
+                "p2p": [getattr(getattr(o, "op", None), "__name__", "?") for o in
+                        (args[0] if name == "batch_isend_irecv" and args else [])][:64]})
         return real(*args, **kwargs)
 
     return audited
