@@ -39,7 +39,7 @@ import os
 import socket
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -87,7 +87,6 @@ class Stripe:
     shard_fp32_groups: list
     shard_fp32_from_float16_groups: list
     optimizer: Any
-    groups: List[List[torch.Tensor]] = field(default_factory=list)
 
     def param_range(self, model_param, key: str) -> Range:
         model_index, dtype = self.param_gbuf_map[model_param]
@@ -95,6 +94,16 @@ class Stripe:
 
     def main_params(self) -> List[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def main_of(self) -> Dict[int, torch.Tensor]:
+        """id(model param) -> the fp32 main shard this stripe updates for it."""
+        out = {}
+        for models, mains in ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                              (self.model_fp32_groups, self.shard_fp32_groups)):
+            for model_group, main_group in zip(models, mains):
+                for model_param, main in zip(model_group, main_group):
+                    out[id(model_param)] = main
+        return out
 
     def copy_model_grads_to_main_grads(self) -> None:
         """Stock `_copy_model_grads_to_main_grads` for this stripe's ranges."""
@@ -136,9 +145,6 @@ class Stripe:
                                               sd["shard_fp32_from_float16_groups"]):
             for current, saved in zip(current_group, saved_group):
                 current.data.copy_(saved.data)
-
-    def buffer_chunk_numel(self) -> int:
-        return sum(r["world"].size for ranges in self.gbuf_ranges for r in ranges.values())
 
 
 def stock_gbuf_range(model, dtype, position: int, dp: int) -> dict:
@@ -386,7 +392,7 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         if _load_source is not None:
             iter_dir, optim_file = _load_source
             path = Path(iter_dir) / optim_file(self.partner_position)
-            return torch.load(path, map_location="cpu", weights_only=False)["optimizer"]
+            return torch.load(path, map_location="cpu", weights_only=True)["optimizer"]
         both: List[Optional[dict]] = [None, None]
         torch.distributed.all_gather_object(both, mine, group=self.pair_group)
         ranks = sorted([torch.distributed.get_rank(), self.partner_rank])
@@ -409,19 +415,6 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         if self.partner_position not in chosen:
             positions.append(self.partner_position)
         return sorted(positions), min(chosen & {0, self.num_shards}) == self.dp_position
-
-    def stripe_main_params(self) -> Dict[Tuple[int, Any], Dict[int, torch.Tensor]]:
-        """fp32 main params of both stripes, per grad buffer: {buffer: {start: values}}."""
-        out: Dict[Tuple[int, Any], Dict[int, torch.Tensor]] = defaultdict(dict)
-        for stripe in self.stripes():
-            for mains, models in ((stripe.shard_fp32_from_float16_groups,
-                                   stripe.model_float16_groups),
-                                  (stripe.shard_fp32_groups, stripe.model_fp32_groups)):
-                for main_group, model_group in zip(mains, models):
-                    for main, model_param in zip(main_group, model_group):
-                        r = stripe.param_range(model_param, "gbuf_world")
-                        out[stripe.param_gbuf_map[model_param]][r.start] = main.detach()
-        return out
 
     # ---- TTP hooks (see StepRecord) ---------------------------------------------------
 

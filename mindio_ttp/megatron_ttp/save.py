@@ -129,28 +129,18 @@ def _stripe_chunks(optimizer: ReplicatedOptimizer) -> Dict[int, List[torch.Tenso
     each chunk the stock range of that position, padded to the stock range size."""
     out: Dict[int, List[torch.Tensor]] = {}
     for stripe in optimizer.stripes():
+        mains = stripe.main_of()
         chunks = []
         for mi, model in enumerate(optimizer.models):
             for dtype in model._grad_buffers:
                 rng = stripe.gbuf_ranges[mi][dtype]
                 chunk = torch.zeros(rng["max_range_size"], dtype=torch.float32)
                 for param, ranges in rng["param_map"].items():
-                    r, local = ranges["param"], ranges["gbuf_local"]
-                    chunk[local.start:local.end] = _main_of(stripe, param).detach().cpu()
-                    assert r.size == local.size
+                    local = ranges["gbuf_local"]
+                    chunk[local.start:local.end] = mains[id(param)].detach().view(-1).cpu()
                 chunks.append(chunk)
         out[stripe.position] = chunks
     return out
-
-
-def _main_of(stripe, model_param) -> torch.Tensor:
-    for models, mains in ((stripe.model_float16_groups, stripe.shard_fp32_from_float16_groups),
-                          (stripe.model_fp32_groups, stripe.shard_fp32_groups)):
-        for model_group, main_group in zip(models, mains):
-            for p, main in zip(model_group, main_group):
-                if p is model_param:
-                    return main.view(-1)
-    raise KeyError("model param not in this stripe")
 
 
 def _exchange_main_params(optimizer: ReplicatedOptimizer, save_ranks: Sequence[int],
