@@ -60,6 +60,17 @@ def barrier(group: Optional[dist.ProcessGroupGloo]) -> None:
         group.allreduce([torch.zeros(1)]).wait()
 
 
+def all_true(group: Optional[dist.ProcessGroupGloo], flag: bool) -> bool:
+    """Whether `flag` holds on every member (also a barrier); `flag` without a group."""
+    if group is None:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([t], opts).wait()
+    return bool(t.item())
+
+
 def allgather(group: Optional[dist.ProcessGroupGloo], tensor: torch.Tensor,
               size: int) -> List[torch.Tensor]:
     """Every member's `tensor` (all the same shape), in rank order; [tensor] without a group."""

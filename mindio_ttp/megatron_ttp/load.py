@@ -14,11 +14,15 @@ from typing import Iterator, List, Optional
 
 import torch
 from megatron import checkpointing, get_args, print_rank_0
+from megatron.core import mpu
 
 from . import manifest
 from .args_check import NEEDS_REPLICATED
-from .replicated_optimizer import ReplicatedOptimizer
+from .replicated_optimizer import ReplicatedOptimizer, loading_from
 from .save import parallel_layout
+
+tensor_rank = mpu.get_tensor_model_parallel_rank
+pipeline_rank = mpu.get_pipeline_model_parallel_rank
 
 
 def require_replicated(optimizer) -> None:
@@ -34,8 +38,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     if getattr(args, load_arg) is None:
         optimizer.record_loaded_step(0, opt_param_scheduler)
         return 0
-    step = choose_checkpoint(Path(getattr(args, load_arg)))
-    with _pinned_iteration(step):
+    load_dir = Path(getattr(args, load_arg))
+    step = choose_checkpoint(load_dir)
+    iter_dir = None if step is None else load_dir / manifest.iter_dir_name(step)
+    par, tp, pp = parallel_layout(), tensor_rank(), pipeline_rank()
+    # the partner stripe is read from the partner's stock file of the same checkpoint
+    with _pinned_iteration(step), loading_from(iter_dir, lambda dp: par.optim_file(tp, pp, dp)):
         iteration = checkpointing.load_checkpoint(model, optimizer, opt_param_scheduler,
                                                   load_arg=load_arg, strict=strict)
     optimizer.record_loaded_step(iteration, opt_param_scheduler)
@@ -58,7 +66,11 @@ def choose_checkpoint(load_dir: Path) -> Optional[int]:
     for step in candidates:
         iter_dir = load_dir / manifest.iter_dir_name(step)
         reason = manifest.verify(iter_dir, par, hash_files=share)
-        ok = torch.tensor([0 if reason else 1], dtype=torch.int64)
+        # on the default group, so on the device Megatron's own collectives use (NCCL and HCCL
+        # take no CPU tensors): Megatron's idiom, torch.cuda.current_device() (the device
+        # adaptor maps it to the NPU, the CPU adaptor to the CPU)
+        ok = torch.tensor([0 if reason else 1], dtype=torch.int64,
+                          device=torch.cuda.current_device())
         torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
         if reason:
             print(f"mindio_ttp: rank {rank} refuses checkpoint {iter_dir}: {reason}", flush=True)

@@ -1,219 +1,298 @@
 """`ReplicatedOptimizer`: Megatron's distributed optimizer with every state shard on two ranks.
 
-The DP group is cut into `replica_count` equal runs of positions; each run shards the optimizer
-state over itself, so positions i and i + dp/replica_count hold the same shard (the layout the
-TTP controller assumes). When a rank dies, a partner still holds its shard and the dying
-checkpoint can be written.
+Layout (striped). With d DP positions and s = d/2, DP position p keeps two *stripes*: its own
+stock stripe p (exactly the range Megatron's `DistributedOptimizer` gives position p, built by
+the stock code) and its partner's stripe p' = (p + s) mod d. So shard k (the TTP runtime's
+unit: positions k and k + s hold the same shard) is the pair of stock stripes {k, k + s}, and
+each position holds, in its own memory, the exact state stock Megatron keeps at position p
+*and* at its partner. That is what makes checkpoints local:
+
+- `state_dict()` returns the own stripe's stock state (references, like stock): no collective,
+  no copy; stock Megatron loads it and we load stock files.
+- `load_state_dict()` loads the own file into the own stripe and the partner's stock file
+  (read from the checkpoint directory `load.py` names) into the partner stripe; without a
+  directory, one exchange with the partner over the pair's own group.
+- The dying checkpoint writes each chosen rank's own file, and the partner's file from the
+  partner stripe when the partner is not saving (dead): no exchange of optimizer state.
+
+Per-step communication, on Megatron's groups and the job's backend only (NCCL, HCCL or gloo:
+no explicit backend anywhere here): stock reduce-scatter of grads over the DP group, then each
+rank swaps its reduced stripe with its partner (`batch_isend_irecv` on a 2-rank group per pair,
+created once at start-up with the default backend), then the stock param all-gather of own
+stripes. Bytes per rank per step: stock's 2(d-1)/d N plus N/d, i.e. 1 + 1/(2(d-1)) times stock.
 
 The TTP contract forbids collectives between `ttp_start_updating_os` and `ttp_end_updating_os`:
 a rank killed there must not leave survivors blocked half-updated. So every collective of the
-update (grad all-reduce, inf check, grad norm, zero count) runs in `reduce_model_grads`, whose
-results `step` only reads; the parameter all-gather stays in `gather_model_params`, after the
-window. Norm and zero count take contributions from the first replica only, so nothing is
-counted twice.
+update (reduce-scatter, partner swap, inf check, grad norm, zero count) runs in
+`reduce_model_grads`, whose results `step` only reads; the param all-gather stays in
+`gather_model_params`, after the window. Norm and zero count use only the own stripe (the stock
+code does exactly that), so every element counts once over the DP group; the inf check covers
+both stripes and is a MAX over the world, so both partners agree. Each rank updates both its
+stripes with the same grads, clip factor and hyperparameters, so the two copies of a stripe stay
+bit-identical (the optimizer update is elementwise).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import copy
+import os
+import socket
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from megatron import print_rank_0
 from megatron.core import mpu
 from megatron.optimizer.distrib_optimizer import DistributedOptimizer, Range
+from megatron.optimizer.optimizer import _zero_grad_group_helper
 
 from .. import framework_ttp
-from . import layout
-from .layout import PARAM_KEY, BufferSpec, Cut, ParamSpec
+from ..framework_ttp import config as ttp_config
 from .step_record import StepRecord
 
-DEFAULT_REPLICAS = 2
-_FLOAT16 = (torch.float16, torch.bfloat16)
+REPLICAS = 2  # the striped layout keeps every stripe on exactly two ranks
+
+# set by load.py around Megatron's loader: (iteration directory, tp rank, pp rank, layout)
+_load_source: Optional[Tuple[Path, Any]] = None
+
+
+@contextmanager
+def loading_from(iter_dir: Optional[Path], optim_file) -> Iterator[None]:
+    """While Megatron loads `iter_dir`, `load_state_dict` reads the partner's stock file from
+    there (`optim_file(position) -> relative path`) instead of exchanging it."""
+    global _load_source
+    previous = _load_source
+    _load_source = (iter_dir, optim_file) if iter_dir is not None else None
+    try:
+        yield
+    finally:
+        _load_source = previous
+
+
+@dataclass
+class Stripe:
+    """What stock DistributedOptimizer builds for one DP position, for a position of our
+    choice: ranges into the grad buffers, the model/main param groups, the inner optimizer."""
+
+    position: int
+    gbuf_ranges: list
+    param_gbuf_map: dict
+    opt_group_ranges: list
+    model_float16_groups: list
+    model_fp32_groups: list
+    shard_float16_groups: list
+    shard_fp32_groups: list
+    shard_fp32_from_float16_groups: list
+    optimizer: Any
+
+    def param_range(self, model_param, key: str) -> Range:
+        model_index, dtype = self.param_gbuf_map[model_param]
+        return self.gbuf_ranges[model_index][dtype]["param_map"][model_param][key]
+
+    def main_params(self) -> List[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def main_of(self) -> Dict[int, torch.Tensor]:
+        """id(model param) -> the fp32 main shard this stripe updates for it."""
+        out = {}
+        for models, mains in ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                              (self.model_fp32_groups, self.shard_fp32_groups)):
+            for model_group, main_group in zip(models, mains):
+                for model_param, main in zip(model_group, main_group):
+                    out[id(model_param)] = main
+        return out
+
+    def copy_model_grads_to_main_grads(self) -> None:
+        """Stock `_copy_model_grads_to_main_grads` for this stripe's ranges."""
+        for models, mains in ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                              (self.model_fp32_groups, self.shard_fp32_groups)):
+            for model_group, main_group in zip(models, mains):
+                for model_param, main in zip(model_group, main_group):
+                    r = self.param_range(model_param, "param")
+                    main.grad = model_param.main_grad.view(-1)[r.start:r.end].float()
+
+    def copy_main_params_to_param_buffer(self, param_buffers) -> None:
+        """Stock `_copy_main_params_to_model_params` for this stripe's ranges."""
+        for mains, models in ((self.shard_fp32_from_float16_groups, self.model_float16_groups),
+                              (self.shard_fp32_groups, self.model_fp32_groups)):
+            for main_group, model_group in zip(mains, models):
+                for main, model_param in zip(main_group, model_group):
+                    r = self.param_range(model_param, "gbuf_world")
+                    model_id, dtype = self.param_gbuf_map[model_param]
+                    param_buffers[model_id][dtype].view(-1)[r.start:r.end].data.copy_(main)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for groups in (self.shard_float16_groups, self.shard_fp32_groups,
+                       self.shard_fp32_from_float16_groups):
+            for group in groups:
+                _zero_grad_group_helper(group, set_to_none)
+
+    def state_dict(self, grad_scaler) -> dict:
+        """Stock DistributedOptimizer.state_dict() of this position: references, no copy."""
+        sd = {"optimizer": self.optimizer.state_dict()}
+        if grad_scaler:
+            sd["grad_scaler"] = grad_scaler.state_dict()
+        sd["shard_fp32_from_float16_groups"] = self.shard_fp32_from_float16_groups
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Stock DistributedOptimizer.load_state_dict() for this stripe (grad scaler aside)."""
+        self.optimizer.load_state_dict(sd["optimizer"])
+        for current_group, saved_group in zip(self.shard_fp32_from_float16_groups,
+                                              sd["shard_fp32_from_float16_groups"]):
+            for current, saved in zip(current_group, saved_group):
+                current.data.copy_(saved.data)
+
+
+def stock_gbuf_range(model, dtype, position: int, dp: int) -> dict:
+    """DistributedOptimizer.build_model_gbuf_range for DP `position` (stock reads its own)."""
+    gbuf_size = model._grad_buffers[dtype].numel
+    size = -(-gbuf_size // dp)
+    world_all = [Range(min(gbuf_size, r * size), min(gbuf_size, r * size + size))
+                 for r in range(dp)]
+    world = world_all[position]
+    return {
+        "local": world.normalize(),
+        "world": world,
+        "world_all": world_all,
+        "param_map": DistributedOptimizer.build_model_gbuf_param_range_map(model, dtype, world),
+        "max_range_size": size,
+    }
 
 
 class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
-    """Drop-in for `DistributedOptimizer` (same constructor) that keeps each shard twice."""
+    """Drop-in for `DistributedOptimizer` (same constructor) that keeps each stripe twice."""
 
     def __init__(self, optimizer, clip_grad, log_num_zeros_in_grad, params_have_main_grad,
                  use_contiguous_buffers_in_local_ddp, fp16, bf16, params_dtype, grad_scaler,
                  models, replica_count: Optional[int] = None):
         dp = mpu.get_data_parallel_world_size()
-        if replica_count is None:
-            replica_count = DEFAULT_REPLICAS  # what the guide's len(dp_ranks)//2 means
-        if replica_count < 1 or dp % replica_count:
+        replica_count = REPLICAS if replica_count is None else replica_count
+        if replica_count != REPLICAS or dp % REPLICAS:
             raise ValueError(
-                f"ReplicatedOptimizer: data-parallel size {dp} is not divisible by the replica "
-                f"count {replica_count}; choose a DP size that is a multiple of {replica_count}"
+                f"ReplicatedOptimizer keeps every optimizer stripe on exactly {REPLICAS} DP ranks "
+                f"(asked for {replica_count}); the data-parallel size ({dp}) must be even: "
+                f"choose an even DP size (>= 2)"
             )
-        self.replica_count = replica_count
-        self.num_shards = dp // replica_count
+        self.replica_count = REPLICAS
+        self.num_shards = dp // REPLICAS
         # One source for the layout: the runtime refuses a `replica` that disagrees.
         framework_ttp.declare_optimizer_shards(self.num_shards)
+        self.dp_size = dp
         self.dp_position = mpu.get_data_parallel_rank()
+        self.partner_position = (self.dp_position + self.num_shards) % dp
         self.shard_index = self.dp_position % self.num_shards
         self.replica_index = self.dp_position // self.num_shards
         self.dp_ranks: List[int] = list(
             torch.distributed.get_process_group_ranks(mpu.get_data_parallel_group())
         )
-        # The original groups still list whole model params; the base constructor replaces them.
-        self._orig_groups = list(optimizer.param_groups)
-        self._param_group = {
-            p: gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]
-        }
-        self.shard_cut = Cut(parts=self.num_shards, stock=False)
-        self.stock_cut = Cut(parts=dp, stock=True)  # DistributedOptimizer's, for checkpoints
+        self.partner_rank = self.dp_ranks[self.partner_position]
+        # the stock constructor rewrites the groups' params in place: keep the originals
+        orig_groups = [dict(g) for g in optimizer.param_groups]
         super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, params_have_main_grad,
                          use_contiguous_buffers_in_local_ddp, fp16, bf16, params_dtype,
                          grad_scaler, models)
-        self.buffer_specs = self._describe_buffers()
-        self.replica_group = self._build_replica_groups()
+        self.own = Stripe(self.dp_position, self.model_gbuf_ranges, self.model_param_gbuf_map,
+                          self.opt_group_ranges, self.model_float16_groups,
+                          self.model_fp32_groups, self.shard_float16_groups,
+                          self.shard_fp32_groups, self.shard_fp32_from_float16_groups,
+                          self.optimizer)
+        self.partner = self._build_stripe(self.partner_position, orig_groups)
+        self.pair_group = self._build_pair_groups()
         self._pending: Optional[Tuple[bool, Optional[float], Optional[float]]] = None
+        self._gathered_step = -1  # last step whose param all-gather finished on this rank
         self._init_step_record()
 
     # ---- layout -------------------------------------------------------------------------
 
-    def build_model_gbuf_range_map(self, model):
-        """Ranges over `num_shards` shards; part size numel_padded/num_shards so that the
-        all-gather views and the owned ranges agree."""
-        result = {}
-        for dtype, gbuf in model._grad_buffers.items():
-            size = gbuf.numel_padded // self.num_shards
-            all_ranges = [Range(min(gbuf.numel, r * size), min(gbuf.numel, (r + 1) * size))
-                          for r in range(self.num_shards)]
-            world = all_ranges[self.shard_index]
-            result[dtype] = {
-                "local": world.normalize(),
-                "world": world,
-                "world_all": all_ranges,
-                "param_map": self.build_model_gbuf_param_range_map(model, dtype, world),
-                "max_range_size": size,
-            }
-        return result
+    def _build_stripe(self, position: int, orig_groups: List[dict]) -> Stripe:
+        """The partner's stripe, built by the stock class methods, with its own inner
+        optimizer: a shallow copy of ours (same class and constructor options, e.g. apex
+        FusedAdam's) with fresh state and groups."""
+        ranges = [{dtype: stock_gbuf_range(model, dtype, position, self.dp_size)
+                   for dtype in model._grad_buffers} for model in self.models]
+        pmap = self.build_model_param_gbuf_map(ranges)
+        groups = [dict(g) for g in orig_groups]
+        opt_ranges = self.build_optimizer_group_ranges(groups, ranges)
+        built = self.build_model_and_main_param_groups(ranges, pmap, opt_ranges)
+        inner = copy.copy(self.optimizer)
+        inner.state = defaultdict(dict)
+        inner.param_groups = [g["orig_group"] for g in opt_ranges]
+        inner.load_state_dict(inner.state_dict())
+        return Stripe(position, ranges, pmap, opt_ranges, *built, inner)
 
-    def _describe_buffers(self) -> List[BufferSpec]:
-        specs = []
-        for mi, model in enumerate(self.models):
-            for dtype, gbuf in model._grad_buffers.items():
-                params = tuple(
-                    ParamSpec(index=i, start=s, end=e, group=self._param_group[p],
-                              float16=p.dtype in _FLOAT16)
-                    for i, (p, (s, e)) in enumerate(
-                        model._grad_buffer_param_index_map[dtype].items())
-                )
-                specs.append(BufferSpec((mi, str(dtype)), gbuf.numel, gbuf.numel_padded, params))
-        return specs
-
-    def _build_replica_groups(self):
-        """One process group per (DP group, replica run); every rank must create all of them."""
+    def _build_pair_groups(self):
+        """One 2-rank group per pair of partners, on the job's default backend (NCCL, HCCL,
+        gloo); every rank must create every group, in the same order. Also checks, once, that
+        partners sit on different hosts (a host loss must not take both copies)."""
         world = torch.distributed.get_world_size()
-        all_dp: List[Optional[List[int]]] = [None] * world
-        torch.distributed.all_gather_object(all_dp, self.dp_ranks)
+        everyone: List[Optional[Tuple[List[int], str]]] = [None] * world
+        torch.distributed.all_gather_object(everyone, (self.dp_ranks, _hostname()))
+        hosts = {r: h for r, (_, h) in enumerate(everyone)}  # type: ignore[misc]
+        check_partner_hosts({tuple(d) for d, _ in everyone}, hosts)  # type: ignore[misc]
         mine = None
-        for ranks in sorted({tuple(r) for r in all_dp}):
-            for rep in range(self.replica_count):
-                members = list(ranks[rep * self.num_shards:(rep + 1) * self.num_shards])
-                group = torch.distributed.new_group(members, backend="gloo") \
-                    if self.num_shards > 1 else None
-                if torch.distributed.get_rank() in members:
+        for ranks in sorted({tuple(d) for d, _ in everyone}):  # type: ignore[misc]
+            s = len(ranks) // 2
+            for k in range(s):
+                pair = [ranks[k], ranks[k + s]]
+                group = torch.distributed.new_group(pair)
+                if torch.distributed.get_rank() in pair:
                     mine = group
         return mine
 
-    def model_params_by_buffer(self) -> Dict[layout.BufferKey, List[torch.nn.Parameter]]:
-        out = {}
-        for mi, model in enumerate(self.models):
-            for dtype, pmap in model._grad_buffer_param_index_map.items():
-                out[(mi, str(dtype))] = list(pmap.keys())
-        return out
-
-    def _slots_and_tensors(self):
-        """(slot, main param tensor) for every param piece this rank's optimizer owns."""
-        groups = layout.optimizer_groups(self.buffer_specs, self.shard_cut, self.shard_index,
-                                         len(self._orig_groups))
-        mains = [p for g in self.optimizer.param_groups for p in g["params"]]
-        slots = [s for _, ss in groups for s in ss]
-        if len(slots) != len(mains):
-            raise RuntimeError(f"layout mismatch: {len(slots)} slots for {len(mains)} params")
-        return groups, list(zip(slots, mains))
-
-    # ---- flat state ---------------------------------------------------------------------
-
-    def state_keys(self) -> Tuple[List[str], Dict[str, torch.Tensor]]:
-        """Per-element state keys (sorted, plus the main param) and shared scalar state."""
-        keys, scalars = set(), {}
-        for _, main in self._slots_and_tensors()[1]:
-            for k, v in self.optimizer.state.get(main, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == main.numel():
-                    keys.add(k)
-                else:
-                    scalars.setdefault(k, v)
-        return sorted(keys) + [PARAM_KEY], scalars
-
-    def local_flat(self, keys) -> layout.FlatState:
-        flat = layout.empty_flat(self.buffer_specs, keys)
-        pairs = self._slots_and_tensors()[1]
-        values = []
-        for _, main in pairs:
-            vals = {k: v for k, v in self.optimizer.state.get(main, {}).items() if k in keys}
-            vals[PARAM_KEY] = main.detach().float()
-            values.append(vals)
-        layout.scatter_slots(flat, [s for s, _ in pairs], values)
-        return flat
-
-    def pack_local(self, keys) -> torch.Tensor:
-        return layout.pack_owned(self.local_flat(keys), self.buffer_specs, self.shard_cut,
-                                 self.shard_index, keys)
-
-    def group_hparams(self) -> Dict[int, dict]:
-        """Hyperparameters per original group index, from the live groups (the scheduler sets
-        lr and weight decay there each step). A group with nothing in this shard keeps its
-        construction-time values; Megatron's scheduler overwrites both when it loads."""
-        hp = {i: {**self.optimizer.defaults, **g} for i, g in enumerate(self._orig_groups)}
-        groups = layout.optimizer_groups(self.buffer_specs, self.shard_cut, self.shard_index,
-                                         len(self._orig_groups))
-        for (orig, _), live in zip(groups, self.optimizer.param_groups):
-            hp[orig] = dict(live)
-        return hp
-
-    def stock_state_dict(self, flat: layout.FlatState, scalars, position: int) -> dict:
-        """What Megatron's DistributedOptimizer at DP `position` returns from state_dict()."""
-        groups = layout.optimizer_groups(self.buffer_specs, self.stock_cut, position,
-                                         len(self._orig_groups))
-        values = [layout.gather_slots(flat, slots) for _, slots in groups]
-        inner = layout.inner_state_dict(groups, values, scalars, self.group_hparams())
-        sd = {"optimizer": inner}
-        if self.grad_scaler:
-            sd["grad_scaler"] = self.grad_scaler.state_dict()
-        sd["shard_fp32_from_float16_groups"] = [
-            [v[PARAM_KEY] for s, v in zip(slots, vals) if s.param.float16]
-            for (_, slots), vals in zip(groups, values)
-        ]
-        return sd
+    def stripes(self) -> Tuple[Stripe, Stripe]:
+        return self.own, self.partner
 
     # ---- Megatron optimizer API ---------------------------------------------------------
 
-    def get_main_grads_for_grad_norm(self):
-        if self.replica_index > 0:
-            return []  # the first replica already counts these elements
-        return super().get_main_grads_for_grad_norm()
+    def _get_param_groups(self):
+        """Both stripes' groups: Megatron's scheduler sets lr and weight decay through this,
+        so the partner stripe is updated with the same hyperparameters as its owner."""
+        return self.own.optimizer.param_groups + self.partner.optimizer.param_groups
 
-    def count_zeros(self):
-        params = self.get_parameters() if self.replica_index == 0 else []
-        from megatron.optimizer.clip_grads import count_zeros_fp32
-        return count_zeros_fp32(params, model_parallel_group=self.get_model_parallel_group())
+    param_groups = property(_get_param_groups, DistributedOptimizer._set_param_groups)
+
+    def _collect_main_grad_data_for_unscaling(self):
+        return [p.grad.data for stripe in self.stripes() for p in stripe.main_params()]
+
+    def _copy_model_grads_to_main_grads(self):
+        for stripe in self.stripes():
+            stripe.copy_model_grads_to_main_grads()
+
+    def _copy_main_params_to_model_params(self):
+        for stripe in self.stripes():
+            stripe.copy_main_params_to_param_buffer(self.param_buffers)
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+        self.partner.zero_grad(set_to_none)
+
+    def clip_grad_norm(self, clip_grad):
+        """The norm over the own stripe only (stock: each element once over the DP group);
+        the clip factor applied to both stripes."""
+        from megatron.optimizer.clip_grads import clip_grad_norm_fp32
+
+        params = self.own.main_params() + self.partner.main_params()
+        return clip_grad_norm_fp32(params, self.get_main_grads_for_grad_norm(), clip_grad,
+                                   model_parallel_group=self.get_model_parallel_group())
+
+    def grad_buffer_views(self) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(whole grad buffer, own stock view, partner's stock view) per buffer."""
+        out = []
+        for _mi, _dtype, gbuf, views in self.get_model_grad_buffer_dp_views():
+            out.append((gbuf, views[self.dp_position], views[self.partner_position]))
+        return out
 
     def reduce_model_grads(self, args, timers):
-        """All collectives of the update: grad all-reduce, inf check, norm, zero count."""
-        timers('layernorm-grads-all-reduce', log_level=1).start(
-            barrier=args.barrier_with_L1_time)
-        self.allreduce_layernorm_grads(args)
-        timers('layernorm-grads-all-reduce').stop()
-        timers('embedding-grads-all-reduce', log_level=1).start(
-            barrier=args.barrier_with_L1_time)
-        self.allreduce_embedding_grads(args)
-        timers('embedding-grads-all-reduce').stop()
-        timers('grads-all-reduce', log_level=1).start(barrier=args.barrier_with_L1_time)
-        for model in self.models:
-            model.allreduce_gradients()  # divides by the DP size, averages over the whole group
-        timers('grads-all-reduce').stop()
+        """All collectives of the update: stock reduce-scatter, partner swap, inf check, norm,
+        zero count."""
+        DistributedOptimizer.reduce_model_grads(self, args, timers)
+        timers('grads-partner-swap', log_level=1).start(barrier=args.barrier_with_L1_time)
+        self.swap_with_partner([(own, theirs) for _, own, theirs in self.grad_buffer_views()])
+        timers('grads-partner-swap').stop()
 
         self._copy_model_grads_to_main_grads()
         found_inf = False
@@ -231,6 +310,19 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         # runtime may still run the update while the rank waits for the verdict.
         framework_ttp.ttp_offer_update(self.current_step + 1, self._catch_up)
 
+    def swap_with_partner(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Send each `own` view to the partner and receive its `theirs` view, in one batch on
+        the pair's group (device tensors: the buffers themselves, nothing staged)."""
+        if self.partner_position == self.dp_position:
+            return
+        dist = torch.distributed
+        ops = []
+        for own, theirs in pairs:
+            ops.append(dist.P2POp(dist.isend, own, self.partner_rank, group=self.pair_group))
+            ops.append(dist.P2POp(dist.irecv, theirs, self.partner_rank, group=self.pair_group))
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
     def _catch_up(self) -> None:
         """What the patched train_step runs between ttp_start/end_updating_os: step() and
         increase_step() (the record of the step: consumed samples, scheduler count, RNG)."""
@@ -241,7 +333,8 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, args, timers):
-        """Purely local: uses what reduce_model_grads computed."""
+        """Purely local: uses what reduce_model_grads computed; updates both stripes, and only
+        then writes the param buffers (they share memory with the grad buffers)."""
         if self._pending is None:
             raise RuntimeError("ReplicatedOptimizer.step() needs reduce_model_grads() first "
                                "(it runs the collectives of the update)")
@@ -252,107 +345,137 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        self.optimizer.step()
+        self.own.optimizer.step()
+        self.partner.optimizer.step()
         self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
 
     def gather_model_params(self, args, timers):
-        timers('params-all-gather', log_level=1).start(barrier=args.barrier_with_L1_time)
-        if self.num_shards > 1:
-            for buffers in self.param_buffers:
-                for _dtype, pbuf in buffers.items():
-                    size = pbuf.numel() // self.num_shards
-                    mine = pbuf[self.shard_index * size:(self.shard_index + 1) * size]
-                    torch.distributed._all_gather_base(pbuf, mine.clone(),
-                                                       group=self.replica_group)
-        for model_id, model in enumerate(self.models):
-            for dtype, param_map in model._grad_buffer_param_index_map.items():
-                pbuf = self.param_buffers[model_id][dtype]
-                for param, (start, end) in param_map.items():
-                    param.view(-1).detach().copy_(pbuf[start:end])
-        timers('params-all-gather').stop()
+        """Stock all-gather of the own stripes over the DP group."""
+        DistributedOptimizer.gather_model_params(self, args, timers)
+        self._gathered_step = self.current_step
+
+    def record_loaded_step(self, iteration: int, scheduler) -> None:
+        super().record_loaded_step(iteration, scheduler)
+        self._gathered_step = iteration  # the loaded model weights are that step's
+
+    def params_gathered_at(self, step: int) -> bool:
+        """True when the live model params hold step `step` (its all-gather finished here)."""
+        return self._gathered_step == step
+
+    # ---- checkpoints --------------------------------------------------------------------
 
     def state_dict(self):
-        """The stock DistributedOptimizer state of this DP position (collective over the
-        replica run: its shard may live on the partner), so stock Megatron can load it."""
-        keys, scalars = self.state_keys()
-        flat = self.full_flat_from_replica_run(keys)
-        return self.stock_state_dict(flat, scalars, self.dp_position)
+        """Stock DistributedOptimizer.state_dict() of this DP position, from the own stripe:
+        no collective, no copy."""
+        return self.own.state_dict(self.grad_scaler)
 
-    def full_flat_from_replica_run(self, keys) -> layout.FlatState:
-        flat = layout.empty_flat(self.buffer_specs, keys)
-        packed = self.pack_local(keys)
-        if self.num_shards == 1:
-            layout.unpack_owned(flat, packed, self.buffer_specs, self.shard_cut, 0, keys)
-            return flat
-        parts = [torch.empty_like(packed) for _ in range(self.num_shards)]
-        torch.distributed.all_gather(parts, packed, group=self.replica_group)
-        for shard, part in enumerate(parts):
-            layout.unpack_owned(flat, part, self.buffer_specs, self.shard_cut, shard, keys)
-        return flat
+    def stripe_state_dict(self, position: int) -> dict:
+        """The stock optimizer state of DP `position`, which must be this rank's or its
+        partner's (the dying checkpoint writes the partner's file when the partner is dead)."""
+        for stripe in self.stripes():
+            if stripe.position == position:
+                return stripe.state_dict(self.grad_scaler)
+        raise ValueError(f"DP position {self.dp_position} holds stripes {self.dp_position} and "
+                         f"{self.partner_position}, not {position}")
 
     def load_state_dict(self, state_dict):
-        """Load this position's stock file; the DP group exchanges files to re-cut the shards
-        (collective over the DP group)."""
-        stock = self.stock_cut
-        groups = layout.optimizer_groups(self.buffer_specs, stock, self.dp_position,
-                                         len(self._orig_groups))
-        per_slot, scalars = layout.split_inner_state(groups, state_dict["optimizer"])
-        keys = sorted({k for vals in per_slot for v in vals for k in v})
-        local_keys = keys + [PARAM_KEY]
-        f16 = iter(t for g in state_dict.get("shard_fp32_from_float16_groups", []) for t in g)
-        for (_, slots), vals in zip(groups, per_slot):
-            for slot, v in zip(slots, vals):
-                if slot.param.float16:
-                    v[PARAM_KEY] = next(f16).reshape(-1).float()
-        flat = layout.empty_flat(self.buffer_specs, local_keys)
-        layout.scatter_slots(flat, [s for _, ss in groups for s in ss],
-                             [v for vals in per_slot for v in vals])
-        packed = layout.pack_owned(flat, self.buffer_specs, stock, self.dp_position, local_keys)
-        parts = [torch.empty_like(packed) for _ in self.dp_ranks]
-        torch.distributed.all_gather(parts, packed, group=mpu.get_data_parallel_group())
-        for pos, part in enumerate(parts):
-            layout.unpack_owned(flat, part, self.buffer_specs, stock, pos, local_keys)
-        saved_hp = {orig: dict(saved) for (orig, _), saved in
-                    zip(groups, state_dict["optimizer"]["param_groups"])}
-        self._install_flat(flat, scalars, saved_hp)
-        if self.grad_scaler and "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        """This position's stock file into the own stripe (stock code), the partner's stock
+        file into the partner stripe: read from the checkpoint directory when load.py names
+        it, else one exchange with the partner over the pair's group."""
+        DistributedOptimizer.load_state_dict(self, state_dict)
+        self.partner.load_state_dict(self._partner_state(state_dict))
 
-    def _install_flat(self, flat, scalars, saved_hp):
-        groups, pairs = self._slots_and_tensors()
-        values = layout.gather_slots(flat, [s for s, _ in pairs])
-        hp = {**self.group_hparams(), **saved_hp}
-        per_group = [values[offset:offset + len(slots)] for offset, slots in _offsets(groups)]
-        self.optimizer.load_state_dict(layout.inner_state_dict(groups, per_group, scalars, hp))
-        for (slot, main), vals in zip(pairs, values):
-            if slot.param.float16:
-                main.data.copy_(vals[PARAM_KEY].view_as(main))
+    def _partner_state(self, mine: dict) -> dict:
+        if self.partner_position == self.dp_position:
+            return mine
+        if _load_source is not None:
+            iter_dir, optim_file = _load_source
+            path = Path(iter_dir) / optim_file(self.partner_position)
+            return torch.load(path, map_location="cpu", weights_only=True)["optimizer"]
+        both: List[Optional[dict]] = [None, None]
+        torch.distributed.all_gather_object(both, mine, group=self.pair_group)
+        ranks = sorted([torch.distributed.get_rank(), self.partner_rank])
+        return both[ranks.index(self.partner_rank)]  # type: ignore[return-value]
+
+    def save_plan(self, save_ranks: Sequence[int]) -> Tuple[List[int], bool]:
+        """What this chosen rank writes in a dying checkpoint: its own stock file, the
+        partner's too when the partner is not saving, and whether it writes the model file
+        (the chosen holder of stripe 0 with the lowest position)."""
+        chosen = {self.dp_ranks.index(r) for r in save_ranks if r in self.dp_ranks}
+        for k in range(self.num_shards):
+            if not chosen & {k, k + self.num_shards}:
+                raise RuntimeError(
+                    f"save ranks {sorted(save_ranks)} hold no copy of shard {k} of DP group "
+                    f"{self.dp_ranks} (positions {k} and {k + self.num_shards})")
+        if self.dp_position not in chosen:
+            raise RuntimeError(f"rank {torch.distributed.get_rank()} is not among the save "
+                               f"ranks {sorted(save_ranks)}")
+        positions = [self.dp_position]
+        if self.partner_position not in chosen:
+            positions.append(self.partner_position)
+        return sorted(positions), min(chosen & {0, self.num_shards}) == self.dp_position
 
     # ---- TTP hooks (see StepRecord) ---------------------------------------------------
 
     def memory_report(self) -> str:
         """Measured optimizer-state bytes on this rank, and what DistributedOptimizer would hold
-        for the same grad buffers (its shard is 1/dp of each buffer, ours 1/num_shards)."""
-        pairs = self._slots_and_tensors()[1]
-        owned = sum(s.size for s, _ in pairs)
-        state_bytes = sum(v.numel() * v.element_size() for _, m in pairs
-                          for v in self.optimizer.state.get(m, {}).values()
-                          if torch.is_tensor(v) and v.dim() > 0)
-        state_bytes += sum(m.numel() * m.element_size() for s, m in pairs if s.param.float16)
-        total = sum(b.numel for b in self.buffer_specs)
-        stock_owned = sum(min(self.stock_cut.part_size(b), b.numel) for b in self.buffer_specs)
+        for the same grad buffers (its own stripe only)."""
+        owned = sum(p.numel() for s in self.stripes() for p in s.main_params())
+        stock_owned = sum(p.numel() for p in self.own.main_params())
+        state_bytes = 0
+        for stripe in self.stripes():
+            for p in stripe.main_params():
+                state_bytes += sum(v.numel() * v.element_size()
+                                   for v in stripe.optimizer.state.get(p, {}).values()
+                                   if torch.is_tensor(v) and v.dim() > 0)
+            state_bytes += sum(m.numel() * m.element_size()
+                               for g in stripe.shard_fp32_from_float16_groups for m in g)
+        total = sum(gbuf.numel for model in self.models for gbuf in model._grad_buffers.values())
         per_elem = state_bytes / owned if owned else 0.0
         return (f"mindio_ttp: ReplicatedOptimizer rank {torch.distributed.get_rank()} "
-                f"(DP position {self.dp_position}, shard {self.shard_index} of "
-                f"{self.num_shards}, replica {self.replica_index}): {owned} of {total} params, "
+                f"(DP position {self.dp_position}, stripes {self.dp_position} and "
+                f"{self.partner_position}, shard {self.shard_index} of {self.num_shards}, "
+                f"replica {self.replica_index}): {owned} of {total} params, "
                 f"optimizer state {state_bytes} B = {state_bytes / total:.3f} B/param; "
                 f"DistributedOptimizer would hold {stock_owned} params = "
                 f"{per_elem * stock_owned / total:.3f} B/param")
 
 
-def _offsets(groups):
-    offset = 0
-    for _, slots in groups:
-        yield offset, slots
-        offset += len(slots)
+def _hostname() -> str:
+    """This rank's host name. TTP_TEST_HOSTNAME (test-only: lets one machine play a multi-host
+    job for the partner-placement check) is a comma-separated list, entry r for global rank r."""
+    fake = os.environ.get(ttp_config.ENV_TEST_HOSTNAME)
+    if fake:
+        return fake.split(",")[torch.distributed.get_rank()]
+    return socket.gethostname()
+
+
+def check_partner_hosts(dp_groups, hosts: Dict[int, str]) -> None:
+    """Warn (or refuse, with TTP_REQUIRE_CROSS_HOST_REPLICAS=1) when the job spans hosts but
+    both holders of some shard share one: losing that host loses the shard."""
+    if len(set(hosts.values())) < 2:
+        return
+    same = []
+    for ranks in sorted(dp_groups):
+        s = len(ranks) // 2
+        same += [(ranks[k], ranks[k + s]) for k in range(s)
+                 if hosts[ranks[k]] == hosts[ranks[k + s]]]
+    if not same:
+        return
+    head = ", ".join(f"ranks {a} and {b} on {hosts[a]}" for a, b in same[:4])
+    more = f" and {len(same) - 4} more" if len(same) > 4 else ""
+    total = sum(len(ranks) // 2 for ranks in dp_groups)
+    gap = same[0][1] - same[0][0]
+    per_host = max(sum(1 for h in hosts.values() if h == host) for host in set(hosts.values()))
+    msg = (f"mindio_ttp: {len(same)} optimizer shard(s) of {total} have both copies on one "
+           f"host ({head}{more}): losing that host loses the shard and the dying checkpoint. "
+           f"DP position p is paired with position p + DP/2, here {gap} global ranks apart, "
+           f"and a host holds up to {per_host} ranks. Fix the rank order so that ranks r and "
+           f"r + {gap} never share a host: hosts holding consecutive blocks of at most {gap} "
+           f"ranks (torchrun --node-rank in host order, at most {gap} ranks per host), or "
+           f"rank r on host (r // {gap}) % (number of hosts)")
+    if os.environ.get(ttp_config.ENV_REQUIRE_CROSS_HOST_REPLICAS, "") == "1":
+        raise RuntimeError(msg + f"; refusing to start because "
+                           f"{ttp_config.ENV_REQUIRE_CROSS_HOST_REPLICAS}=1")
+    print_rank_0("WARNING: " + msg)

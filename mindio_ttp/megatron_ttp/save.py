@@ -1,12 +1,18 @@
 """The dying checkpoint: save handler (chosen ranks) and rename handler (one rank).
 
 The save handler runs in the TTP processor's thread while the main thread may be stuck in a
-collective with a dead rank, so nothing here touches Megatron's process groups. The chosen
-ranks of one DP group (one holder per shard) swap their shards over a private gloo group built
-on the store the save order names (the ordering controller hosts it: see exchange.py); then
-each can rebuild the full state of step `step`: model weights from the fp32 main params (the
-live model params may be one all-gather behind), and Megatron's own optimizer files, one per
-DP rank, re-cut from the shards so stock Megatron can load them.
+collective with a dead rank, so nothing here touches Megatron's process groups.
+
+Exchange-free: every DP position holds its own stock stripe and its partner's
+(replicated_optimizer.py), so each chosen rank writes Megatron's own optimizer file of its
+position from its own memory, and the partner's file too when the partner is not among the
+savers (dead, or not chosen). Ranks write in parallel, each its own files. The model file
+(one per TP/PP rank) needs every weight: when the fault came after this step's param
+all-gather on every chosen rank (the common case: a fault in forward/backward), the live
+weights are the step's and nothing moves. Only when some chosen rank is behind (killed between
+the update and the end of the all-gather) do the chosen ranks of a DP group swap their fp32
+main params over a private gloo group with CPU tensors, built on the store the save order names
+(the ordering controller hosts it: see exchange.py). Optimizer state never moves.
 """
 
 from __future__ import annotations
@@ -22,10 +28,9 @@ from megatron.core import mpu
 from megatron.utils import unwrap_model
 
 from mindio_ttp import checkpoint_writer
-from mindio_ttp.framework_ttp import save_session
+from mindio_ttp.framework_ttp import device_copy, save_session
 
-from . import exchange, layout, manifest
-from .layout import PARAM_KEY
+from . import exchange, manifest
 from .replicated_optimizer import ReplicatedOptimizer
 
 
@@ -53,16 +58,17 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
         raise RuntimeError(f"asked to save step {step} but this rank finished step "
                            f"{optimizer.current_step}")
     meta = optimizer.step_meta(step)
-    chosen = _chosen_in_my_dp_group(optimizer, save_ranks)
+    positions, writes_model = optimizer.save_plan(save_ranks)
     tag = exchange.attempt_tag(step, save_ranks)
     me = torch.distributed.get_rank()
 
     root = manifest.tmp_root(args.save, step, _order_tag(step))
-    # this order's own directory: nothing to clear, and another flow's is never touched
-    exchange.barrier(exchange.gloo_group(save_ranks, me, f"{tag}/all/"))
-
-    keys, scalars = optimizer.state_keys()
-    flat = _exchange_shards(optimizer, chosen, keys, tag)
+    # this order's own directory: nothing to clear, and another flow's is never touched. The
+    # one fault-time collective every save has: all chosen ranks are here, and do their live
+    # model params hold step `step` (its param all-gather finished)? Then no rank exchanges.
+    gathered = exchange.all_true(exchange.gloo_group(save_ranks, me, f"{tag}/all/"),
+                                 optimizer.params_gathered_at(step))
+    full = None if gathered else _exchange_main_params(optimizer, save_ranks, tag)
 
     par = parallel_layout()
     iter_dir = root / manifest.iter_dir_name(step)
@@ -70,16 +76,14 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     tp_rank = mpu.get_tensor_model_parallel_rank()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     written: Dict[str, Dict[str, object]] = {}
-    if optimizer.shard_index == 0:
-        state = _model_state(step, model, optimizer, flat, meta, args)
+    if writes_model:
+        state = _model_state(step, model, optimizer, full, meta, args)
         rel = par.model_file(tp_rank, pp_rank)
         written[rel] = _save(iter_dir, rel, state)
     sched = dict(scheduler.state_dict())
     sched["num_steps"] = meta["scheduler_num_steps"]  # the live one may be one step ahead
-    for position in range(par.dp):
-        if position % optimizer.num_shards != optimizer.shard_index:
-            continue
-        state = {"optimizer": optimizer.stock_state_dict(flat, scalars, position),
+    for position in positions:  # own stripe, and the partner's when the partner is not saving
+        state = {"optimizer": optimizer.stripe_state_dict(position),
                  "opt_param_scheduler": sched}
         rel = par.optim_file(tp_rank, pp_rank, position)
         written[rel] = _save(iter_dir, rel, state)
@@ -119,48 +123,70 @@ def _order_tag(step: int) -> str:
     return session.tag if session is not None and session.step == step else ""
 
 
-def _chosen_in_my_dp_group(optimizer: ReplicatedOptimizer, save_ranks: Sequence[int]) -> List[int]:
-    """The chosen ranks of my DP group, ordered by shard; one per shard or refuse."""
-    mine = [r for r in save_ranks if r in optimizer.dp_ranks]
-    by_shard: Dict[int, int] = {}
-    for r in mine:
-        shard = optimizer.dp_ranks.index(r) % optimizer.num_shards
-        if shard in by_shard:
-            raise RuntimeError(f"save ranks {sorted(save_ranks)} name two holders "
-                               f"({by_shard[shard]}, {r}) of shard {shard} of DP group "
-                               f"{optimizer.dp_ranks}")
-        by_shard[shard] = r
-    if sorted(by_shard) != list(range(optimizer.num_shards)):
-        raise RuntimeError(f"save ranks {sorted(save_ranks)} do not hold every shard of DP group "
-                           f"{optimizer.dp_ranks}")
-    return [by_shard[s] for s in range(optimizer.num_shards)]
+def _stripe_chunks(optimizer: ReplicatedOptimizer) -> Dict[int, List[torch.Tensor]]:
+    """fp32 main params of each stripe this rank holds: {position: one chunk per buffer},
+    each chunk the stock range of that position, padded to the stock range size."""
+    out: Dict[int, List[torch.Tensor]] = {}
+    for stripe in optimizer.stripes():
+        mains = stripe.main_of()
+        chunks = []
+        for mi, model in enumerate(optimizer.models):
+            for dtype in model._grad_buffers:
+                rng = stripe.gbuf_ranges[mi][dtype]
+                chunk = torch.zeros(rng["max_range_size"], dtype=torch.float32)
+                for param, ranges in rng["param_map"].items():
+                    local = ranges["gbuf_local"]
+                    chunk[local.start:local.end] = mains[id(param)].detach().view(-1).cpu()
+                chunks.append(chunk)
+        out[stripe.position] = chunks
+    return out
 
 
-def _exchange_shards(optimizer: ReplicatedOptimizer, chosen: List[int], keys, tag: str):
-    """Full flat state of my DP group from the chosen holders, over a private gloo group."""
-    packed = optimizer.pack_local(keys)
-    flat = layout.empty_flat(optimizer.buffer_specs, keys)
-    cut = optimizer.shard_cut
-    me = torch.distributed.get_rank()
-    group = exchange.gloo_group(chosen, me, f"{tag}/dp-{'-'.join(map(str, chosen))}/")
+def _exchange_main_params(optimizer: ReplicatedOptimizer, save_ranks: Sequence[int],
+                          tag: str) -> Dict[tuple, torch.Tensor]:
+    """Full fp32 main params of every grad buffer of my DP group, from the chosen holders'
+    stripes, over a private gloo group (CPU tensors). Needed only when some chosen rank's
+    live model params are behind step `step` (the fault hit before its param all-gather)."""
+    chosen = sorted(r for r in save_ranks if r in optimizer.dp_ranks)
+    with device_copy.reading():  # device -> host on the private stream, not the training one
+        mine = _stripe_chunks(optimizer)
+    own, partner = optimizer.dp_position, optimizer.partner_position
+    packed = torch.cat(mine[own] + mine[partner])
+    group = exchange.gloo_group(chosen, torch.distributed.get_rank(),
+                                f"{tag}/dp-{'-'.join(map(str, chosen))}/")
     parts = exchange.allgather(group, packed, len(chosen))  # in global-rank order
-    for rank, part in zip(sorted(chosen), parts):
-        layout.unpack_owned(flat, part, optimizer.buffer_specs, cut, chosen.index(rank), keys)
-    return flat
+    keys = [(mi, dtype) for mi, model in enumerate(optimizer.models)
+            for dtype in model._grad_buffers]
+    sizes = [c.numel() for c in mine[own]]
+    full: Dict[tuple, torch.Tensor] = {}
+    for (mi, dtype), size in zip(keys, sizes):
+        full[(mi, dtype)] = torch.zeros(size * optimizer.dp_size, dtype=torch.float32)
+    for rank, part in zip(chosen, parts):
+        pos = optimizer.dp_ranks.index(rank)
+        halves = [pos, (pos + optimizer.num_shards) % optimizer.dp_size]
+        offset = 0
+        for position in halves:
+            for key, size in zip(keys, sizes):
+                full[key][position * size:(position + 1) * size] = part[offset:offset + size]
+                offset += size
+    return full
 
 
-def _model_state(step, model, optimizer: ReplicatedOptimizer, flat, meta, args) -> dict:
-    """model_rng.pt as Megatron writes it at `step`, weights rebuilt from the main params."""
+def _model_state(step, model, optimizer: ReplicatedOptimizer, full, meta, args) -> dict:
+    """model_rng.pt as Megatron writes it at `step`: the live weights when this rank's param
+    all-gather of `step` finished, else weights rebuilt from the exchanged main params."""
     saved_args = copy.copy(args)
     saved_args.consumed_train_samples = meta["consumed_train_samples"]
     saved_args.consumed_valid_samples = meta["consumed_valid_samples"]
     saved_args.curr_iteration = step - 1
     rebuilt = {}
-    specs = {b.key: b for b in optimizer.buffer_specs}
-    for key, params in optimizer.model_params_by_buffer().items():
-        full = flat[key][PARAM_KEY]
-        for spec, param in zip(specs[key].params, params):
-            rebuilt[param.data_ptr()] = full[spec.start:spec.end].view(param.shape).to(param.dtype)
+    if full is not None:
+        for mi, chunk_model in enumerate(optimizer.models):
+            for dtype, pmap in chunk_model._grad_buffer_param_index_map.items():
+                values = full[(mi, dtype)]
+                for param, (start, end) in pmap.items():
+                    rebuilt[param.data_ptr()] = values[start:end].view(param.shape).to(
+                        param.dtype)
     state = {"args": saved_args, "checkpoint_version": 3.0, "iteration": step}
     chunks = unwrap_model(model)
     for i, chunk in enumerate(chunks):

@@ -33,7 +33,9 @@ for _attempt in range(2):  # same step, same ranks, twice
     exchange.barrier(group)
     parts = exchange.allgather(group, torch.full((3,), float(rank)), len(chosen))
     results.append([tag, [p.tolist() for p in parts]])
-print(json.dumps(results), flush=True)
+# the save handler's agreement on the live weights: true only when every member says so
+agree = [exchange.all_true(group, True), exchange.all_true(group, rank != 3)]
+print(json.dumps([results, agree]), flush=True)
 # The runtime ends every process with os._exit after the flow; do the same: a gloo group still
 # alive at interpreter teardown can abort the process ("terminate called without an active
 # exception") after the work is done.
@@ -61,7 +63,8 @@ def test_chosen_ranks_exchange_without_the_rest_of_the_world(free_port):
                 proc.wait()
     del host
     for rank in CHOSEN:
-        (tag0, parts0), (tag1, parts1) = got[rank]
+        (tag0, parts0), (tag1, parts1) = got[rank][0]
+        assert got[rank][1] == [True, False]
         assert tag0 != tag1
         assert parts0 == parts1 == [[0.0] * 3, [3.0] * 3]  # global-rank order
 
@@ -70,3 +73,4 @@ def test_single_rank_needs_no_group():
     assert exchange.gloo_group([5], 5, "x/") is None
     t = torch.ones(2)
     assert exchange.allgather(None, t, 1)[0] is t
+    assert exchange.all_true(None, True) and not exchange.all_true(None, False)

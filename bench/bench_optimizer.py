@@ -1,0 +1,123 @@
+"""Bytes per rank per step and step time: ReplicatedOptimizer against Megatron's
+DistributedOptimizer, same model, DP4 on CPU (gloo), both measured in the same run.
+
+The model is Megatron's GPT at 4 layers x hidden 512 (8 heads, seq 64): large enough that the
+optimizer's traffic dominates. DistributedOptimizer runs on an unpatched copy of Megatron-LM
+(torchrun, CPU adaptor injected), ReplicatedOptimizer on a copy patched with `ttp-patch apply
+--device cpu` (ttprun). Every torch.distributed call of the workers is recorded by the test-only
+audit hook (tests/megatron/dist_audit): training-path calls (inside train_step) are converted to
+bytes *sent* per rank with the usual ring costs (reduce-scatter and all-gather: (n-1)/n of the
+full buffer; all-reduce: 2(n-1)/n; a send: its size; groups of one rank: nothing). The raw
+bytes of the tensors handed over are printed too. Step time is Megatron's own "elapsed time
+per iteration", the median over iterations 3..N (the audit's small per-call cost is in both).
+
+    python bench/bench_optimizer.py --megatron DIR   # a Megatron-LM checkout at 285068c
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from mindio_ttp.megatron_testing.data import make_tiny_dataset
+from mindio_ttp.megatron_testing.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
+from mindio_ttp.megatron_testing.tree import apply_ttp_patch, copy_megatron_tree
+
+REPO = Path(__file__).resolve().parents[1]
+AUDIT_HOOK = REPO / "tests" / "megatron" / "dist_audit"
+ITERS = 8
+DP = 4
+MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8"]
+_ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def wire_bytes(record: dict) -> int:
+    """Bytes this rank sends for one recorded call (ring algorithms)."""
+    n, sizes, op = record.get("group_size", 0), record.get("tensor_bytes", []), record["op"]
+    if n <= 1 or not sizes:
+        return 0
+    if op in ("_reduce_scatter_base", "reduce_scatter_tensor", "_all_gather_base",
+              "all_gather_into_tensor"):
+        return max(sizes) * (n - 1) // n
+    if op in ("reduce_scatter", "all_gather"):
+        return sum(sizes) * (n - 1) // (2 * n) if len(sizes) > 1 else sizes[0] * (n - 1)
+    if op == "all_reduce":
+        return 2 * sum(sizes) * (n - 1) // n
+    if op == "batch_isend_irecv":
+        return sum(b for b, kind in zip(sizes, record.get("p2p", [])) if kind == "isend")
+    if op in ("broadcast", "send"):
+        return sum(sizes)
+    return 0
+
+
+def measure(tree: Path, args: List[str], work: Path, name: str, launcher: Launcher,
+            inject: bool) -> Tuple[Dict[str, float], float, Dict[str, int]]:
+    audit = work / f"{name}-audit"
+    audit.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(AUDIT_HOOK),
+                                                       os.environ.get("PYTHONPATH")])),
+           "TTP_DIST_AUDIT_DIR": str(audit), "TTP_CONTROLLER_PORT": str(pick_free_port())}
+    log = work / f"{name}.log"
+    with PretrainJob(tree, args, nproc=DP, log_path=log, launcher=launcher, env=env,
+                     inject_adaptor=inject) as job:
+        result = job.wait(1800)
+    if result.timed_out or result.returncode != 0:
+        raise SystemExit(f"{name} failed; see {log}")
+    sent: Dict[int, int] = defaultdict(int)
+    handed: Dict[int, int] = defaultdict(int)
+    by_op: Dict[str, int] = defaultdict(int)
+    for path in audit.glob("rank-*.jsonl"):
+        rank = int(path.name.split("-")[1])
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["phase"] != "train" or rec["op"] == "new_group":
+                continue
+            sent[rank] += wire_bytes(rec)
+            handed[rank] += rec["bytes"]
+            by_op[rec["op"]] += wire_bytes(rec)
+    times = [float(ms) for it, ms in _ELAPSED.findall(log.read_text()) if int(it) >= 3]
+    per_rank = {"sent": statistics.mean(sent.values()) / ITERS,
+                "handed": statistics.mean(handed.values()) / ITERS}
+    return per_rank, statistics.median(times), {k: v // (DP * ITERS) for k, v in by_op.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--megatron", type=Path, required=True)
+    parser.add_argument("--keep", type=Path, help="work in this new folder and keep the logs")
+    opts = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-optimizer-") as tmp:
+        work = opts.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        stock_tree = copy_megatron_tree(opts.megatron, work / "stock" / "Megatron-LM")
+        ttp_tree = copy_megatron_tree(opts.megatron, work / "ttp" / "Megatron-LM")
+        apply_ttp_patch(ttp_tree, "cpu")
+        data = make_tiny_dataset(ttp_tree, work / "data")
+        args = tiny_gpt_args(data, train_iters=ITERS, extra=MODEL)
+        stock = measure(stock_tree, args, work, "distributed", Launcher.TORCHRUN, True)
+        ttp = measure(ttp_tree, args, work, "replicated", Launcher.TTPRUN, False)
+    rows = [("DistributedOptimizer (stock)", stock), ("ReplicatedOptimizer", ttp)]
+    print(f"GPT 4 layers x hidden 512, DP{DP}, CPU/gloo, {ITERS} iterations; per rank per step")
+    print("| optimizer | MB sent | MB handed to collectives | step time (ms) |")
+    print("|---|---:|---:|---:|")
+    for name, (b, t, _) in rows:
+        print(f"| {name} | {b['sent'] / 1e6:.2f} | {b['handed'] / 1e6:.2f} | {t:.0f} |")
+    ratio = ttp[0]["sent"] / stock[0]["sent"]
+    print(f"ratio sent: {ratio:.3f} (target <= 1 + 1/d = {1 + 1 / DP:.3f}; "
+          f"expected 1 + 1/(2(d-1)) = {1 + 1 / (2 * (DP - 1)):.3f}); "
+          f"ratio step time: {ttp[1] / stock[1]:.3f}")
+    for name, (_, _, ops) in rows:
+        print(f"{name}: bytes sent per rank per step by op: "
+              + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(ops.items()) if v))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
