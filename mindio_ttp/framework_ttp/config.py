@@ -47,6 +47,11 @@ ENV_TEST_HOSTNAME = "TTP_TEST_HOSTNAME"
 CONTROLLER_PORT_RANGE = (1024, 65535)
 
 FLOW_FINISHED_FILE = "flow-finished.json"
+# Bytes a listener holds in partial frames of all not-yet-registered connections together.
+# Per connection the cap is protocol.pre_auth_max_payload (a Register carries 8 B per rank), so
+# without a total, (world_size + 64) connections could pin ~560 MiB at 8192 ranks. A real
+# Register arrives whole and is consumed at once; only a flood fills this.
+PRE_AUTH_BUFFER_BUDGET = 64 * 1024 * 1024
 # The save handler waits at most this long for the device event recorded at the end of the
 # update it saves (device_copy.py) before it refuses: that update's kernels normally finished
 # long before a fault is handled; one that has not in this time waits on a hung kernel.

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from . import claim as C
 from . import protocol as P
 from . import save_session
-from .config import TTPConfig
+from .config import PRE_AUTH_BUFFER_BUDGET, TTPConfig
 from .flow import Decision, Flow
 from .hooks import TTPError
 from .roster import RankInfo, Roster
@@ -83,8 +83,12 @@ class Controller:
         self._pending: Dict[Conn, float] = {}  # accepted, not registered yet
         self._refused_pending = 0
         # every rank may connect at once at start-up; beyond that, only floods: memory before
-        # authentication is bounded by _max_pending x pre_auth_max_payload(world_size)
+        # authentication is bounded per connection by pre_auth_max_payload(world_size) and in
+        # all by PRE_AUTH_BUFFER_BUDGET (partial frames of unregistered connections)
         self._max_pending = world_size + 64
+        self._pre_auth_held: Dict[Conn, int] = {}
+        self._pre_auth_total = 0
+        self.pre_auth_budget = PRE_AUTH_BUFFER_BUDGET
         self._conns: Dict[int, Conn] = {}  # fileno -> conn
         self._flush_waiters: List[threading.Event] = []
         self._stop = threading.Event()
@@ -284,6 +288,12 @@ class Controller:
     def _on_readable(self, conn: Conn) -> None:
         try:
             msgs = conn.read()
+            if conn in self._pending and not self._hold_pre_auth(conn):
+                log.warning("%s: unregistered connections hold more than %d bytes of partial "
+                            "frames; closing %s, which pushed them over", self.name,
+                            self.pre_auth_budget, conn.peer)
+                self._drop(conn, "pre-authentication buffer budget exceeded")
+                return
             while msgs:
                 for msg in msgs:
                     if conn.closed:
@@ -299,6 +309,19 @@ class Controller:
                         self.name, conn.peer, conn.rank, exc)
             self._drop(conn, f"sent a bad frame: {exc}")
 
+    @property
+    def pre_auth_buffered(self) -> int:
+        """Bytes of partial frames that unregistered connections make this listener hold."""
+        return self._pre_auth_total
+
+    def _hold_pre_auth(self, conn: Conn) -> bool:
+        """Account what `conn` (not registered) now buffers; False when all unregistered
+        connections together hold more than the budget."""
+        held = conn.dec.pending
+        self._pre_auth_total += held - self._pre_auth_held.get(conn, 0)
+        self._pre_auth_held[conn] = held
+        return self._pre_auth_total <= self.pre_auth_budget
+
     def _drop(self, conn: Conn, why: str) -> None:
         if conn.closed:
             return
@@ -308,6 +331,7 @@ class Controller:
             pass
         self._conns.pop(conn.sock.fileno(), None)
         self._pending.pop(conn, None)
+        self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
         conn.close()
         with self._cond:
             info = self._ranks.get(conn.rank) if conn.rank is not None else None
@@ -426,6 +450,7 @@ class Controller:
                 stale, old.conn = old.conn, None
                 self._drop(stale, "replaced by a new connection")
             self._pending.pop(conn, None)
+            self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
             conn.dec.authenticated()
             conn.rank = m.rank
             self._ranks.register(RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port,

@@ -87,6 +87,44 @@ def test_connections_that_never_register_are_capped(ctl):
             s.close()
 
 
+def test_partial_frames_of_unregistered_connections_share_one_budget(ctl):
+    """Per connection a pre-auth frame is capped (a few KiB plus 8 B a rank), but at 8192 ranks
+    world_size + 64 connections could still pin ~560 MiB: all of them share one budget, and the
+    connection that pushes the total over it is closed; closing one frees its share."""
+    ctl.pre_auth_budget = 10_000
+    header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, 4000)
+    body = b"\0" * 3000  # a frame announced within the cap, never finished
+    socks = []
+    try:
+        for i in range(3):  # 3 x (header + 3000) stays under 10 000
+            s = socket.create_connection(ctl.address, timeout=5)
+            s.sendall(header + body)
+            socks.append(s)
+            want = (i + 1) * (len(header) + len(body))
+            assert wait_for(lambda want=want: ctl.pre_auth_buffered == want), ctl.pre_auth_buffered
+        over = socket.create_connection(ctl.address, timeout=5)
+        socks.append(over)
+        over.sendall(header + body)
+        assert closed_by_peer(over), "the connection over the budget was kept"
+        assert not any(closed_by_peer(s, 0.05) for s in socks[:3])
+        assert ctl.pre_auth_buffered == 3 * (len(header) + len(body))
+        socks[0].close()  # its share is freed: another one fits again
+        assert wait_for(lambda: ctl.pre_auth_buffered == 2 * (len(header) + len(body)))
+        again = socket.create_connection(ctl.address, timeout=5)
+        socks.append(again)
+        again.sendall(header + body)
+        assert wait_for(lambda: ctl.pre_auth_buffered == 3 * (len(header) + len(body)))
+        assert not closed_by_peer(again, 0.05)
+        fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4)]
+        assert wait_for(lambda: len(ctl.registered) == 4), "real ranks were not served"
+        assert ctl.faults == []
+        for f in fakes:
+            f.close()
+    finally:
+        for s in socks:
+            s.close()
+
+
 def register(rank: int) -> P.Register:
     return P.Register(rank, 4, DP, 2, "127.0.0.1", 0, 0, 3, False, False, False)
 
