@@ -82,8 +82,9 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
         written[rel] = _save(iter_dir, rel, state)
     sched = dict(scheduler.state_dict())
     sched["num_steps"] = meta["scheduler_num_steps"]  # the live one may be one step ahead
+    lr, wd = _hyperparams_at(scheduler, meta["scheduler_num_steps"])
     for position in positions:  # own stripe, and the partner's when the partner is not saving
-        state = {"optimizer": optimizer.stripe_state_dict(position),
+        state = {"optimizer": _with_hyperparams(optimizer.stripe_state_dict(position), lr, wd),
                  "opt_param_scheduler": sched}
         rel = par.optim_file(tp_rank, pp_rank, position)
         written[rel] = _save(iter_dir, rel, state)
@@ -121,6 +122,27 @@ rename_save_result.checkpoint_location = checkpoint_location  # type: ignore[att
 def _order_tag(step: int) -> str:
     session = save_session.current()
     return session.tag if session is not None and session.step == step else ""
+
+
+def _hyperparams_at(scheduler, num_steps: int) -> tuple:
+    """lr and weight decay as the scheduler sets them after its step to `num_steps`. A fault
+    can land between the update of step k and the scheduler's step of k (the live groups then
+    still hold k's lr): Megatron's own save of k writes the lr for k + 1."""
+    at = copy.copy(scheduler)
+    at.num_steps = num_steps
+    return at.get_lr(), at.get_wd()
+
+
+def _with_hyperparams(stripe_state: dict, lr: float, wd: float) -> dict:
+    """`stripe_state` with every param group's lr and weight decay those of the saved step
+    (what OptimizerParamScheduler.step writes: the value times the group's multiplier)."""
+    inner = dict(stripe_state["optimizer"])
+    inner["param_groups"] = [
+        {**group, "lr": lr * group.get("lr_mult", 1.0),
+         "weight_decay": wd * group.get("wd_mult", 1.0)}
+        for group in inner["param_groups"]
+    ]
+    return {**stripe_state, "optimizer": inner}
 
 
 def _stripe_chunks(optimizer: ReplicatedOptimizer) -> Dict[int, List[torch.Tensor]]:
