@@ -13,13 +13,11 @@ Then the fault hook of the tests (``TTP_BENCH_CHAIN``: its sitecustomize.py) is 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
+
+from mindio_ttp.testing.import_hooks import after_import, run_hook_file
 
 OUT = os.environ.get("TTP_BENCH_RSS_DIR", "")
 
@@ -110,28 +108,9 @@ TARGETS = {"megatron.checkpointing": _patch_checkpointing,
            "mindio_ttp.megatron_ttp.save": _patch_save}
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        patch = TARGETS.get(name)
-        if patch is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        original = spec.loader.exec_module
-
-        def exec_module(module):
-            original(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 if OUT:
-    sys.meta_path.insert(0, _Finder())
+    for _name, _patch in TARGETS.items():
+        after_import(_name, _patch)
 chain = os.environ.get("TTP_BENCH_CHAIN")
 if chain:
-    spec = importlib.util.spec_from_file_location("_ttp_fault_hook", chain)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    run_hook_file(chain)

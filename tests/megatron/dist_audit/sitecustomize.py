@@ -20,13 +20,12 @@ injector of ``../fault_hook`` still works: this file runs it after installing th
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import json
 import os
-import sys
 import threading
 from pathlib import Path
+
+from mindio_ttp.testing.import_hooks import after_import, run_hook_file
 
 _HERE = Path(__file__).resolve().parent
 _local = threading.local()
@@ -202,42 +201,13 @@ def _install_phases(training) -> None:
     ReplicatedOptimizer.state_dict = _in_phase("state_dict", state_dict)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "megatron.training":
-            return None
-        spec = None  # from the finders after this one (the fault hook's wraps train_step)
-        for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None:
-            return spec
-        original = spec.loader.exec_module
-
-        def exec_module(module):
-            original(module)
-            _install_phases(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def _install() -> None:
     if not os.environ.get("TTP_DIST_AUDIT_DIR"):
         return
     _install_dist()
     # before the fault hook's finder, which it asks first: the phase wraps train_step outermost
-    sys.meta_path.insert(0, _Finder())
+    after_import("megatron.training", _install_phases)
 
 
-def _run_fault_hook() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "ttp_fault_hook", _HERE.parent / "fault_hook" / "sitecustomize.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
-
-_run_fault_hook()
+run_hook_file(str(_HERE.parent / "fault_hook" / "sitecustomize.py"))
 _install()

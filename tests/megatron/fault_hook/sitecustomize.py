@@ -25,10 +25,7 @@ kills rank 2, later attempts run clean); the attempt is torch's TORCHELASTIC_RES
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
-import sys
 
 TARGET = "megatron.training"
 
@@ -103,28 +100,6 @@ def _wrap_train_step(train_step, get_args, plan, record_dir):
     return fault_injecting_train_step
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, plan, record_dir):
-        self.plan, self.record_dir = plan, record_dir
-
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        original = spec.loader.exec_module
-        plan, record_dir = self.plan, self.record_dir
-
-        def exec_module(module):
-            original(module)
-            module.train_step = _wrap_train_step(module.train_step, module.get_args, plan,
-                                                 record_dir)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def _install() -> None:
     plans = os.environ.get("TTP_FAULT_PLAN", "").split("|")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -134,9 +109,15 @@ def _install() -> None:
     from pathlib import Path
 
     from mindio_ttp.testing.faults import FaultPlan
+    from mindio_ttp.testing.import_hooks import after_import
 
     record = os.environ.get("TTP_FAULT_RECORD_DIR")
-    sys.meta_path.insert(0, _Finder(FaultPlan.from_text(text), Path(record) if record else None))
+    plan, record_dir = FaultPlan.from_text(text), Path(record) if record else None
+
+    def wrap(module) -> None:
+        module.train_step = _wrap_train_step(module.train_step, module.get_args, plan, record_dir)
+
+    after_import(TARGET, wrap)
 
 
 _install()

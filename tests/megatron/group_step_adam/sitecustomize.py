@@ -8,11 +8,10 @@ Put this folder first on PYTHONPATH with ``TTP_TEST_GROUP_STEP_ADAM=1``; the fau
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
-import sys
 from pathlib import Path
+
+from mindio_ttp.testing.import_hooks import after_import, run_hook_file
 
 _HERE = Path(__file__).resolve().parent
 
@@ -49,35 +48,6 @@ def _group_step_adam():
     return GroupStepAdam
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "megatron.optimizer":
-            return None
-        spec = None
-        for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None:
-            return spec
-        original = spec.loader.exec_module
-
-        def exec_module(module):
-            original(module)
-            module.Adam = _group_step_adam()
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def _run_fault_hook() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "ttp_fault_hook", _HERE.parent / "fault_hook" / "sitecustomize.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
-
-_run_fault_hook()
+run_hook_file(str(_HERE.parent / "fault_hook" / "sitecustomize.py"))
 if os.environ.get("TTP_TEST_GROUP_STEP_ADAM") == "1":
-    sys.meta_path.insert(0, _Finder())
+    after_import("megatron.optimizer", lambda module: setattr(module, "Adam", _group_step_adam()))
