@@ -46,6 +46,17 @@ def closed_by_peer(s: socket.socket, timeout_s: float = 5.0) -> bool:
         return False
 
 
+def assert_real_ranks_still_served(ctl) -> None:
+    """After an attack: the four real ranks register and no fault was counted."""
+    fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4)]
+    try:
+        assert wait_for(lambda: len(ctl.registered) == 4), "real ranks were not served"
+        assert ctl.faults == []
+    finally:
+        for f in fakes:
+            f.close()
+
+
 def test_unauthenticated_large_frames_are_refused_before_buffering(ctl):
     """40 connections each announcing a 15 MiB frame took rank 0 from 20 to 620 MiB."""
     rss_before = psutil.Process().memory_info().rss
@@ -66,11 +77,7 @@ def test_unauthenticated_large_frames_are_refused_before_buffering(ctl):
         growth = psutil.Process().memory_info().rss - rss_before
         assert growth < 64 * 1024 * 1024, f"controller buffered {growth / 2**20:.0f} MiB"
         assert ctl.rejected_frames >= 40
-        fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4)]
-        assert wait_for(lambda: len(ctl.registered) == 4), "real ranks were not served"
-        assert ctl.faults == []
-        for f in fakes:
-            f.close()
+        assert_real_ranks_still_served(ctl)
     finally:
         for s in socks:
             s.close()
@@ -115,11 +122,7 @@ def test_partial_frames_of_unregistered_connections_share_one_budget(ctl):
         again.sendall(header + body)
         assert wait_for(lambda: ctl.pre_auth_buffered == 3 * (len(header) + len(body)))
         assert not closed_by_peer(again, 0.05)
-        fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4)]
-        assert wait_for(lambda: len(ctl.registered) == 4), "real ranks were not served"
-        assert ctl.faults == []
-        for f in fakes:
-            f.close()
+        assert_real_ranks_still_served(ctl)
     finally:
         for s in socks:
             s.close()
