@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Any, Dict, Optional, Sequence
 
-from . import __version__
+from . import __version__, fileio
 from .apply import apply, diff
 from .errors import EXIT_ENVIRONMENT, EXIT_OK, Interrupted, PatchError, UsageError
 from .options import DEFAULT_PORT, PORT_RANGE, Device, Options, adaptor_warning
@@ -161,8 +161,18 @@ def _run(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)  # pragma: no cover - argparse restricts commands
 
 
+def _outside_write_phase(signum: int) -> Interrupted:
+    """A signal outside the write phase (which defers them): before it nothing was written,
+    after it the command had completed."""
+    name = signal.Signals(signum).name
+    if fileio.committed():
+        return Interrupted(signum, f"interrupted by {name} after the files were written: "
+                                   "the command completed")
+    return Interrupted(signum, f"interrupted by {name} before anything was written")
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
-    raise Interrupted(signum, "terminated (SIGTERM) before anything was written")
+    raise _outside_write_phase(signum)
 
 
 def _log_to_stderr() -> logging.Handler:
@@ -204,13 +214,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _json_error(UsageError(exc.message, "see `ttp-patch verify --help`").as_dict(), None)
         raise
     as_json = bool(getattr(args, "json", False))
+    fileio.reset_committed()
     in_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     handler = _log_to_stderr()
     try:
         return _run(args)
     except KeyboardInterrupt:  # outside the write phase (it defers signals): nothing written
-        exc = Interrupted(signal.SIGINT, "interrupted (SIGINT) before anything was written")
+        exc = _outside_write_phase(signal.SIGINT)
         return _refused(exc, as_json, args.dir)
     except PatchError as exc:
         return _refused(exc, as_json, args.dir)

@@ -198,6 +198,19 @@ class _Deferred:
         self.caught.clear()
 
 
+_RUN = {"committed": False}  # did this command's write phase reach its commit point?
+
+
+def reset_committed() -> None:
+    _RUN["committed"] = False
+
+
+def committed() -> bool:
+    """True once a write_all of this command completed: a signal after it must not claim that
+    nothing was written."""
+    return _RUN["committed"]
+
+
 @contextlib.contextmanager
 def _deferred_signals() -> Iterator[_Deferred]:
     """Record SIGINT/SIGTERM instead of acting on them, until the block ends.
@@ -281,6 +294,7 @@ def write_all(
                 raise Interrupted(caught, "interrupted")
             if journal is not None:
                 journal.end()
+            _RUN["committed"] = True
         except BaseException as exc:
             _roll_back(done, journal, exc, failing)
         caught = deferred.pending()
