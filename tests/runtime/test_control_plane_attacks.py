@@ -10,8 +10,10 @@ connections (accepted before sequence numbers and session keys)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from typing import Iterator
 
 import psutil
 import pytest
@@ -262,9 +264,10 @@ def test_a_frame_from_another_connection_or_direction_does_not_authenticate(ctl,
         assert "bad HMAC" in caplog.text
 
 
-def test_registers_recorded_at_the_primary_cannot_promote_a_standby(ctl, tmp_path):
-    """Replaying half the world's Registers at a standby listener used to give it a quorum:
-    it took over and ran a fault flow against a healthy job. The standby is a real processor's."""
+@contextlib.contextmanager
+def rank0_processor_with_three_fakes(ctl) -> Iterator[tuple]:
+    """A real processor as rank 0 (its standby listener is the one under attack) and fake
+    ranks 1-3, all registered with `ctl`; everything is stopped afterwards."""
     hooks.STATE.reset()
     proc = Processor(TTPConfig.from_env(ENV), 0, DP, 4, 2)
     proc.exit_fn = lambda code: None
@@ -273,6 +276,21 @@ def test_registers_recorded_at_the_primary_cannot_promote_a_standby(ctl, tmp_pat
         proc.start("127.0.0.1", ctl.address[1])
         fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in (1, 2, 3)]
         assert wait_for(lambda: len(ctl.registered) == 4)
+        yield proc, fakes
+    finally:
+        for f in fakes:
+            f.close()
+        proc._stop.set()
+        proc._mail.wake()
+        if proc.standby:
+            proc.standby.stop()
+        hooks.STATE.reset()
+
+
+def test_registers_recorded_at_the_primary_cannot_promote_a_standby(ctl, tmp_path):
+    """Replaying half the world's Registers at a standby listener used to give it a quorum:
+    it took over and ran a fault flow against a healthy job. The standby is a real processor's."""
+    with rank0_processor_with_three_fakes(ctl) as (proc, fakes):
         standby = proc.standby
         for f in fakes[:2]:  # ranks 1 and 2: 2 of 4 would be a quorum
             assert replay(standby.address, f.hs.sent) == [P.Challenge]
@@ -286,57 +304,37 @@ def test_registers_recorded_at_the_primary_cannot_promote_a_standby(ctl, tmp_pat
             assert standby.registered == [3]
             assert standby.sm.state.name == "STANDBY" and standby.faults == []
             assert standby.rejected_frames == 3
-    finally:
-        for f in fakes:
-            f.close()
-        proc._stop.set()
-        proc._mail.wake()
-        if proc.standby:
-            proc.standby.stop()
-        hooks.STATE.reset()
-
 
 
 def test_a_standby_listener_has_the_same_pre_authentication_limits(ctl):
     """Every processor's standby listens on the cluster network too: a large unauthenticated
     frame is refused from its header, and connections that never register are capped."""
-    hooks.STATE.reset()
-    proc = Processor(TTPConfig.from_env(ENV), 0, DP, 4, 2)
-    proc.exit_fn = lambda code: None
-    fakes, socks = [], []
-    try:
-        proc.start("127.0.0.1", ctl.address[1])
-        fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in (1, 2, 3)]
-        assert wait_for(lambda: len(ctl.registered) == 4)
-        standby = proc.standby
-        rss_before = psutil.Process().memory_info().rss
-        header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, 15 * 1024 * 1024)
-        for _ in range(10):
-            s = socket.create_connection(standby.address, timeout=5)
-            socks.append(s)
-            s.sendall(header)
-            try:
-                for _ in range(15):
-                    s.sendall(b"\0" * (1 << 20))
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-        assert all(closed_by_peer(s) for s in socks)
-        assert standby.rejected_frames >= 10
-        growth = psutil.Process().memory_info().rss - rss_before
-        assert growth < 32 * 1024 * 1024, f"the standby buffered {growth / 2**20:.0f} MiB"
-        cap = 4 + 64
-        waiting = [socket.create_connection(standby.address, timeout=5) for _ in range(cap + 10)]
-        socks += waiting
-        assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in waiting[cap:]) == 10)
-        assert standby.sm.state.name == "STANDBY" and standby.faults == []
-        assert ctl.faults == []
-    finally:
-        for s in socks:
-            s.close()
-        for f in fakes:
-            f.close()
-        proc._stop.set()
-        proc._mail.wake()
-        if proc.standby:
-            proc.standby.stop()
-        hooks.STATE.reset()
+    socks = []
+    with rank0_processor_with_three_fakes(ctl) as (proc, _fakes):
+        try:
+            standby = proc.standby
+            rss_before = psutil.Process().memory_info().rss
+            header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, 15 * 1024 * 1024)
+            for _ in range(10):
+                s = socket.create_connection(standby.address, timeout=5)
+                socks.append(s)
+                s.sendall(header)
+                try:
+                    for _ in range(15):
+                        s.sendall(b"\0" * (1 << 20))
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+            assert all(closed_by_peer(s) for s in socks)
+            assert standby.rejected_frames >= 10
+            growth = psutil.Process().memory_info().rss - rss_before
+            assert growth < 32 * 1024 * 1024, f"the standby buffered {growth / 2**20:.0f} MiB"
+            cap = 4 + 64
+            waiting = [socket.create_connection(standby.address, timeout=5)
+                       for _ in range(cap + 10)]
+            socks += waiting
+            assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in waiting[cap:]) == 10)
+            assert standby.sm.state.name == "STANDBY" and standby.faults == []
+            assert ctl.faults == []
+        finally:
+            for s in socks:
+                s.close()
