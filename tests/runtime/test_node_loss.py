@@ -103,18 +103,28 @@ def test_losing_node_1_node_0_saves(two_nodes: DemoNodes) -> None:
     check_checkpoint(two_nodes, two_nodes.flow(node0), [0, 1])
 
 
-def test_losing_node_0_standby_on_node_1_saves_without_the_rendezvous_store(
-        two_nodes: DemoNodes) -> None:
-    """Node 0 held rank 0, the primary controller and torch's store: the save group of ranks 2
-    and 3 is built on the store their standby controller hosts for the order."""
-    two_nodes.start()
+def lose_node_0_and_check_node_1_saved(two_nodes: DemoNodes, silent: bool = False):
+    """Kill node 0 mid-training (`silent`: after taking the link down, so no FIN or RST reaches
+    node 1); node 1's ranks 2 and 3 must have written a verified checkpoint. Returns node 1's
+    flow record and the node."""
     node0, node1 = two_nodes.nodes
     two_nodes.wait_for_line(node0, "rank 0 | step 3/")
+    if silent:
+        two_nodes.cut()
     two_nodes.kill(node0)
     assert two_nodes.wait(node1) == 1, two_nodes.outputs()
     flow = two_nodes.flow(node1)
     assert flow is not None, two_nodes.outputs()
     check_checkpoint(two_nodes, flow, [2, 3])
+    return flow, node1
+
+
+def test_losing_node_0_standby_on_node_1_saves_without_the_rendezvous_store(
+        two_nodes: DemoNodes) -> None:
+    """Node 0 held rank 0, the primary controller and torch's store: the save group of ranks 2
+    and 3 is built on the store their standby controller hosts for the order."""
+    two_nodes.start()
+    flow, node1 = lose_node_0_and_check_node_1_saved(two_nodes)
     out = node1.output()
     assert "exactly half: the fault claim decides" in out
     assert "(saving ranks [2, 3]" in out  # the savers' gloo exchange completed
@@ -123,14 +133,7 @@ def test_losing_node_0_standby_on_node_1_saves_without_the_rendezvous_store(
 def test_silent_loss_of_node_0_is_detected_within_the_heartbeat_timeout(
         two_nodes: DemoNodes) -> None:
     two_nodes.start()
-    node0, node1 = two_nodes.nodes
-    two_nodes.wait_for_line(node0, "rank 0 | step 3/")
-    two_nodes.cut()  # no FIN or RST will reach node 1 from here on
-    two_nodes.kill(node0)
-    assert two_nodes.wait(node1) == 1, two_nodes.outputs()
-    flow = two_nodes.flow(node1)
-    assert flow is not None, two_nodes.outputs()
-    check_checkpoint(two_nodes, flow, [2, 3])
+    flow, _ = lose_node_0_and_check_node_1_saved(two_nodes, silent=True)
     # silence -> failover -> promotion -> collect -> save -> rename: the heartbeat timeout plus
     # a few seconds of flow, never the save time limit (15 s) of a save stuck on node 0's store
     took = flow["time"] - two_nodes.cut_at
@@ -175,13 +178,7 @@ def test_c10d_losing_node_0_which_hosts_the_store_node_1_holds_its_workers_and_s
     its monitor loop; it must hold its workers (torch's own reaction is SIGTERM, SIGKILL 30 s
     later) until their flow has saved."""
     two_nodes.start(rdzv="c10d")
-    node0, node1 = two_nodes.nodes
-    two_nodes.wait_for_line(node0, "rank 0 | step 3/")
-    two_nodes.kill(node0)
-    assert two_nodes.wait(node1) == 1, two_nodes.outputs()
-    flow = two_nodes.flow(node1)
-    assert flow is not None, two_nodes.outputs()
-    check_checkpoint(two_nodes, flow, [2, 3])
+    flow, node1 = lose_node_0_and_check_node_1_saved(two_nodes)
     assert flow["exit_code"] == SAVED
     out = node1.output()
     assert "ttprun: lost the rendezvous store" in out, out
