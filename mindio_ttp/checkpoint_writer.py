@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import torch
 
 from mindio_ttp.framework_ttp import device_copy
+from mindio_ttp.framework_ttp.durable import fsync_dir
 
 PART_SUFFIX = ".part"
 
@@ -52,15 +53,6 @@ class Written:
 def part_path(path: Path) -> Path:
     """The name a file has until it is complete (`.part`: never taken for a checkpoint file)."""
     return path.with_name(path.name + PART_SUFFIX)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the renames inside `path` durable (a rename is a directory update)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_bytes(path: Path, data: bytes, sync_dir: bool = True) -> None:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
+from .durable import fsync_dir
+
 log = logging.getLogger("mindio_ttp.controller")
 
 CLAIM_DIR = ".ttp-claims"
@@ -108,14 +110,6 @@ def _write_record(fd: int, record: dict) -> None:
     os.fsync(fd)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _holder(record: dict) -> str:
     return (f"{record.get('holder', '?')} (host {record.get('host', '?')}, pid "
             f"{record.get('pid', '?')}, state {record.get('state', '?')})")
@@ -143,7 +137,7 @@ def acquire(space: ClaimSpace, holder: str, **info: object) -> Tuple[Optional[Cl
                     exc)
     try:
         _write_record(fd, record)
-        _fsync_dir(space.directory)
+        fsync_dir(space.directory)
     except OSError as exc:  # the file exists, so the claim is ours even if its text is short
         log.error("claim %s: created but not fully written (%s)", space.path, exc)
     return Claim(space, fd, record), f"claimed fault {space.fault_id} in {space.path}"
@@ -174,7 +168,7 @@ def _take_over(space: ClaimSpace, record: dict,
         isinstance(old.get("generation"), int) else 2
     record["took_over_from"] = _holder(old)
     _write_record(fd, record)
-    _fsync_dir(space.directory)
+    fsync_dir(space.directory)
     log.warning("claim %s: taken over from %s (its lock was free: that flow ended before any "
                 "rename order)", space.path, _holder(old))
     return Claim(space, fd, record), (f"took over the claim of fault {space.fault_id} from "
