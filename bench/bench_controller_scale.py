@@ -27,10 +27,10 @@ from typing import Dict, List
 
 import psutil
 
-from mindio_ttp.framework_ttp import protocol as P
-from mindio_ttp.framework_ttp.config import TTPConfig
-from mindio_ttp.framework_ttp.controller import Controller
-from mindio_ttp.framework_ttp.session import RankHandshake
+from mindio_ttp.config import TTPConfig
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.controller import Controller
+from mindio_ttp.control.session import RankHandshake
 
 KEY = os.urandom(32)
 DP, REPLICA = 8, 4

@@ -20,8 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from mindio_ttp.demo.faults import Fault, FaultPlan, Phase
 from mindio_ttp.demo.runner import FAST_ENV, LaunchResult, launch
-from mindio_ttp.testing.faults import Fault, FaultPlan, Phase
 
 CASES: List[Tuple[str, int, Fault]] = [
     ("SIGKILL rank 1 (connection drops)", 1, Fault.SIGKILL),

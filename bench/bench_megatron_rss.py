@@ -3,10 +3,10 @@ rank writes, with the dying save's writer before (BytesIO) and after (checkpoint
 
     TTP_MEGATRON_DIR=... python bench/bench_megatron_rss.py [--hidden 256] [--layers 4]
 
-One 4-rank CPU job per writer (the tiny GPT of mindio_ttp.megatron_testing, widened by
+One 4-rank CPU job per writer (the tiny GPT of mindio_ttp.demo.rehearsal, widened by
 ``--hidden`` / ``--layers``), on a tree patched with ``ttp-patch apply --device cpu``: a
 periodic save at iteration 3, then rank 1 is SIGKILLed in iteration 5 and the survivors write
-the dying checkpoint of step 4. bench/rss_hook/ (on the workers' PYTHONPATH) resets each
+the dying checkpoint of step 4. testkit/hooks/rss_hook/ (on the workers' PYTHONPATH) resets each
 rank's peak RSS before each save and records VmHWM - VmRSS-before after it. Reported per kind
 of save: the largest per-rank peak extra over that rank's written bytes.
 """
@@ -24,23 +24,23 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mindio_ttp.megatron_testing.data import make_tiny_dataset  # noqa: E402
-from mindio_ttp.megatron_testing.launch import (  # noqa: E402
+from mindio_ttp.demo.rehearsal.data import make_tiny_dataset  # noqa: E402
+from mindio_ttp.demo.rehearsal.launch import (  # noqa: E402
     Launcher,
     PretrainJob,
     pick_free_port,
     tiny_gpt_args,
 )
-from mindio_ttp.megatron_testing.tree import apply_ttp_patch, copy_megatron_tree  # noqa: E402
+from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree  # noqa: E402
+from testkit.hooks import FAULT_HOOK_DIR, RSS_HOOK_DIR, pythonpath  # noqa: E402
 
-HOOK = ROOT / "bench" / "rss_hook"
-FAULT_HOOK = ROOT / "tests" / "megatron" / "fault_hook" / "sitecustomize.py"
+FAULT_HOOK = FAULT_HOOK_DIR / "sitecustomize.py"
 
 
 def run(tree: Path, data, work: Path, writer: str, hidden: int, layers: int) -> List[dict]:
     out = work / f"rss-{writer}"
     out.mkdir()
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH")])),
+    env = {"PYTHONPATH": pythonpath(RSS_HOOK_DIR),
            "TTP_BENCH_RSS_DIR": str(out), "TTP_BENCH_WRITER": writer,
            "TTP_BENCH_CHAIN": str(FAULT_HOOK), "TTP_FAULT_PLAN": "1:5:sigkill:before",
            "TTP_OT": "60", "TTP_CONTROLLER_PORT": str(pick_free_port())}

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mindio_ttp import checkpoint_writer  # noqa: E402
+from mindio_ttp.faulttime import checkpoint_writer  # noqa: E402
 
 MODEL_FILE = "mp_rank_00/model_rng.pt"
 OPTIM_FILE = "mp_rank_00_000/optim.pt"

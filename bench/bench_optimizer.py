@@ -5,7 +5,7 @@ The model is Megatron's GPT at 4 layers x hidden 512 (8 heads, seq 64): large en
 optimizer's traffic dominates. DistributedOptimizer runs on an unpatched copy of Megatron-LM
 (torchrun, CPU adaptor injected), ReplicatedOptimizer on a copy patched with `ttp-patch apply
 --device cpu` (ttprun). Every torch.distributed call of the workers is recorded by the test-only
-audit hook (tests/megatron/dist_audit): training-path calls (inside train_step) are converted to
+audit hook (testkit/hooks/dist_audit): training-path calls (inside train_step) are converted to
 bytes *sent* per rank with the usual ring costs (reduce-scatter and all-gather: (n-1)/n of the
 full buffer; all-reduce: 2(n-1)/n; a send: its size; groups of one rank: nothing). The raw
 bytes of the tensors handed over are printed too. Step time is Megatron's own "elapsed time
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import tempfile
@@ -26,12 +25,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from mindio_ttp.megatron_testing.data import make_tiny_dataset
-from mindio_ttp.megatron_testing.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
-from mindio_ttp.megatron_testing.tree import apply_ttp_patch, copy_megatron_tree
+from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
+from mindio_ttp.demo.rehearsal.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
+from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree
+from testkit.hooks import DIST_AUDIT_DIR, pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
-AUDIT_HOOK = REPO / "tests" / "megatron" / "dist_audit"
 ITERS = 8
 DP = 4
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8"]
@@ -61,8 +60,7 @@ def measure(tree: Path, args: List[str], work: Path, name: str, launcher: Launch
             inject: bool) -> Tuple[Dict[str, float], float, Dict[str, int]]:
     audit = work / f"{name}-audit"
     audit.mkdir()
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(AUDIT_HOOK),
-                                                       os.environ.get("PYTHONPATH")])),
+    env = {"PYTHONPATH": pythonpath(DIST_AUDIT_DIR),
            "TTP_DIST_AUDIT_DIR": str(audit), "TTP_CONTROLLER_PORT": str(pick_free_port())}
     log = work / f"{name}.log"
     with PretrainJob(tree, args, nproc=DP, log_path=log, launcher=launcher, env=env,

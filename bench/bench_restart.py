@@ -1,12 +1,12 @@
 """Time lost per fault with `ttprun --max-restarts`, against a cold start, on real Megatron.
 
-One job, the tiny GPT of mindio_ttp.megatron_testing on 4 CPU ranks of a tree patched with
+One job, the tiny GPT of mindio_ttp.demo.rehearsal on 4 CPU ranks of a tree patched with
 `ttp-patch apply --device cpu`, is launched twice in the same run of this script:
 
 * cold: a fresh start (no checkpoint), launch -> Megatron's "[before the start of training
   step]" line;
 * faults: the same job under `ttprun --max-restarts 3` with a SIGKILL of one rank in each of
-  three attempts (tests/megatron/fault_hook, one plan per attempt); per fault: the moment the
+  three attempts (testkit/hooks/fault_hook, one plan per attempt); per fault: the moment the
   controller declared it (its FAULT log line) -> the next attempt's "[before the start of
   training step]" line, i.e. detection + dying checkpoint + grace + restart + Megatron's start-up
   + the load of the dying checkpoint.
@@ -27,12 +27,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import List
 
-from mindio_ttp.megatron_testing.data import make_tiny_dataset
-from mindio_ttp.megatron_testing.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
-from mindio_ttp.megatron_testing.tree import apply_ttp_patch, copy_megatron_tree
+from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
+from mindio_ttp.demo.rehearsal.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
+from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree
+from testkit.hooks import FAULT_HOOK_DIR, pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
-FAULT_HOOK = REPO / "tests" / "megatron" / "fault_hook"
 PLAN = "1:3:sigkill:before|2:6:sigkill:inside|0:8:sigkill:after"
 ITERS = 10
 _START = re.compile(r"\[before the start of training step\] datetime: (\S+ \S+)")
@@ -65,8 +65,7 @@ def main() -> int:
         apply_ttp_patch(tree, "cpu")
         data = make_tiny_dataset(tree, work / "data")
         env = {"TTP_OT": "60", "TTP_CONTROLLER_PORT": str(pick_free_port()),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOK),
-                                                           os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": pythonpath(FAULT_HOOK_DIR)}
 
         cold_log = work / "cold.log"
         t0 = _run(tree, tiny_gpt_args(data, train_iters=4), cold_log, env)

@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mindio_ttp import checkpoint_writer  # noqa: E402
-from mindio_ttp.framework_ttp import device as ttp_device  # noqa: E402
-from mindio_ttp.framework_ttp import device_copy, hooks  # noqa: E402
+from mindio_ttp.control import hooks  # noqa: E402
+from mindio_ttp.faulttime import checkpoint_writer, device_copy  # noqa: E402
+from mindio_ttp.faulttime import device as ttp_device  # noqa: E402
 
 NO_CUDA = "skipped: no CUDA device (torch.cuda.is_available() is False)"
 

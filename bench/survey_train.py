@@ -6,7 +6,7 @@ this runs a real job on a handful). Per commit: a `git clone --shared` of REPO a
 never written), `ttp-patch apply --allow-modified --device cpu`, the tiny dataset built with that
 tree's own Megatron classes, then 4 CPU ranks under `ttprun` (gloo, --use-distributed-optimizer,
 periodic save every 3) with rank 1 SIGKILLed in the forward step of iteration 5, driven by the
-test-only fault hook of tests/megatron/fault_hook. Passing means what
+test-only fault hook of testkit/hooks/fault_hook. Passing means what
 tests/megatron/test_e2e_dying_checkpoint.py asserts at 285068c: the launcher fails, the tracker
 names step 4, and iter_0000004 verifies against its manifest for the DP4 layout.
 
@@ -26,12 +26,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from mindio_ttp.megatron_testing.data import make_tiny_dataset
-from mindio_ttp.megatron_testing.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
+from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
+from mindio_ttp.demo.rehearsal.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
 from mindio_ttp.megatron_ttp import manifest
 from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+from testkit.hooks import FAULT_HOOK_DIR, pythonpath
 
-FAULT_HOOK_DIR = Path(__file__).resolve().parents[1] / "tests" / "megatron" / "fault_hook"
 TTP_OT_S = 40  # as the e2e tests: seconds ttprun keeps survivors alive after a fault
 N_ITERS = 10
 PLAN = "1:5:sigkill:before"
@@ -79,8 +79,7 @@ def train_one(repo: Path, commit: str, work: Path) -> TrainResult:
     record = work / "faults"
     record.mkdir()
     job_env = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOK_DIR),
-                                                    os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": pythonpath(FAULT_HOOK_DIR),
         "TTP_OT": str(TTP_OT_S),
         "TTP_CONTROLLER_PORT": str(pick_free_port()),
         "TTP_FAULT_PLAN": PLAN,

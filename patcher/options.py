@@ -7,7 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
-from mindio_ttp.framework_ttp.config import CONTROLLER_PORT_RANGE
+from mindio_ttp.config import CONTROLLER_PORT_RANGE
 
 from .errors import UsageError
 

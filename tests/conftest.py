@@ -17,8 +17,8 @@ MEGATRON_COMMIT = "285068c8108e0e8e6538f54fe27c3ee86c5217a2"
 
 def pick_free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (outside the ephemeral range;
-    see mindio_ttp.megatron_testing.launch.pick_free_port)."""
-    from mindio_ttp.megatron_testing.launch import pick_free_port as pick
+    see mindio_ttp.demo.rehearsal.launch.pick_free_port)."""
+    from mindio_ttp.demo.rehearsal.launch import pick_free_port as pick
 
     return pick()
 

@@ -7,15 +7,14 @@ Layout under the checkpoint root::
         shard_0.pt, shard_1.pt, manifest.json   manifest: step, layout, sha256 + size per file
     latest                                      {"step": 5, "dir": "step_0000005"}, replaced last
 
-Each shard file is written by ``mindio_ttp.checkpoint_writer`` (the writer Megatron's dying save
-uses too): hashed (sha256) in the same pass as torch.save writes it to a ``.part`` name, fsynced
-and renamed, so a rank killed mid-write leaves no file that looks complete. The rename
+Each shard file is written by ``mindio_ttp.faulttime.checkpoint_writer`` (the writer Megatron's
+dying save uses too): hashed (sha256) in the same pass as torch.save writes it to a ``.part`` name,
+fsynced and renamed, so a rank killed mid-write leaves no file that looks complete. The rename
 handler checks that every shard is there with the size its saver recorded before the move, and
-``latest`` only changes after the move, so a failed or partial save is never "latest"; the
-loader verifies every sha256. ``<tag>`` is the save order's (one staging directory per flow:
-no flow writes into another's), and an existing step directory is never replaced: a second
-flow's rename of the same step is refused.
-"""
+``latest`` only changes after the move, so a failed or partial save is never "latest"; the loader
+verifies every sha256. ``<tag>`` is the save order's (one staging directory per flow: no flow writes
+into another's), and an existing step directory is never replaced: a second flow's rename of the
+same step is refused. """
 
 from __future__ import annotations
 
@@ -30,8 +29,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from mindio_ttp import checkpoint_writer
 from mindio_ttp.demo.model import FullState, ShardLayout, ShardState
+from mindio_ttp.faulttime import checkpoint_writer
 
 LATEST = "latest"
 MANIFEST = "manifest.json"

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from mindio_ttp import __version__
-from mindio_ttp.testing.faults import Fault, FaultPlan, Phase
+from mindio_ttp.demo.faults import Fault, FaultPlan, Phase
 
 if TYPE_CHECKING:
     from mindio_ttp.demo.runner import LaunchResult

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import mindio_ttp.framework_ttp as ttp
 from mindio_ttp.demo import checkpoint
+from mindio_ttp.demo.faults import FaultPlan, Phase
 from mindio_ttp.demo.model import (
     FullState,
     ShardLayout,
@@ -33,7 +34,6 @@ from mindio_ttp.demo.model import (
     reduce_grads,
 )
 from mindio_ttp.megatron_ttp import exchange
-from mindio_ttp.testing.faults import FaultPlan, Phase
 
 GUIDE_PORT = 8000  # the guide's literal; TTP_CONTROLLER_PORT overrides it (runtime contract)
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from mindio_ttp.framework_ttp.config import FLOW_FINISHED_FILE, Outcome
-from mindio_ttp.framework_ttp.flow_record import FlowRecord, FlowRecordError, read_flow_record
-from mindio_ttp.megatron_testing.data import TinyDataset
-from mindio_ttp.megatron_testing.tree import MEGATRON_COMMIT
+from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome
+from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
+from mindio_ttp.demo.rehearsal.data import TinyDataset
+from mindio_ttp.demo.rehearsal.tree import MEGATRON_COMMIT
 
 if TYPE_CHECKING:
-    from mindio_ttp.megatron_testing.launch import PretrainJob  # imports psutil
+    from mindio_ttp.demo.rehearsal.launch import PretrainJob  # imports psutil
 
 WORLD = 4
 DEFAULT_ITERS = 10
@@ -200,7 +200,7 @@ class MegatronRehearsal:
             return self._compare(data, faulty, resumed, saved)
 
     def _prepare_tree(self) -> None:
-        from mindio_ttp.megatron_testing.tree import apply_ttp_patch, copy_megatron_tree
+        from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree
 
         self.say(f"[1/6] copying {self.opts.source} to {self.tree} (git clone --shared: your "
                  "checkout is only read) and patching the copy: ttp-patch apply --device cpu ...")
@@ -211,7 +211,7 @@ class MegatronRehearsal:
                  f"({time.monotonic() - t0:.1f} s)")
 
     def _make_dataset(self) -> TinyDataset:
-        from mindio_ttp.megatron_testing.data import make_tiny_dataset
+        from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
 
         self.say(f"[2/6] generating a small dataset in {self.data_dir} (synthetic text, a BPE "
                  "trained on it, Megatron's own .bin/.idx writer) ...")
@@ -295,7 +295,7 @@ class MegatronRehearsal:
 
     def _compare(self, data: TinyDataset, faulty: TrainingRun, resumed: TrainingRun,
                  saved: int) -> Verdict:
-        from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints
+        from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
 
         n = self.opts.iters
         self.say(f"[6/6] the uninterrupted reference run ({n} iterations, --save "
@@ -341,7 +341,7 @@ class MegatronRehearsal:
 
     # -- one training run ------------------------------------------------------------------------
     def _train(self, name: str, data: TinyDataset, ckpt: Path, *, kill: bool) -> TrainingRun:
-        from mindio_ttp.megatron_testing.launch import (
+        from mindio_ttp.demo.rehearsal.launch import (
             Launcher,
             PretrainJob,
             parse_losses,
@@ -376,7 +376,7 @@ class MegatronRehearsal:
 
     def _follow(self, lines: Sequence[str], run: TrainingRun,
                 job: Optional[PretrainJob]) -> None:
-        from mindio_ttp.megatron_testing.launch import parse_losses
+        from mindio_ttp.demo.rehearsal.launch import parse_losses
 
         for line in lines:
             self._echo(line)

@@ -20,11 +20,11 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from mindio_ttp.control.flow_record import read_flow_record
 from mindio_ttp.demo import checkpoint
+from mindio_ttp.demo.faults import FaultPlan
 from mindio_ttp.demo.model import FullState, ShardLayout
-from mindio_ttp.framework_ttp.flow_record import read_flow_record
-from mindio_ttp.testing.faults import FaultPlan
-from mindio_ttp.testing.ports import pick_free_port
+from mindio_ttp.demo.ports import pick_free_port
 
 WORLD = 4
 
@@ -122,7 +122,7 @@ def launch(
     full_env.update(TTP_CONTROLLER_PORT=str(free_port()), TTP_RUN_DIR=str(runs))
     full_env.update(env or {})
     cmd = [
-        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", f"--nproc-per-node={WORLD}",
+        sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", f"--nproc-per-node={WORLD}",
         "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         "--node-rank=0", "--monitor-interval=0.05", "-m", "mindio_ttp.demo.job",
         f"--steps={steps}", f"--ckpt-dir={ckpt}", f"--out={out}",

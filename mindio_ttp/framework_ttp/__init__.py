@@ -20,11 +20,7 @@ import os
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
-from . import claim as _claim
-from . import device as _device
-from . import device_copy as _device_copy
-from . import hooks as _hooks
-from .config import (
+from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
     ENV_LOG_LEVEL,
     ENV_LOG_PATH,
@@ -34,11 +30,15 @@ from .config import (
     TTPConfig,
     _port_env,
 )
-from .controller import Controller
-from .hooks import TTPError, TTPForceStop
-from .processor import HANDLERS, Processor
-from .save_session import SaveSession
-from .save_session import current as _current_session
+from mindio_ttp.control import hooks as _hooks
+from mindio_ttp.control.controller import Controller
+from mindio_ttp.control.hooks import TTPError, TTPForceStop
+from mindio_ttp.control.processor import HANDLERS, Processor
+from mindio_ttp.faulttime import claim as _claim
+from mindio_ttp.faulttime import device as _device
+from mindio_ttp.faulttime import device_copy as _device_copy
+from mindio_ttp.faulttime.save_session import SaveSession
+from mindio_ttp.faulttime.save_session import current as _current_session
 
 __all__ = [
     "ttp_offer_update",
@@ -279,7 +279,7 @@ def ttp_set_checkpoint_dir(path: os.PathLike[str] | str) -> None:
     """Name the directory the save handler writes into (shared by every node), on every rank,
     after `torch.distributed.init_process_group`. Not in MindIO's API: it is what lets a job
     split in two halves save at most one checkpoint. Each fault is claimed there by the one
-    controller allowed to order its save (framework_ttp/claim.py); without it a controller
+    controller allowed to order its save (faulttime/claim.py); without it a controller
     saves only with a strict majority of the ranks."""
     if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
         raise ValueError(f"ttp_set_checkpoint_dir takes a directory path, got {path!r}")

@@ -26,24 +26,24 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "ReplicatedOptimizer":
-        from .replicated_optimizer import ReplicatedOptimizer
+        from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer
 
         return ReplicatedOptimizer
     if name == "check_args":
-        from .args_check import check_args
+        from mindio_ttp.megatron_ttp.args_check import check_args
 
         return check_args
     if name == "load_checkpoint":
-        from .load import load_checkpoint
+        from mindio_ttp.megatron_ttp.load import load_checkpoint
 
         return load_checkpoint
     if name == "ttp_save_checkpoint":
         _check_startup()
-        from .save import ttp_save_checkpoint
+        from mindio_ttp.megatron_ttp.save import ttp_save_checkpoint
 
         return ttp_save_checkpoint
     if name == "rename_save_result":
-        from .save import rename_save_result
+        from mindio_ttp.megatron_ttp.save import rename_save_result
 
         return rename_save_result
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -52,7 +52,7 @@ def __getattr__(name: str) -> Any:
 def _check_startup() -> None:
     from megatron import get_args
 
-    from .args_check import check_args
+    from mindio_ttp.megatron_ttp.args_check import check_args
 
     args = get_args()
     check_args(args)

@@ -3,7 +3,7 @@
 The save handler runs while peers are dead and the main thread may be stuck in one of
 Megatron's collectives, so it can use neither Megatron's groups nor `torch.distributed.new_group`
 (a collective over the world). A `ProcessGroupGloo` built directly on a `PrefixStore` needs only its
-members. The store is the one the save order names (framework_ttp/save_session.py: a fresh
+members. The store is the one the save order names (faulttime/save_session.py: a fresh
 TCPStore the ordering controller hosts), not the job's rendezvous store: that one lives in node
 0's launcher agent and is gone with node 0. Outside a save order (tools, tests) the job's store
 is used. Store keys are never reused: each save order has its own random tag, and each attempt
@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from mindio_ttp.framework_ttp import save_session
+from mindio_ttp.faulttime import save_session
 
 EXCHANGE_TIMEOUT = timedelta(seconds=120)
 _attempts: Dict[Tuple[int, Tuple[int, ...]], itertools.count[int]] = {}

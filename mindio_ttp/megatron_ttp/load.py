@@ -16,10 +16,10 @@ import torch
 from megatron import checkpointing, get_args, print_rank_0
 from megatron.core import mpu
 
-from . import manifest
-from .args_check import NEEDS_REPLICATED
-from .replicated_optimizer import ReplicatedOptimizer, loading_from
-from .save import parallel_layout
+from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.megatron_ttp.args_check import NEEDS_REPLICATED
+from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer, loading_from
+from mindio_ttp.megatron_ttp.save import parallel_layout
 
 tensor_rank = mpu.get_tensor_model_parallel_rank
 pipeline_rank = mpu.get_pipeline_model_parallel_rank

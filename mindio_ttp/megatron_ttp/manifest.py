@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from mindio_ttp import checkpoint_writer
+from mindio_ttp.faulttime import checkpoint_writer
 
 MANIFEST = "ttp_manifest.json"
 PART_PREFIX = "ttp_manifest.rank"

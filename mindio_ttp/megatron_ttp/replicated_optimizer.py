@@ -49,9 +49,9 @@ from megatron.core import mpu
 from megatron.optimizer.distrib_optimizer import DistributedOptimizer, Range
 from megatron.optimizer.optimizer import _zero_grad_group_helper
 
-from .. import framework_ttp
-from ..framework_ttp import config as ttp_config
-from .step_record import StepRecord
+from mindio_ttp import config as ttp_config
+from mindio_ttp import framework_ttp
+from mindio_ttp.megatron_ttp.step_record import StepRecord
 
 REPLICAS = 2  # the striped layout keeps every stripe on exactly two ranks
 

@@ -27,11 +27,9 @@ from megatron import get_args
 from megatron.core import mpu
 from megatron.utils import unwrap_model
 
-from mindio_ttp import checkpoint_writer
-from mindio_ttp.framework_ttp import device_copy, save_session
-
-from . import exchange, manifest
-from .replicated_optimizer import ReplicatedOptimizer
+from mindio_ttp.faulttime import checkpoint_writer, device_copy, save_session
+from mindio_ttp.megatron_ttp import exchange, manifest
+from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer
 
 
 def parallel_layout() -> manifest.ParallelLayout:

@@ -12,8 +12,8 @@ from typing import Callable
 
 import pytest
 
-from mindio_ttp.megatron_testing.data import TinyDataset, make_tiny_dataset
-from mindio_ttp.megatron_testing.tree import apply_ttp_patch, copy_megatron_tree
+from mindio_ttp.demo.rehearsal.data import TinyDataset, make_tiny_dataset
+from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree
 
 TreeFactory = Callable[..., Path]
 

@@ -1,6 +1,6 @@
 """Shared steps of the real-Megatron end-to-end tests of the dying checkpoint.
 
-A job is the tiny GPT of mindio_ttp.megatron_testing on 4 ranks, launched by `ttprun` on a tree
+A job is the tiny GPT of mindio_ttp.demo.rehearsal on 4 ranks, launched by `ttprun` on a tree
 patched with `ttp-patch apply --device cpu`. Faults come from the test-only sitecustomize in
 fault_hook/ (put on the workers' PYTHONPATH), driven by a FaultPlan text such as
 "1:5:sigkill:before": the Megatron tree carries nothing but the patch.
@@ -9,14 +9,13 @@ fault_hook/ (put on the workers' PYTHONPATH), driven by a FaultPlan text such as
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-from mindio_ttp.megatron_testing.data import TinyDataset
-from mindio_ttp.megatron_testing.launch import (
+from mindio_ttp.demo.rehearsal.data import TinyDataset
+from mindio_ttp.demo.rehearsal.launch import (
     Launcher,
     PretrainJob,
     PretrainResult,
@@ -24,8 +23,8 @@ from mindio_ttp.megatron_testing.launch import (
     tiny_gpt_args,
 )
 from mindio_ttp.megatron_ttp import manifest
+from testkit.hooks import FAULT_HOOK_DIR, pythonpath
 
-FAULT_HOOK_DIR = Path(__file__).resolve().parent / "fault_hook"
 TTP_OT_S = 40  # seconds ttprun keeps survivors alive after a fault
 N_ITERS = 10
 FAR_AWAY = 10_000  # periodic save interval that never fires
@@ -38,8 +37,7 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
             env_extra: Optional[Dict[str, str]] = None, timeout_s: float = 240,
             launcher_args: Sequence[str] = ()) -> PretrainResult:
     env: Dict[str, str] = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOK_DIR),
-                                                    os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": pythonpath(FAULT_HOOK_DIR),
         "TTP_OT": str(TTP_OT_S),
         "TTP_CONTROLLER_PORT": str(pick_free_port()),
         **(env_extra or {}),
@@ -97,7 +95,7 @@ def assert_same_structure_close_values(a: Path, b: Path, iteration: int,
     import numpy as np
     import torch
 
-    from mindio_ttp.megatron_testing.checkpoints import leaves, load_checkpoint_file
+    from mindio_ttp.demo.rehearsal.checkpoints import leaves, load_checkpoint_file
 
     rel_dir = manifest.iter_dir_name(iteration)
     files_a = sorted(p.relative_to(a) for p in (a / rel_dir).rglob("*.pt"))

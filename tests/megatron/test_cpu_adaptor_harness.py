@@ -1,4 +1,4 @@
-"""The real-Megatron test harness (``mindio_ttp.megatron_testing``) on fakes, without Megatron.
+"""The real-Megatron test harness (``mindio_ttp.demo.rehearsal``) on fakes, without Megatron.
 
 A fake tree (a ``megatron`` package and a ``pretrain_gpt.py`` that prints Megatron-style log
 lines) stands in for Megatron, so the launcher, the adaptor-injecting runner, rank discovery,
@@ -15,9 +15,9 @@ import psutil
 import pytest
 import torch
 
-from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints
-from mindio_ttp.megatron_testing.data import learn_merges, synthetic_documents
-from mindio_ttp.megatron_testing.launch import (
+from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
+from mindio_ttp.demo.rehearsal.data import learn_merges, synthetic_documents
+from mindio_ttp.demo.rehearsal.launch import (
     PretrainJob,
     parse_iteration_ms,
     parse_losses,

@@ -1,7 +1,7 @@
 """Real Megatron-LM 285068c on CPU through ``mindio_ttp.cpu_adaptor``.
 
 The unpatched tree runs with the adaptor injected by
-``python -m mindio_ttp.megatron_testing.runner``: the adaptor alone must make it train, and a
+``python -m mindio_ttp.demo.rehearsal.runner``: the adaptor alone must make it train, and a
 run stopped at iteration 10 and resumed with ``--load`` must print the same 20 losses and write
 a bit-identical iteration-20 checkpoint. The patched tree (``ttp-patch apply --device cpu``)
 must import the adaptor from ``pretrain_gpt.py`` before Megatron and get as far as the TTP glue.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints
-from mindio_ttp.megatron_testing.data import TinyDataset
-from mindio_ttp.megatron_testing.launch import PretrainResult, run_pretrain, tiny_gpt_args
+from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
+from mindio_ttp.demo.rehearsal.data import TinyDataset
+from mindio_ttp.demo.rehearsal.launch import PretrainResult, run_pretrain, tiny_gpt_args
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

@@ -13,7 +13,6 @@ Needs TTP_MEGATRON_DIR.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import List
@@ -21,16 +20,17 @@ from typing import List
 import pytest
 from megatron_e2e import N_ITERS, run_job, tracker_step
 
+from testkit.hooks import DIST_AUDIT_DIR, pythonpath
+
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
-AUDIT_HOOK_DIR = Path(__file__).resolve().parent / "dist_audit"
+AUDIT_HOOK_DIR = DIST_AUDIT_DIR
 FAULT_STEP = 5
 
 
 def audited_env(audit_dir: Path) -> dict:
     audit_dir.mkdir(parents=True, exist_ok=True)
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(AUDIT_HOOK_DIR),
-                                                        os.environ.get("PYTHONPATH")])),
+    return {"PYTHONPATH": pythonpath(DIST_AUDIT_DIR),
             "TTP_DIST_AUDIT_DIR": str(audit_dir)}
 
 

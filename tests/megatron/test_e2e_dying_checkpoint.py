@@ -28,8 +28,8 @@ from megatron_e2e import (
     tracker_step,
 )
 
-from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints, load_checkpoint_file
-from mindio_ttp.megatron_testing.launch import Launcher
+from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints, load_checkpoint_file
+from mindio_ttp.demo.rehearsal.launch import Launcher
 from mindio_ttp.megatron_ttp import manifest
 from mindio_ttp.megatron_ttp.manifest import ParallelLayout
 

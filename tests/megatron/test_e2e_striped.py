@@ -5,14 +5,14 @@ uninterrupted run. Needs TTP_MEGATRON_DIR."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 from megatron_e2e import N_ITERS, copy_checkpoints, loss_table, run_job, tracker_step
 
-from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints, load_checkpoint_file
+from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints, load_checkpoint_file
+from testkit.hooks import pythonpath
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -71,8 +71,7 @@ def test_step_kept_in_param_groups_resumes_with_the_right_step(patched_megatron_
     """An optimizer that keeps `step` in its param groups (like apex FusedAdam), where some DP
     position's stripe has no parameter of one group: the dying checkpoint resumes bit-exact,
     and every saved group counts every update."""
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(GROUP_STEP_HOOK),
-                                                       os.environ.get("PYTHONPATH")])),
+    env = {"PYTHONPATH": pythonpath(GROUP_STEP_HOOK),
            "TTP_TEST_GROUP_STEP_ADAM": "1"}
     kwargs = dict(env_extra=env, save_interval=4)
     ref_ckpt = work / "groupstep_ref"

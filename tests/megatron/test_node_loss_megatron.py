@@ -1,6 +1,6 @@
 """Losing a whole node of a real Megatron-LM 285068c job (patched `--device cpu`, gloo), and
 splitting it in two, with two real `ttprun` "nodes" in network namespaces (see
-mindio_ttp.testing.netns). Needs TTP_MEGATRON_DIR and root.
+testkit.netns). Needs TTP_MEGATRON_DIR and root.
 
 The tiny GPT runs DP4 with --use-distributed-optimizer, 2 ranks per node: node 0 holds ranks 0
 and 1 (DP positions 0, 1), node 1 ranks 2 and 3 (positions 2, 3). ReplicatedOptimizer keeps 2
@@ -15,7 +15,6 @@ every process of that node at once. The survivors must save iteration 4.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import secrets
@@ -27,12 +26,13 @@ from typing import Dict, Iterator, List
 import pytest
 from megatron_e2e import FAR_AWAY, FAULT_HOOK_DIR, N_ITERS, copy_checkpoints, loss_table, run_job
 
-from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints
-from mindio_ttp.megatron_testing.data import TinyDataset
-from mindio_ttp.megatron_testing.launch import parse_losses, tiny_gpt_args, worker_env
+from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
+from mindio_ttp.demo.rehearsal.data import TinyDataset
+from mindio_ttp.demo.rehearsal.launch import parse_losses, tiny_gpt_args, worker_env
 from mindio_ttp.megatron_ttp import manifest
 from mindio_ttp.megatron_ttp.manifest import ParallelLayout
-from mindio_ttp.testing.netns import Node, TwoNodes, namespaces_unavailable, two_nodes
+from testkit.hooks import pythonpath
+from testkit.netns import Node, TwoNodes, namespaces_unavailable, two_nodes
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -62,8 +62,7 @@ class MegatronNodes(TwoNodes):
         self.ckpt.mkdir(parents=True, exist_ok=True)
         env = worker_env({
             **ENV,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOK_DIR),
-                                                        os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": pythonpath(FAULT_HOOK_DIR),
             "TTP_AUTH_KEY": secrets.token_hex(32),  # multi-node: the user's key, on both
             "TTP_CONTROLLER_PORT": str(20000 + secrets.randbelow(20000)),  # fresh namespaces
             "TTP_FAULT_PLAN": plan,
@@ -72,7 +71,7 @@ class MegatronNodes(TwoNodes):
         port = 40000 + secrets.randbelow(20000)
         args = tiny_gpt_args(data, train_iters=iters, save=self.ckpt, save_interval=FAR_AWAY)
         for n in self.nodes:
-            cmd = [sys.executable, "-m", "mindio_ttp.launcher",
+            cmd = [sys.executable, "-m", "mindio_ttp.launch.agent",
                    *self.ttprun_args(n, nproc=2, port=port, rdzv=rdzv),
                    str(tree / "pretrain_gpt.py"), *args]
             self.launch(n, cmd, env, cwd=tree)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from megatron_e2e import run_job
 
-from mindio_ttp.framework_ttp import config
+from mindio_ttp import config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

@@ -3,7 +3,7 @@
 that every shard can provide, bit-identical to Megatron's own save of that iteration.
 
 The phase-named faults (`before`, `barrier`, `inside`, `after`) hit the instants we thought of;
-here a timer in the rank (`anytime`, tests/megatron/fault_hook) SIGKILLs it after a random
+here a timer in the rank (`anytime`, testkit/hooks/fault_hook) SIGKILLs it after a random
 delay within one step's length, so the kill also lands in the logging, the data loader, the
 loss all-reduce, the guide's barrier, or the gap between steps.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from megatron_e2e import N_ITERS, run_job, tracker_step
 
-from mindio_ttp.megatron_testing.checkpoints import compare_checkpoints
+from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
 from mindio_ttp.megatron_ttp import manifest
 from mindio_ttp.megatron_ttp.manifest import ParallelLayout
 

@@ -18,8 +18,8 @@ from megatron_e2e import (
     run_job,
 )
 
-from mindio_ttp.framework_ttp.config import ExitCode
-from mindio_ttp.megatron_testing.launch import Launcher
+from mindio_ttp.config import ExitCode
+from mindio_ttp.demo.rehearsal.launch import Launcher
 from mindio_ttp.megatron_ttp import manifest
 from mindio_ttp.megatron_ttp.args_check import NEEDS_REPLICATED
 

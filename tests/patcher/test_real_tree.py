@@ -163,8 +163,8 @@ def test_patched_parallel_state_tp2_four_gloo_ranks(clone: Path, free_port: int)
 @pytest.mark.slow
 def test_cpu_launch_script_trains_with_ttprun(clone: Path, tmp_path: Path) -> None:
     """The generated script is runnable as is on a CPU machine: a few real iterations, saved."""
-    from mindio_ttp.megatron_testing.data import make_tiny_dataset
-    from mindio_ttp.megatron_testing.launch import pick_free_port
+    from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
+    from mindio_ttp.demo.rehearsal.launch import pick_free_port
 
     assert main(["apply", str(clone), "--device", "cpu"]) == 0
     data = make_tiny_dataset(clone, tmp_path / "data")

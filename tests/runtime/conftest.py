@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mindio_ttp.framework_ttp.config import TTPConfig
-from mindio_ttp.framework_ttp.controller import Controller
+from mindio_ttp.config import TTPConfig
+from mindio_ttp.control.controller import Controller
 
 from .fakes import KEY
 

@@ -7,8 +7,8 @@ import threading
 import time
 from typing import List, Optional
 
-from mindio_ttp.framework_ttp import protocol as P
-from mindio_ttp.framework_ttp.session import RankHandshake
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.session import RankHandshake
 
 KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mindio_ttp.testing.ports import pick_free_port
+from mindio_ttp.demo.ports import pick_free_port
 
 from . import ttp_worker
 

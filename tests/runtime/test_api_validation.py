@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import mindio_ttp.framework_ttp as ttp
-from mindio_ttp.framework_ttp import config
+from mindio_ttp import config
 
 
 @pytest.mark.parametrize("args,match", [

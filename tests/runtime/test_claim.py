@@ -1,4 +1,4 @@
-"""The per-fault claim (framework_ttp/claim.py) with real files, locks and processes, and the
+"""The per-fault claim (faulttime/claim.py) with real files, locks and processes, and the
 controller's rule without a claim directory (strict majority) against scripted processors."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from mindio_ttp.framework_ttp import claim as C
-from mindio_ttp.framework_ttp import protocol as P
-from mindio_ttp.framework_ttp.config import Outcome, TTPConfig
-from mindio_ttp.framework_ttp.controller import Controller
+from mindio_ttp.config import Outcome, TTPConfig
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.controller import Controller
+from mindio_ttp.faulttime import claim as C
 
 from .fakes import FakeRank
 from .test_controller import DP, ENV

@@ -18,10 +18,10 @@ from typing import Iterator
 import psutil
 import pytest
 
-from mindio_ttp.framework_ttp import hooks
-from mindio_ttp.framework_ttp import protocol as P
-from mindio_ttp.framework_ttp.config import TTPConfig
-from mindio_ttp.framework_ttp.processor import Processor
+from mindio_ttp.config import TTPConfig
+from mindio_ttp.control import hooks
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.processor import Processor
 
 from .conftest import DP, ENV
 from .fakes import KEY, FakeRank, handshake, read_frames

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from mindio_ttp.framework_ttp import protocol as P
-from mindio_ttp.framework_ttp.config import Outcome, TTPConfig
-from mindio_ttp.framework_ttp.controller import Controller
-from mindio_ttp.framework_ttp.state import ControllerState
+from mindio_ttp.config import Outcome, TTPConfig
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.controller import Controller
+from mindio_ttp.control.state import ControllerState
 
 from .conftest import DP, ENV
 from .fakes import KEY, FakeRank, handshake, read_frames

@@ -16,8 +16,8 @@ import torch
 
 from mindio_ttp.demo import checkpoint
 from mindio_ttp.demo.checkpoint import CheckpointError
+from mindio_ttp.demo.faults import Fault, FaultPlan, InjectedFault, Phase
 from mindio_ttp.demo.model import ShardLayout, ShardState, emulate
-from mindio_ttp.testing.faults import Fault, FaultPlan, InjectedFault, Phase
 
 LAYOUT = ShardLayout.for_world(4)
 

@@ -20,9 +20,9 @@ from typing import Dict
 import pytest
 
 from mindio_ttp.demo.checkpoint import latest_step, step_dir_name
+from mindio_ttp.demo.faults import Fault, FaultPlan, Phase
 from mindio_ttp.demo.model import FullState, ShardLayout, emulate
 from mindio_ttp.demo.runner import WORLD, LaunchResult, launch
-from mindio_ttp.testing.faults import Fault, FaultPlan, Phase
 
 pytestmark = pytest.mark.slow
 

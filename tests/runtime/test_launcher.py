@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from mindio_ttp.launcher import DEFAULT_OT_S, build_parser, overtime_s
+from mindio_ttp.launch.agent import DEFAULT_OT_S, build_parser, overtime_s
 
 WORKER = textwrap.dedent(
     """
@@ -87,7 +87,7 @@ def _launch(
     env = dict(os.environ, TTP_OT=ot, TTP_RUN_DIR=str(tmp_path / "runs"), **env_extra)
     env.pop("TTP_AUTH_KEY", None)
     cmd = [
-        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", "--nproc-per-node=4",
+        sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", "--nproc-per-node=4",
         "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
         "--node-rank=0", "--monitor-interval=0.05", *extra_args, str(script), mode, str(out),
     ]  # fmt: skip
@@ -194,7 +194,7 @@ def test_clean_run_exits_zero_and_removes_its_run_dir(tmp_path: Path, free_port:
     script.write_text("import os, pathlib; pathlib.Path(os.environ['TTP_RUN_DIR'], 'seen').touch()")
     env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY")}
     cmd = [
-        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", "--nproc-per-node=2",
+        sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", "--nproc-per-node=2",
         "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port}",
         "--node-rank=0", str(script),
     ]  # fmt: skip
@@ -206,7 +206,7 @@ def test_multi_node_start_without_a_key_is_refused(tmp_path: Path, free_port: in
     """ttprun never sends a key over the network: across nodes the user or scheduler gives it."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY", "TTP_AUTH_KEY_FILE")}
-    cmd = [sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=2", "--nproc-per-node=1",
+    cmd = [sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=2", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port}",
            str(tmp_path / "never_started.py")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
@@ -253,7 +253,7 @@ def test_two_nodes_use_the_given_key_and_none_is_in_the_store(tmp_path: Path,
     env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY_FILE")}
     env.update(OUT=str(tmp_path), TTP_AUTH_KEY=key, RDZV_PORT=str(free_port))
     cmd = [
-        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=2", "--nproc-per-node=1",
+        sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port}", "--rdzv-id=keytest",
         "--monitor-interval=0.05", str(script),
     ]  # fmt: skip
@@ -320,7 +320,7 @@ def _probe_env(tmp_path: Path, port: int, script_args: tuple = (), **env_extra: 
                         "HCCL_ASYNC_ERROR_HANDLING")}
     env.update(OUT=str(tmp_path), **env_extra)
     cmd = [
-        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", "--nproc-per-node=2",
+        sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", "--nproc-per-node=2",
         "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
         "--node-rank=0", str(script), *script_args,
     ]  # fmt: skip
@@ -384,7 +384,7 @@ def test_each_restart_attempt_gets_its_own_store(tmp_path: Path, free_port: int)
     env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY")}
     env.update(FAIL_ATTEMPTS="2", TTP_OT="30")
     cmd = [
-        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=1", "--nproc-per-node=3",
+        sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", "--nproc-per-node=3",
         "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port}",
         "--node-rank=0", "--max-restarts=2", "--monitor-interval=0.05", str(script), str(tmp_path),
     ]  # fmt: skip
@@ -428,7 +428,7 @@ NODE_WORKER = textwrap.dedent(
 
 def _node_cmd(script: Path, out: Path, port: int, notice: str = "10") -> list:
     return [
-        sys.executable, "-m", "mindio_ttp.launcher", "--nnodes=2", "--nproc-per-node=1",
+        sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nodeloss",
         "--monitor-interval=0.05", str(script), str(out),
     ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""The agent's rendezvous-store query runs off its monitor loop (mindio_ttp.launcher): a store
+"""The agent's rendezvous-store query runs off its monitor loop (mindio_ttp.launch.agent): a store
 whose node went silent blocks each call for torch's read_timeout, and the agent must go on
 watching its workers meanwhile. Real threads, no torch store."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from mindio_ttp.launcher import _OffLoopQuery
+from mindio_ttp.launch.agent import _OffLoopQuery
 
 
 def test_a_store_that_does_not_answer_does_not_hold_the_caller() -> None:

@@ -1,6 +1,6 @@
 """Losing a whole node, and splitting the job in two, with two real `ttprun` "nodes".
 
-The nodes are network namespaces joined by a veth pair (mindio_ttp.testing.netns, which
+The nodes are network namespaces joined by a veth pair (testkit.netns, which
 describes how a node is lost, silenced or partitioned and how everything is cleaned up): a
 launcher with 2 ranks of the 4-rank demo job runs in each, node 0 hosting torch's rendezvous
 store (its agent), the primary controller (rank 0) and MASTER_ADDR.
@@ -23,8 +23,8 @@ import pytest
 
 from mindio_ttp.demo import checkpoint
 from mindio_ttp.demo.model import ShardLayout, emulate
-from mindio_ttp.testing.netns import Node, TwoNodes, namespaces_unavailable
-from mindio_ttp.testing.netns import two_nodes as two_nodes_made
+from testkit.netns import Node, TwoNodes, namespaces_unavailable
+from testkit.netns import two_nodes as two_nodes_made
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ class DemoNodes(TwoNodes):
         self.ckpt.mkdir(parents=True, exist_ok=True)
         for n in self.nodes:
             cmd = [
-                sys.executable, "-m", "mindio_ttp.launcher",
+                sys.executable, "-m", "mindio_ttp.launch.agent",
                 *self.ttprun_args(n, nproc=2, port=port, rdzv=rdzv),
                 "-m", "mindio_ttp.demo.job", f"--steps={steps}", f"--ckpt-dir={self.ckpt}",
                 f"--out={self.work / f'out{n.index}'}", f"--step-delay={step_delay}",

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from mindio_ttp.framework_ttp import hooks
-from mindio_ttp.framework_ttp.config import TTPConfig
-from mindio_ttp.framework_ttp.controller import Controller
-from mindio_ttp.framework_ttp.processor import HANDLERS, Processor
+from mindio_ttp.config import TTPConfig
+from mindio_ttp.control import hooks
+from mindio_ttp.control.controller import Controller
+from mindio_ttp.control.processor import HANDLERS, Processor
 
 from .fakes import KEY, FakeRank
 
@@ -229,7 +229,7 @@ def test_handler_threads_run_on_the_device_training_set(job, monkeypatch):
 def test_no_accelerator_binds_nothing(monkeypatch):
     import torch
 
-    from mindio_ttp.framework_ttp import device
+    from mindio_ttp.faulttime import device
 
     monkeypatch.delattr(torch, "npu", raising=False)
     if torch.cuda.is_available():  # pragma: no cover - CPU CI

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mindio_ttp.framework_ttp.selection import (
+from mindio_ttp.control.selection import (
     Layout,
     RankState,
     choose_step,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mindio_ttp.framework_ttp import protocol as P
-from mindio_ttp.framework_ttp import session as S
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control import session as S
 
 from .fakes import KEY
 

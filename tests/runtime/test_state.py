@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from mindio_ttp.framework_ttp.state import ALLOWED, ControllerState, InvalidTransition, StateMachine
+from mindio_ttp.control.state import ALLOWED, ControllerState, InvalidTransition, StateMachine
 
 S = ControllerState
 ALL_PAIRS = list(itertools.product(S, S))

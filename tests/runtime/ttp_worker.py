@@ -36,7 +36,7 @@ def inject(phase: str, step: int) -> None:
             elif kind == "term":
                 os.kill(os.getpid(), signal.SIGTERM)
             elif kind == "garbage":  # an unauthenticated peer pokes the controller
-                from mindio_ttp.framework_ttp import protocol as P
+                from mindio_ttp.control import protocol as P
                 port = int(os.environ["TTP_CONTROLLER_PORT"])
                 for junk in (b"GET / HTTP/1.0\r\n\r\n", P.encode(P.Goodbye(0), b"k" * 32)):
                     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:

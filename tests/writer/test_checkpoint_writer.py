@@ -1,5 +1,5 @@
-"""The one checkpoint writer (mindio_ttp/checkpoint_writer.py): digests, atomicity under a kill
-or an exception, and the host memory a save stages."""
+"""The one checkpoint writer (mindio_ttp/faulttime/checkpoint_writer.py): digests, atomicity
+under a kill or an exception, and the host memory a save stages."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindio_ttp import checkpoint_writer
+from mindio_ttp.faulttime import checkpoint_writer
 from mindio_ttp.megatron_ttp import manifest
 
 
@@ -62,7 +62,7 @@ def test_a_kill_mid_write_leaves_no_complete_looking_file_and_no_tracker_change(
     script = textwrap.dedent(f"""
         import os, signal, torch
         from pathlib import Path
-        from mindio_ttp import checkpoint_writer
+        from mindio_ttp.faulttime import checkpoint_writer
         from mindio_ttp.megatron_ttp import manifest
         root = Path({str(tmp_path)!r})
         kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
@@ -104,7 +104,7 @@ def test_the_largest_buffer_staged_is_one_tensor_not_the_file(tmp_path: Path) ->
 _PEAK = textwrap.dedent("""
     import io, json, sys, torch
     from pathlib import Path
-    from mindio_ttp import checkpoint_writer
+    from mindio_ttp.faulttime import checkpoint_writer
 
     def hwm():
         for line in open("/proc/self/status"):

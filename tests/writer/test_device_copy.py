@@ -11,9 +11,9 @@ from typing import Iterator, List
 import pytest
 import torch
 
-from mindio_ttp import checkpoint_writer
-from mindio_ttp.framework_ttp import device_copy, hooks
-from mindio_ttp.framework_ttp.device import NO_DEVICE, DeviceBinding
+from mindio_ttp.control import hooks
+from mindio_ttp.faulttime import checkpoint_writer, device_copy
+from mindio_ttp.faulttime.device import NO_DEVICE, DeviceBinding
 
 
 class FakeEvent:

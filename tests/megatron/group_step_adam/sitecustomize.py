@@ -3,7 +3,7 @@ as apex FusedAdam does (no per-parameter step), so a wrong group step after a re
 the bias correction and shows as a different loss.
 
 Put this folder first on PYTHONPATH with ``TTP_TEST_GROUP_STEP_ADAM=1``; the fault injector of
-``../fault_hook`` still runs (this file executes it first).
+``testkit/hooks/fault_hook`` still runs (this file executes it first).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mindio_ttp.testing.import_hooks import after_import, run_hook_file
+from testkit.hooks import FAULT_HOOK_DIR
+from testkit.import_hooks import after_import, run_hook_file
 
 _HERE = Path(__file__).resolve().parent
 
@@ -48,6 +49,6 @@ def _group_step_adam():
     return GroupStepAdam
 
 
-run_hook_file(str(_HERE.parent / "fault_hook" / "sitecustomize.py"))
+run_hook_file(str(FAULT_HOOK_DIR / "sitecustomize.py"))
 if os.environ.get("TTP_TEST_GROUP_STEP_ADAM") == "1":
     after_import("megatron.optimizer", lambda module: setattr(module, "Adam", _group_step_adam()))

@@ -6,7 +6,7 @@
 * :mod:`.launch`: the tiny-GPT argument set, launching ``pretrain_gpt.py`` under ``ttprun`` or
   ``torchrun`` (optionally with the CPU adaptor injected into an unpatched tree), loss parsing.
 * :mod:`.checkpoints`: tensor-by-tensor bit-exact comparison of two Megatron checkpoints.
-* :mod:`.runner`: ``python -m mindio_ttp.megatron_testing.runner TREE/pretrain_gpt.py ARGS``
+* :mod:`.runner`: ``python -m mindio_ttp.demo.rehearsal.runner TREE/pretrain_gpt.py ARGS``
   runs an unpatched entry script with the CPU adaptor installed first.
 
 Nothing here imports Megatron into the calling process: the steps that need it run in

@@ -24,14 +24,14 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional
 
-from . import protocol as P
-from .config import FLOW_FINISHED_FILE, Outcome, TTPConfig
-from .controller import Controller
-from .flow_record import FlowRecord
-from .handlers import HANDLERS, Handlers, Job
-from .hooks import STATE, TTPError
-from .session import RankHandshake
-from .transport import Conn, ConnClosed, Mailbox, connect, recv_messages
+from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome, TTPConfig
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.controller import Controller
+from mindio_ttp.control.flow_record import FlowRecord
+from mindio_ttp.control.handlers import HANDLERS, Handlers, Job
+from mindio_ttp.control.hooks import STATE, TTPError
+from mindio_ttp.control.session import RankHandshake
+from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 
 log = logging.getLogger("mindio_ttp.processor")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .transport import Conn
+from mindio_ttp.control.transport import Conn
 
 
 @dataclass

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
-from . import device_copy
+from mindio_ttp.faulttime import device_copy
 
 log = logging.getLogger("mindio_ttp")
 

@@ -45,11 +45,11 @@ How it works:
   stream *before* it publishes the step (hooks.py), so a save of that step, started by the
   controller after reading the step, always finds the event of the update it saves. On a rank
   without a device nothing is recorded (one attribute test per step).
-* `reading()`: the context every checkpoint write runs in (`mindio_ttp.checkpoint_writer`): it
-  waits (bounded, by polling) for the event, orders a private stream after it and makes that
-  stream current for the handler thread. torch.save moves each non-CPU storage to the host
-  with ``storage.cpu()`` on the current stream, one storage at a time, and writes it before
-  the next: the host staging is bounded by one tensor, not by one file.
+* `reading()`: the context every checkpoint write runs in
+  (`mindio_ttp.faulttime.checkpoint_writer`): it waits (bounded, by polling) for the event, orders a
+  private stream after it and makes that stream current for the handler thread. torch.save moves
+  each non-CPU storage to the host with ``storage.cpu()`` on the current stream, one storage at a
+  time, and writes it before the next: the host staging is bounded by one tensor, not by one file.
 * `DeviceReader.to_host(tensor)`: the same ordering for code that needs a host copy of one
   tensor (e.g. for a gloo exchange), into one reused pinned staging buffer the size of the
   largest tensor read so far. (torch's own ``use_pinned_memory_for_d2h`` save option is not
@@ -68,8 +68,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
-from . import config
-from .device import DeviceBinding, _module
+from mindio_ttp import config
+from mindio_ttp.faulttime.device import DeviceBinding, _module
 
 log = logging.getLogger("mindio_ttp.processor")
 

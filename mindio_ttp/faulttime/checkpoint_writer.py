@@ -9,7 +9,7 @@ One torch file (`write_torch`):
 * **sha256 in the same pass** as the bytes go to the file, never re-read;
 * **staging bounded by one tensor**: torch.save moves non-CPU storages to the host one at a
   time; under `device_copy.reading` that copy runs on a private stream, not on the training
-  stream a hung collective may block (see `mindio_ttp.framework_ttp.device_copy`);
+  stream a hung collective may block (see `mindio_ttp.faulttime.device_copy`);
 * **atomic**: written as `<name>.part`, fsynced, renamed, and the directory fsynced, so a rank
   killed (or raising) mid-write leaves only a `.part` file, which no loader takes for a
   checkpoint, and after the rename the name survives a power cut.
@@ -32,8 +32,8 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from mindio_ttp.framework_ttp import device_copy
-from mindio_ttp.framework_ttp.durable import fsync_dir
+from mindio_ttp.faulttime import device_copy
+from mindio_ttp.faulttime.durable import fsync_dir
 
 PART_SUFFIX = ".part"
 

@@ -20,14 +20,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
-from . import claim as C
-from . import protocol as P
-from . import save_session
-from .config import Outcome, TTPConfig
-from .roster import Roster
-from .selection import Layout, choose_step, savers_for, states_from
-from .state import ControllerState as S
-from .state import StateMachine
+from mindio_ttp.config import Outcome, TTPConfig
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.roster import Roster
+from mindio_ttp.control.selection import Layout, choose_step, savers_for, states_from
+from mindio_ttp.control.state import ControllerState as S
+from mindio_ttp.control.state import StateMachine
+from mindio_ttp.faulttime import claim as C
+from mindio_ttp.faulttime import save_session
 
 log = logging.getLogger("mindio_ttp.controller")
 

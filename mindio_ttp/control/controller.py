@@ -24,17 +24,17 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import claim as C
-from . import protocol as P
-from . import save_session
-from .config import PRE_AUTH_BUFFER_BUDGET, TTPConfig
-from .flow import Decision, Flow
-from .hooks import TTPError
-from .roster import RankInfo, Roster
-from .session import ListenerHandshake
-from .state import ControllerState as S
-from .state import StateMachine
-from .transport import Conn, ConnClosed, Mailbox
+from mindio_ttp.config import PRE_AUTH_BUFFER_BUDGET, TTPConfig
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.flow import Decision, Flow
+from mindio_ttp.control.hooks import TTPError
+from mindio_ttp.control.roster import RankInfo, Roster
+from mindio_ttp.control.session import ListenerHandshake
+from mindio_ttp.control.state import ControllerState as S
+from mindio_ttp.control.state import StateMachine
+from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox
+from mindio_ttp.faulttime import claim as C
+from mindio_ttp.faulttime import save_session
 
 log = logging.getLogger("mindio_ttp.controller")
 

@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from mindio_ttp.testing.import_hooks import after_import, run_hook_file
+from testkit.import_hooks import after_import, run_hook_file
 
 OUT = os.environ.get("TTP_BENCH_RSS_DIR", "")
 

@@ -16,10 +16,10 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Tuple
 
-from . import protocol as P
-from . import save_session
-from .device import NO_DEVICE
-from .hooks import STATE, HotState
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.hooks import STATE, HotState
+from mindio_ttp.faulttime import save_session
+from mindio_ttp.faulttime.device import NO_DEVICE
 
 log = logging.getLogger("mindio_ttp.processor")
 

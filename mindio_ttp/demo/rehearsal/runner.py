@@ -1,6 +1,6 @@
 """Run a Megatron entry script unmodified with the CPU adaptor installed first.
 
-``python -m mindio_ttp.megatron_testing.runner /path/Megatron-LM/pretrain_gpt.py ARGS...``
+``python -m mindio_ttp.demo.rehearsal.runner /path/Megatron-LM/pretrain_gpt.py ARGS...``
 (works under ``torchrun -m`` / ``ttprun -m``). This is what ``ttp-patch apply --device cpu``
 achieves by an import line, for trees that are not patched: the baselines.
 """
@@ -16,7 +16,7 @@ from typing import List, Optional
 def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not argv[0].endswith(".py"):
-        raise SystemExit("usage: python -m mindio_ttp.megatron_testing.runner "
+        raise SystemExit("usage: python -m mindio_ttp.demo.rehearsal.runner "
                          "MEGATRON_DIR/pretrain_gpt.py [megatron args...]")
     script = Path(argv[0]).resolve()
     if not script.is_file():

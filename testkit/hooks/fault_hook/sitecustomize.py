@@ -1,7 +1,7 @@
 """Test-only fault injection into real Megatron-LM, without editing the tree beyond the patch.
 
 Put this folder on PYTHONPATH and set ``TTP_FAULT_PLAN`` (the text form of
-``mindio_ttp.testing.faults.FaultPlan``, e.g. ``1:5:sigkill:before``). Python imports
+``mindio_ttp.demo.faults.FaultPlan``, e.g. ``1:5:sigkill:before``). Python imports
 ``sitecustomize`` at start-up in every process; this one wraps ``megatron.training.train_step``
 right after that module is imported, so iteration k (1-based, Megatron's printed number) fires:
 
@@ -37,7 +37,7 @@ def _wrap_train_step(train_step, get_args, plan, record_dir):
 
     import torch
 
-    from mindio_ttp.testing.faults import Phase
+    from mindio_ttp.demo.faults import Phase
 
     started = []  # monotonic start of every iteration this process ran
 
@@ -108,8 +108,8 @@ def _install() -> None:
         return
     from pathlib import Path
 
-    from mindio_ttp.testing.faults import FaultPlan
-    from mindio_ttp.testing.import_hooks import after_import
+    from mindio_ttp.demo.faults import FaultPlan
+    from testkit.import_hooks import after_import
 
     record = os.environ.get("TTP_FAULT_RECORD_DIR")
     plan, record_dir = FaultPlan.from_text(text), Path(record) if record else None

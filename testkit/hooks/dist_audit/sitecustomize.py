@@ -25,7 +25,7 @@ import os
 import threading
 from pathlib import Path
 
-from mindio_ttp.testing.import_hooks import after_import, run_hook_file
+from testkit.import_hooks import after_import, run_hook_file
 
 _HERE = Path(__file__).resolve().parent
 _local = threading.local()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Dict, MutableMapping, Optional, Sequence, Tuple
 
-log = logging.getLogger("mindio_ttp.launcher")
+log = logging.getLogger("mindio_ttp.launch.agent")
 
 # (name, value for the workers, why): the one table of collective settings ttprun gives.
 WORKER_DEFAULTS: Tuple[Tuple[str, str, str], ...] = (

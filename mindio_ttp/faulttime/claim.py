@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
-from .durable import fsync_dir
+from mindio_ttp.faulttime.durable import fsync_dir
 
 log = logging.getLogger("mindio_ttp.controller")
 

@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Any, Deque, List, Optional, Tuple
 
-from .protocol import FrameDecoder, Message
-from .session import Sealer
+from mindio_ttp.control.protocol import FrameDecoder, Message
+from mindio_ttp.control.session import Sealer
 
 RECV_CHUNK = 65536
 

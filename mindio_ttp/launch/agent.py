@@ -48,8 +48,7 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.utils.process_state import read_proc_state
 
-from mindio_ttp import collective_env
-from mindio_ttp.framework_ttp.config import (
+from mindio_ttp.config import (
     DEFAULTS,
     ENV_AUTH_KEY,
     ENV_AUTH_KEY_FILE,
@@ -60,7 +59,8 @@ from mindio_ttp.framework_ttp.config import (
     Outcome,
     read_key_file,
 )
-from mindio_ttp.framework_ttp.flow_record import FlowRecord, FlowRecordError, read_flow_record
+from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
+from mindio_ttp.faulttime import collective_env
 
 logger = logging.getLogger("ttprun")
 
@@ -541,7 +541,7 @@ def build_parser():
         "SIGTERM, surviving workers get up to TTP_OT seconds (default 120) to write the "
         "checkpoint before they are stopped. Same arguments as torchrun."
     )
-    from . import __version__
+    from mindio_ttp import __version__
 
     parser.add_argument("--version", action="version", version=f"ttprun {__version__}")
     return parser

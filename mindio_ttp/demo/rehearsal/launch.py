@@ -24,11 +24,10 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import psutil
 
-from mindio_ttp.testing.ports import pick_free_port
+from mindio_ttp.demo.ports import pick_free_port
+from mindio_ttp.demo.rehearsal.data import TinyDataset
 
-from .data import TinyDataset
-
-RUNNER_MODULE = "mindio_ttp.megatron_testing.runner"
+RUNNER_MODULE = "mindio_ttp.demo.rehearsal.runner"
 _LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 _TIME_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 

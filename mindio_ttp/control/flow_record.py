@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from .config import Outcome
+from mindio_ttp.config import Outcome
 
 MAX_FLOW_FILE_BYTES = 64 * 1024  # a real record is a few hundred bytes (reason <= 2000 chars)
 
