@@ -47,6 +47,7 @@ from patcher.errors import PatchError
 from patcher.launch_script import EXAMPLE
 from patcher.options import Device, Options
 from patcher.pin import PINNED_BLOBS, PINNED_COMMIT
+from patcher.prerequisites import DISTRIB_OPTIMIZER
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from survey_train import TrainResult, train_one  # noqa: E402
@@ -147,11 +148,13 @@ def code_key(repo: Path, sha: str) -> Code:
     return found.get("megatron"), found.get("pretrain_gpt.py")
 
 
-KEYED = [*TARGET_FILES, EXAMPLE]  # apply also reads the example launch script
+# apply also reads the example launch script (it derives its own from it) and the optimizer
+# ReplicatedOptimizer subclasses (patcher/prerequisites.py)
+KEYED = [*TARGET_FILES, EXAMPLE, DISTRIB_OPTIMIZER]
 
 
 def blob_key(repo: Path, sha: str) -> Key:
-    """The four targets' blob ids, then the example script's (apply derives the script from it)."""
+    """The blob ids of the files apply reads: the four targets, then the two it checks."""
     out = git(repo, "ls-tree", sha, "--", *KEYED)
     found = {line.split("\t", 1)[1]: line.split()[2] for line in out.splitlines()}
     return tuple(found.get(p) for p in KEYED)
@@ -344,11 +347,11 @@ def render(
         f"Run {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} by "
         f"`bench/survey_commits.py` on {repo_name}, ref `{ref}`: every commit reachable from it "
         f"with a committer date in the range: {n} commits, {k4} distinct sets of the four target "
-        f"blobs, {k} once the example launch script `{EXAMPLE}` (which apply also reads) is "
-        f"counted; one checkout per set ({elapsed:.0f} s in all). Pinned commit 285068c is "
-        f"dated {pin_when[:10]}.",
+        f"blobs, {k} once the two files apply also reads (the example launch script "
+        f"`{EXAMPLE}` and `{DISTRIB_OPTIMIZER}`) are counted; one checkout per set "
+        f"({elapsed:.0f} s in all). Pinned commit 285068c is dated {pin_when[:10]}.",
         "",
-        "Commits (distinct sets of the 4 targets + example script in parentheses); "
+        "Commits (distinct sets of the 4 targets + the 2 files read in parentheses); "
         "*main line*: on the first-parent chain of the ref; *after 285068c*: 285068c is an "
         "ancestor.",
         "",
