@@ -71,15 +71,17 @@ def _parser() -> argparse.ArgumentParser:
         "--device",
         choices=devices,
         default="npu",
-        help="adaptor import in pretrain_gpt.py: npu (megatron_npu, the guide's), "
-        "cuda (none), cpu (mindio_ttp.cpu_adaptor)",
+        help="adaptor import in pretrain_gpt.py and the launch script's flags: npu (the "
+        "default, as in the guide: import megatron_npu, Ascend's adaptor), cuda (NVIDIA GPUs, "
+        "no import), cpu (a CPU rehearsal: mindio_ttp.cpu_adaptor)",
     )
     sp.add_argument(
         "--port",
         type=int,
         default=DEFAULT_PORT,
         help="TTP controller port written into the start-up block and the launch script "
-        f"({PORT_RANGE[0]}..{PORT_RANGE[1]}, default {DEFAULT_PORT})",
+        f"({PORT_RANGE[0]}..{PORT_RANGE[1]}, not the example's MASTER_PORT; default "
+        f"{DEFAULT_PORT})",
     )
     sp.add_argument("--dry-run", action="store_true", help="print the diff, change nothing")
     sp.add_argument(
@@ -89,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         "your edits) when every edit's anchor is found exactly once; revert gives your bytes back",
     )
 
-    sp = add("revert", "restore the patched files to their HEAD bytes, remove the script")
+    sp = add("revert", "restore your pre-apply bytes of every patched file (HEAD's, or your own "
+             "edits that apply kept a copy of), remove the script and the record; later "
+             "edits of yours outside ours are kept")
     sp.add_argument(
         "--force",
         action="store_true",
@@ -116,6 +120,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def next_steps(directory: str, opts: Options) -> list:
+    """What a user does after apply, in order (stderr: stdout carries only payloads)."""
+    script = f"{directory.rstrip('/')}/pretrain_gpt_ttp.sh"
+    fill = "DATA_PATH, VOCAB_FILE, MERGE_FILE, CHECKPOINT_PATH"
+    if opts.device is Device.NPU:
+        fill = "ENV_NPU_SH, " + fill
+    steps = [
+        "next steps:",
+        f"  1. fill in the '>>> FILL IN' lines of {script} ({fill}), or export them;",
+        "     several nodes: also MASTER_ADDR, NNODES, NODE_RANK and the same TTP_AUTH_KEY on "
+        "every node",
+        f"  2. run `bash {script}` on every node (it says at once what is still missing)",
+    ]
+    if opts.device is Device.CPU:
+        steps.append(f"     or rehearse a fault first: ttp-demo --megatron {directory}")
+    steps.append(f"  then: `ttp-patch verify {directory}` checks the edits, `ttp-patch revert "
+                 f"{directory}` takes them out; every setting: `ttprun --help`")
+    return steps
+
+
 def _say(message: str) -> None:
     print(f"ttp-patch: {message}", file=sys.stderr)
 
@@ -133,6 +157,8 @@ def _run(args: argparse.Namespace) -> int:
             _say(f"already applied ({opts.describe()}): nothing to do")
         else:
             _say(f"applied ({opts.describe()}); wrote " + ", ".join(out.written))
+            for line in next_steps(args.dir, opts):
+                _say(line)
         warning = adaptor_warning(opts.device)
         if warning:
             _say(warning)

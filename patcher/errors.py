@@ -50,6 +50,10 @@ class NotAGitRepo(PatchError):
     """DIR exists but is not the root of a git work tree."""
 
 
+class NotMegatron(PatchError):
+    """DIR is a git work tree, but none of the files the edits change is in it."""
+
+
 class WrongCommit(PatchError):
     """HEAD is not the one commit the edits were written for."""
 

@@ -13,8 +13,8 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from .errors import UnreadableTarget
-from .options import PORT_RANGE, Device
+from .errors import UnreadableTarget, UsageError
+from .options import DEFAULT_PORT, PORT_RANGE, Device
 
 EXAMPLE = "examples/pretrain_gpt_distributed.sh"
 SCRIPT = "pretrain_gpt_ttp.sh"
@@ -31,7 +31,6 @@ _CPU_VALUES = {
     "--hidden-size": "128",
     "--num-attention-heads": "4",
     "--micro-batch-size": "2",
-    "--global-batch-size": "16",
     "--seq-length": "256",
     "--max-position-embeddings": "256",
     "--train-iters": "1000",
@@ -57,6 +56,11 @@ _FROM_VARIABLES = {
     "--data-path": '"$DATA_PATH"',
     "--vocab-file": '"$VOCAB_FILE"',
     "--merge-file": '"$MERGE_FILE"',
+}
+# Derived in the script from the world size (micro-batch x ranks), overridable.
+_BATCH_VARIABLES = {
+    "--micro-batch-size": '"$MICRO_BATCH_SIZE"',
+    "--global-batch-size": '"$GLOBAL_BATCH_SIZE"',
 }
 
 
@@ -117,10 +121,16 @@ def _parse_example(text: str) -> Tuple[Dict[str, str], List[Arg]]:
     return variables, args
 
 
-def _megatron_args(args: List[Arg], device: Device) -> List[Arg]:
+def _megatron_args(args: List[Arg], device: Device, batch_vars: bool) -> List[Arg]:
     out: List[Arg] = []
+    if batch_vars and "--global-batch-size" not in dict(args):
+        at = [f for f, _ in args].index("--micro-batch-size") + 1
+        args = [*args[:at], ("--global-batch-size", None), *args[at:]]
     for flag, value in args:
         value = _FROM_VARIABLES.get(flag, value)
+        if batch_vars and flag in _BATCH_VARIABLES:
+            out.append((flag, _BATCH_VARIABLES[flag]))
+            continue
         if device is Device.CPU:
             if flag in _CPU_DROP:
                 continue
@@ -146,43 +156,66 @@ def _megatron_args(args: List[Arg], device: Device) -> List[Arg]:
 
 
 def _fill_in_checks(device: Device) -> List[str]:
-    """Stop on a value still at its placeholder, before anything is sourced or launched.
+    """Stop on every value still at its placeholder, at once, before anything is sourced or
+    launched.
 
     Otherwise the first sign is bash's "No such file" for env_npu.sh, or, worse, every rank of
-    every node failing inside Megatron a minute later. Exit 2 (usage), as ttp-patch does.
+    every node failing inside Megatron a minute later, one missing value per try. Exit 2
+    (usage), as ttp-patch does.
     """
     names = ["MASTER_ADDR", "DATA_PATH", "CHECKPOINT_PATH"]
     if device is Device.NPU:
         names.insert(0, "ENV_NPU_SH")
     out = [
-        "# Stop early on a value that was not filled in.",
+        "# Check every value before anything is sourced or launched; report them all at once.",
+        'missing=""',
+        "need() { missing=\"$missing  $1\"$'\\n'; }",
         f"for v in {' '.join(names)}; do",
         '  case "${!v}" in',
-        '    *"<Specify"*|xxx.*|/path/to/*)',
-        '      echo "pretrain_gpt_ttp.sh: set $v: it is still the placeholder \'${!v}\' (edit the'
-        ' FILL IN lines of this script, or run $v=... bash pretrain_gpt_ttp.sh)" >&2',
-        "      exit 2 ;;",
+        '    *"<Specify"*|xxx.*|/path/to/*) need "$v: still the placeholder \'${!v}\'" ;;',
         "  esac",
         "done",
+        "for v in VOCAB_FILE MERGE_FILE; do",
+        '  [ -f "${!v}" ] || need "$v=${!v} is not a file (the GPT-2 tokenizer\'s'
+        ' vocab.json / merges.txt)"',
+        "done",
+        'case "$NNODES" in',
+        "  ''|*[!0-9]*|0) need \"NNODES=$NNODES: give the number of nodes\" ;;",
+        "  1) ;;",
+        '  *) [ -n "${TTP_AUTH_KEY:-}${TTP_AUTH_KEY_FILE:-}" ] || need "TTP_AUTH_KEY: several'
+        " nodes need the same secret on every node: export TTP_AUTH_KEY=\\$(python3 -c 'import"
+        " secrets; print(secrets.token_hex(32))') once and give it to every node (or"
+        ' TTP_AUTH_KEY_FILE, a chmod-600 file)" ;;',
+        "esac",
         'case "$TTP_CONTROLLER_PORT" in',
         "  ''|*[!0-9]*|??????*) port_ok=0 ;;",
         f"  *) port_ok=$(( 10#$TTP_CONTROLLER_PORT >= {PORT_RANGE[0]}"
         f" && 10#$TTP_CONTROLLER_PORT <= {PORT_RANGE[1]} )) ;;",
         "esac",
         'if [ "$port_ok" != 1 ] || [ "$TTP_CONTROLLER_PORT" = "$MASTER_PORT" ]; then',
-        '  echo "pretrain_gpt_ttp.sh: TTP_CONTROLLER_PORT=$TTP_CONTROLLER_PORT: give a free TCP'
-        f' port in {PORT_RANGE[0]}..{PORT_RANGE[1]} other than MASTER_PORT=$MASTER_PORT (both'
-        ' listen on the master node)" >&2',
+        '  need "TTP_CONTROLLER_PORT=$TTP_CONTROLLER_PORT: give a free TCP port in'
+        f' {PORT_RANGE[0]}..{PORT_RANGE[1]} other than MASTER_PORT=$MASTER_PORT (both listen on'
+        ' the master node)"',
+        "fi",
+    ]
+    if device is Device.NPU:
+        out += [
+            'case "$ENV_NPU_SH" in',
+            "  /path/to/*) ;;",
+            '  *) [ -f "$ENV_NPU_SH" ] || need "ENV_NPU_SH=$ENV_NPU_SH is not a file: set it to'
+            ' the env_npu.sh of the Ascend adaptor (megatron_npu_adaptor/tests_gpt/env_npu.sh)"'
+            " ;;",
+            "esac",
+        ]
+    out += [
+        'if [ -n "$missing" ]; then',
+        '  printf \'pretrain_gpt_ttp.sh: cannot start; set these (edit the FILL IN lines of this'
+        " script, or run VAR=... bash pretrain_gpt_ttp.sh):\\n%s' \"$missing\" >&2",
         "  exit 2",
         "fi",
     ]
     if device is Device.NPU:
         out += [
-            'if [ ! -f "$ENV_NPU_SH" ]; then',
-            '  echo "pretrain_gpt_ttp.sh: ENV_NPU_SH=$ENV_NPU_SH is not a file: set it to the'
-            ' env_npu.sh of the Ascend adaptor (megatron_npu_adaptor/tests_gpt/env_npu.sh)" >&2',
-            "  exit 2",
-            "fi",
             "# The adaptor's script is not written for `set -u` (it extends unset variables).",
             "set +u",
             '# shellcheck disable=SC1090  # a path the user fills in',
@@ -199,12 +232,20 @@ def build(example: bytes, device: Device, port: int) -> bytes:
     except UnicodeDecodeError:
         raise UnreadableTarget(f"{EXAMPLE}: not UTF-8") from None
     variables, args = _parse_example(text)
+    if str(port) == variables["MASTER_PORT"].strip():
+        raise UsageError(
+            f"--port {port} is MASTER_PORT in {EXAMPLE}: torch's rendezvous store listens there "
+            "on the master node, so the TTP controller could not",
+            f"give another free port (the default is {DEFAULT_PORT})",
+        )
     nproc = "4" if device is Device.CPU else variables["GPUS_PER_NODE"]
-    master = "127.0.0.1" if device is Device.CPU else "xxx.xxx.xxx.xxx"
     data = variables.get("DATA_PATH", "<Specify path and file prefix>_text_document")
     ckpt = variables.get("CHECKPOINT_PATH", "<Specify path>")
-    vocab = dict(args).get("--vocab-file") or "gpt2-vocab.json"
-    merges = dict(args).get("--merge-file") or "gpt2-merges.txt"
+    given = dict(args)
+    vocab = given.get("--vocab-file") or "gpt2-vocab.json"
+    merges = given.get("--merge-file") or "gpt2-merges.txt"
+    micro = _CPU_VALUES["--micro-batch-size"] if device is Device.CPU else given.get(
+        "--micro-batch-size")
 
     out: List[str] = [
         "#! /bin/bash",
@@ -214,6 +255,7 @@ def build(example: bytes, device: Device, port: int) -> bytes:
         "# `ttp-patch revert` removes this file; without TTP, launch with torchrun again.",
         "# Each value below can also come from the environment (VAR=... bash pretrain_gpt_ttp.sh);",
         "# extra arguments go on to pretrain_gpt.py and override the ones below.",
+        "# Every setting: docs/settings.md of ttp-patch, or `ttprun --help`.",
         "set -eu",
         "",
     ]
@@ -236,20 +278,27 @@ def build(example: bytes, device: Device, port: int) -> bytes:
     out += [
         'MEGATRON_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)',
         "",
-        f"GPUS_PER_NODE=${{GPUS_PER_NODE:-{nproc}}}"
-        + ("   # ranks per node" if device is Device.CPU else ""),
-        "# >>> FILL IN: IP address of the master node (NODE_RANK=0), the same on every node.",
-        f"export MASTER_ADDR=${{MASTER_ADDR:-{master}}}",
-        f"MASTER_PORT=${{MASTER_PORT:-{variables['MASTER_PORT']}}}",
+        f"GPUS_PER_NODE=${{GPUS_PER_NODE:-{nproc}}}   # ranks per node",
         "# >>> FILL IN: NNODES = the real number of nodes; NODE_RANK = 0 on the master node,",
         "# then 1, 2, ... on the others.",
         f"NNODES=${{NNODES:-{variables['NNODES']}}}",
         f"NODE_RANK=${{NODE_RANK:-{variables['NODE_RANK']}}}",
-        "WORLD_SIZE=$(($GPUS_PER_NODE*$NNODES))",
+        "# >>> FILL IN (several nodes): IP address of the master node (NODE_RANK=0), the same on",
+        "# every node. On one node it is 127.0.0.1 unless you set it.",
+        "MASTER_ADDR=${MASTER_ADDR:-xxx.xxx.xxx.xxx}",
+        'if [ "$NNODES" = 1 ] && [ "$MASTER_ADDR" = xxx.xxx.xxx.xxx ]; then',
+        "  MASTER_ADDR=127.0.0.1",
+        "fi",
+        "export MASTER_ADDR",
+        f"MASTER_PORT=${{MASTER_PORT:-{variables['MASTER_PORT']}}}",
+        "# Several nodes: every node needs the same control-plane secret, given by you (ttprun",
+        "# makes one only on a single node): export TTP_AUTH_KEY=<64 hex chars> from your",
+        "# scheduler's secrets, or TTP_AUTH_KEY_FILE=<a chmod-600 file holding it>.",
         "",
         "# Seconds TTP keeps the job alive after a cluster fault so that the surviving ranks can",
         "# save the dying checkpoint before the framework exits (120 s when unset). Raise it for",
-        "# big models or slow storage.",
+        "# big models or slow storage. The save itself may take TTP_OT - 30 s",
+        "# (TTP_SAVE_TIME_LIMIT, derived from TTP_OT unless you set it).",
         "export TTP_OT=${TTP_OT:-360}",
         "# TCP port of the TTP controller on the master node (`ttp-patch apply --port`); it",
         "# overrides the port in megatron/training.py, so change it here. Not MASTER_PORT.",
@@ -264,6 +313,17 @@ def build(example: bytes, device: Device, port: int) -> bytes:
         "",
     ]
     out += _fill_in_checks(device)
+    out += ["WORLD_SIZE=$(($GPUS_PER_NODE*$NNODES))"]
+    if micro is not None:
+        out += [
+            "# Global batch: micro-batch x ranks unless you set it, so that it is a multiple of",
+            "# micro-batch x data-parallel size on any number of nodes and any tensor/pipeline",
+            "# split (Megatron refuses anything else).",
+            f"MICRO_BATCH_SIZE=${{MICRO_BATCH_SIZE:-{micro}}}",
+            "GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-$(($MICRO_BATCH_SIZE*$WORLD_SIZE))}",
+            'echo "pretrain_gpt_ttp.sh: $WORLD_SIZE ranks on $NNODES node(s), global batch'
+            ' $GLOBAL_BATCH_SIZE (micro-batch $MICRO_BATCH_SIZE)" >&2',
+        ]
     out += [
         'DISTRIBUTED_ARGS="--nproc_per_node $GPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK'
         ' --master_addr $MASTER_ADDR --master_port $MASTER_PORT"',
@@ -279,7 +339,7 @@ def build(example: bytes, device: Device, port: int) -> bytes:
         "ttprun $DISTRIBUTED_ARGS \\",
         '       "$MEGATRON_DIR/pretrain_gpt.py" \\',
     ]
-    for flag, value in _megatron_args(args, device):
+    for flag, value in _megatron_args(args, device, micro is not None):
         out.append(f"       {flag} {value} \\" if value is not None else f"       {flag} \\")
     out.append('       "$@"')
     return ("\n".join(out) + "\n").encode("utf-8")

@@ -22,7 +22,7 @@ from . import fileio, journal, launch_script, manifest, originals
 from .diffs import FileDiff
 from .edits import TARGET_FILES
 from .engine import FilePlan, plan_file
-from .errors import MissingTarget, UnsafeTarget
+from .errors import MissingTarget, NotMegatron, UnsafeTarget
 from .lock import Lock
 from .options import DEFAULT_PORT, PORT_RANGE, Device, Options
 from .pin import Pin
@@ -47,6 +47,7 @@ class Tree:
     def open(cls, directory: str) -> Tree:
         tree = cls(open_checkout(directory))
         try:
+            tree._require_megatron()
             tree._lock = Lock(tree.checkout.git_dir)
             tree._lock.acquire()
             if tree._lock.held:
@@ -55,6 +56,19 @@ class Tree:
             tree.close()
             raise
         return tree
+
+    def _require_megatron(self) -> None:
+        """A repository with none of the four files is not a Megatron-LM checkout at all: say
+        that, not "pretrain_gpt.py is missing, git checkout it"."""
+        heads = self.checkout.head_blob_ids()
+        if any(heads.values()) or any(os.path.lexists(self.path(p)) for p in TARGET_FILES):
+            return
+        raise NotMegatron(
+            f"{self.root} is a git repository (HEAD {self.checkout.commit[:12]}), but not "
+            f"Megatron-LM: none of {', '.join(TARGET_FILES)} is in it",
+            "give the root of your Megatron-LM checkout (git clone "
+            "https://github.com/NVIDIA/Megatron-LM; git checkout 285068c)",
+        )
 
     def close(self) -> None:
         if self._lock is not None:

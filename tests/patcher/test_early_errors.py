@@ -8,6 +8,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,17 +126,47 @@ FILLED = {"MASTER_ADDR": "10.0.0.1", "DATA_PATH": "/data/x_text_document",
           "CHECKPOINT_PATH": "/ckpt"}
 
 
+def _filled(tmp_path, **over: str) -> dict:
+    """Every value the script asks for, the tokenizer files real ones (it checks they exist)."""
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text("{}")
+    merges.write_text("#version: 0.2\n")
+    return {**FILLED, "VOCAB_FILE": str(vocab), "MERGE_FILE": str(merges), **over}
+
+
+def _missing(res: subprocess.CompletedProcess) -> list:
+    """The values the script reported, in its order."""
+    assert res.returncode == 2 and "ttprun" not in res.stdout, res.stderr
+    head, _, rest = res.stderr.partition("set these")
+    assert head == "pretrain_gpt_ttp.sh: cannot start; ", res.stderr
+    return [ln.strip().split(":")[0].split("=")[0] for ln in rest.splitlines()[1:]]
+
+
 def test_unfilled_npu_script_names_env_npu_sh_before_bash_fails_on_the_file(
     repo: FixtureRepo, capsys, tmp_path
 ) -> None:
     assert main(["apply", str(repo.root)]) == 0
     res = _run_script(repo, tmp_path)
-    assert res.returncode == 2 and res.stdout == ""
-    assert "pretrain_gpt_ttp.sh: set ENV_NPU_SH" in res.stderr
-    assert "No such file" not in res.stderr and "ttprun" not in res.stdout
-    res = _run_script(repo, tmp_path, ENV_NPU_SH=str(tmp_path / "nope.sh"), **FILLED)
-    assert res.returncode == 2 and "No such file" not in res.stderr
+    assert res.stdout == "" and "No such file" not in res.stderr
+    assert _missing(res)[0] == "ENV_NPU_SH"
+    res = _run_script(repo, tmp_path, ENV_NPU_SH=str(tmp_path / "nope.sh"), **_filled(tmp_path))
+    assert _missing(res) == ["ENV_NPU_SH"] and "No such file" not in res.stderr
     assert f"ENV_NPU_SH={tmp_path}/nope.sh is not a file" in res.stderr
+
+
+def test_every_unfilled_value_is_reported_at_once_and_nothing_is_sourced_first(
+    repo: FixtureRepo, capsys, tmp_path
+) -> None:
+    """Before: one value per try, each try a round trip on the cluster."""
+    assert main(["apply", str(repo.root)]) == 0
+    res = _run_script(repo, tmp_path)  # one node: MASTER_ADDR is 127.0.0.1, not missing
+    assert _missing(res) == ["ENV_NPU_SH", "DATA_PATH", "CHECKPOINT_PATH", "VOCAB_FILE",
+                             "MERGE_FILE"]
+    res = _run_script(repo, tmp_path, NNODES="2", ENV_NPU_SH=_env_npu_sh(tmp_path))
+    assert _missing(res) == ["MASTER_ADDR", "DATA_PATH", "CHECKPOINT_PATH", "VOCAB_FILE",
+                             "MERGE_FILE", "TTP_AUTH_KEY"]
+    assert "export TTP_AUTH_KEY=$(python3 -c" in res.stderr  # shown, not run
+    assert not (tmp_path / "sourced").exists()
 
 
 @pytest.mark.parametrize("missing", sorted(FILLED))
@@ -143,21 +174,49 @@ def test_each_unfilled_value_is_named_and_nothing_is_sourced_first(
     repo: FixtureRepo, capsys, tmp_path, missing: str
 ) -> None:
     assert main(["apply", str(repo.root)]) == 0
-    env = {k: v for k, v in FILLED.items() if k != missing}
+    env = {k: v for k, v in _filled(tmp_path, NNODES="2", TTP_AUTH_KEY="ab" * 32).items()
+           if k != missing}
     res = _run_script(repo, tmp_path, ENV_NPU_SH=_env_npu_sh(tmp_path), **env)
-    assert res.returncode == 2 and f"pretrain_gpt_ttp.sh: set {missing}:" in res.stderr
-    assert not (tmp_path / "sourced").exists() and "ttprun" not in res.stdout
+    assert _missing(res) == [missing]
+    assert not (tmp_path / "sourced").exists()
 
 
 def test_filled_npu_script_sources_the_adaptor_env_under_set_u_and_launches(
     repo: FixtureRepo, capsys, tmp_path
 ) -> None:
     assert main(["apply", str(repo.root)]) == 0
-    res = _run_script(repo, tmp_path, ENV_NPU_SH=_env_npu_sh(tmp_path), **FILLED)
+    res = _run_script(repo, tmp_path, ENV_NPU_SH=_env_npu_sh(tmp_path), **_filled(tmp_path))
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "sourced").exists() and res.stdout.startswith("ttprun ")
     assert "--master_addr 10.0.0.1" in res.stdout and "--save /ckpt" in res.stdout
     assert " --bf16 " in res.stdout and "--fp16" not in res.stdout
+
+
+@pytest.mark.parametrize("nodes,gpus", [(1, 8), (2, 8), (3, 8), (4, 2)])
+def test_global_batch_fits_any_world_size(repo: FixtureRepo, capsys, tmp_path, nodes: int,
+                                          gpus: int) -> None:
+    """8 GPUs x 2 nodes: DP 16, and the example's micro-batch 8 x 16 does not divide its
+    global batch 64 (Megatron's microbatches.py refused it). Now micro-batch x ranks, said."""
+    assert main(["apply", str(repo.root), "--device", "cuda"]) == 0
+    env = _filled(tmp_path, NNODES=str(nodes), GPUS_PER_NODE=str(gpus), TTP_AUTH_KEY="ab" * 32)
+    res = _run_script(repo, tmp_path, **env)
+    assert res.returncode == 0, res.stderr
+    world = nodes * gpus
+    micro = int(re.search(r"--micro-batch-size (\d+)", res.stdout).group(1))
+    glob = int(re.search(r"--global-batch-size (\d+)", res.stdout).group(1))
+    assert micro == 8 and glob % (micro * world) == 0  # DP = world without TP/PP
+    assert f"{world} ranks on {nodes} node(s), global batch {glob} (micro-batch 8)" in res.stderr
+    res = _run_script(repo, tmp_path, GLOBAL_BATCH_SIZE="1024", **env)
+    assert "--global-batch-size 1024" in res.stdout  # the user's own value wins
+
+
+def test_one_node_script_runs_on_localhost_without_master_addr(
+    repo: FixtureRepo, capsys, tmp_path
+) -> None:
+    assert main(["apply", str(repo.root), "--device", "cuda"]) == 0
+    env = {k: v for k, v in _filled(tmp_path).items() if k != "MASTER_ADDR"}
+    res = _run_script(repo, tmp_path, **env)
+    assert res.returncode == 0 and "--master_addr 127.0.0.1 " in res.stdout, res.stderr
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
@@ -166,18 +225,17 @@ def test_unfilled_cuda_and_cpu_scripts_name_the_data_path(
 ) -> None:
     assert main(["apply", str(repo.root), "--device", device]) == 0
     res = _run_script(repo, tmp_path, MASTER_ADDR="10.0.0.1")
-    assert res.returncode == 2 and "pretrain_gpt_ttp.sh: set DATA_PATH:" in res.stderr
-    assert "ENV_NPU_SH" not in res.stderr
+    assert "DATA_PATH" in _missing(res) and "ENV_NPU_SH" not in res.stderr
 
 
 def test_script_exports_the_applied_port_and_the_runtime_uses_it(
     repo: FixtureRepo, capsys, tmp_path
 ) -> None:
     assert main(["apply", str(repo.root), "--device", "cuda", "--port", "9123"]) == 0
-    res = _run_script(repo, tmp_path, **FILLED)
+    res = _run_script(repo, tmp_path, **_filled(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "ttprun port=9123 " in res.stdout and "runtime port 9123" in res.stdout
-    res = _run_script(repo, tmp_path, TTP_CONTROLLER_PORT="9200", **FILLED)
+    res = _run_script(repo, tmp_path, TTP_CONTROLLER_PORT="9200", **_filled(tmp_path))
     assert res.returncode == 0 and "runtime port 9200" in res.stdout  # the environment wins
 
 
@@ -186,10 +244,55 @@ def test_script_refuses_a_controller_port_the_runtime_would_refuse(
     repo: FixtureRepo, capsys, tmp_path, port: str
 ) -> None:
     assert main(["apply", str(repo.root), "--device", "cpu"]) == 0
-    res = _run_script(repo, tmp_path, TTP_CONTROLLER_PORT=port, MASTER_PORT="6000", **FILLED)
-    assert res.returncode == 2 and "ttprun" not in res.stdout
-    assert f"pretrain_gpt_ttp.sh: TTP_CONTROLLER_PORT={port}:" in res.stderr
+    res = _run_script(repo, tmp_path, TTP_CONTROLLER_PORT=port, MASTER_PORT="6000",
+                      **_filled(tmp_path))
+    assert _missing(res) == ["TTP_CONTROLLER_PORT"]
+    assert f"  TTP_CONTROLLER_PORT={port}:" in res.stderr
     assert "1024..65535" in res.stderr and "syntax error" not in res.stderr
+
+
+def test_apply_port_equal_to_master_port_is_refused_at_apply(repo: FixtureRepo, capsys) -> None:
+    """Before: accepted, and refused only by the script on the cluster."""
+    refused(capsys, repo, ["apply", str(repo.root), "--port", "6000"], 2,
+            "--port 6000 is MASTER_PORT in examples/pretrain_gpt_distributed.sh")
+
+
+@pytest.mark.parametrize("device", ["npu", "cpu"])
+def test_apply_ends_with_the_next_steps(repo: FixtureRepo, capsys, device: str) -> None:
+    assert main(["apply", str(repo.root), "--device", device]) == 0
+    err = capsys.readouterr().err
+    steps = err[err.index("ttp-patch: next steps:"):]
+    assert f"FILL IN' lines of {repo.root}/pretrain_gpt_ttp.sh" in steps
+    assert ("ENV_NPU_SH" in steps) == (device == "npu")
+    assert "TTP_AUTH_KEY" in steps and f"bash {repo.root}/pretrain_gpt_ttp.sh" in steps
+    assert main(["apply", str(repo.root), "--device", device]) == 0  # nothing to do: no steps
+    assert "next steps" not in capsys.readouterr().err
+
+
+def test_help_says_npu_is_the_default_and_revert_gives_your_bytes_back(capsys) -> None:
+    for words, needles in ((["apply", "--help"], ["npu (the default"]),
+                           (["revert", "--help"], ["pre-apply bytes"])):
+        with pytest.raises(SystemExit):
+            main(words)
+        out = " ".join(capsys.readouterr().out.split())
+        for needle in needles:
+            assert needle in out, out
+
+
+def test_a_git_repository_that_is_not_megatron_is_named_as_such(tmp_path, capsys) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "README").write_text("not Megatron\n")
+    git_init = ["git", "-C", str(other)]
+    subprocess.run([*git_init, "init", "-q"], check=True)
+    subprocess.run([*git_init, "add", "-A"], check=True)
+    subprocess.run([*git_init, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm",
+                    "x"], check=True)
+    for command in ("apply", "status", "revert"):
+        assert main([command, str(other)]) == 2
+        err = capsys.readouterr().err
+        assert "is a git repository" in err and "but not Megatron-LM" in err, err
+        assert "git checkout -- pretrain_gpt.py" not in err
 
 
 def _json_refusal(capsys, args, code: int, error_type: str) -> dict:
