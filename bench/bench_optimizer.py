@@ -20,15 +20,23 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
-from mindio_ttp.demo.rehearsal.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
-from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree
-from testkit.hooks import DIST_AUDIT_DIR, pythonpath
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit: the repository's rig
+
+from mindio_ttp.demo.rehearsal.data import make_tiny_dataset  # noqa: E402
+from mindio_ttp.demo.rehearsal.launch import (  # noqa: E402
+    Launcher,
+    PretrainJob,
+    pick_free_port,
+    tiny_gpt_args,
+)
+from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree  # noqa: E402
+from testkit.hooks import DIST_AUDIT_DIR, pythonpath  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ITERS = 8

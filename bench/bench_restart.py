@@ -21,16 +21,24 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import List
 
-from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
-from mindio_ttp.demo.rehearsal.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
-from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree
-from testkit.hooks import FAULT_HOOK_DIR, pythonpath
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit: the repository's rig
+
+from mindio_ttp.demo.rehearsal.data import make_tiny_dataset  # noqa: E402
+from mindio_ttp.demo.rehearsal.launch import (  # noqa: E402
+    Launcher,
+    PretrainJob,
+    pick_free_port,
+    tiny_gpt_args,
+)
+from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree  # noqa: E402
+from testkit.hooks import FAULT_HOOK_DIR, pythonpath  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = "1:3:sigkill:before|2:6:sigkill:inside|0:8:sigkill:after"

@@ -1,10 +1,10 @@
 """`ttp-demo` command line: reference run, faulty run with a dying checkpoint, resume, compare.
 
 Two jobs: the toy 4-rank job (default, seconds), or with ``--megatron DIR`` the real Megatron-LM
-285068c tiny GPT on a patched copy of DIR (mindio_ttp.demo.megatron, a minute or two).
+tiny GPT on a patched copy of DIR (mindio_ttp.demo.megatron, a minute or two).
 
 Exit codes: 0 the resumed run matched the uninterrupted one bit for bit; 1 it did not, or a run
-misbehaved; 2 bad arguments or input (e.g. DIR is not a Megatron-LM 285068c checkout); 3 no
+misbehaved; 2 bad arguments or input (e.g. DIR is not a tree ttp-patch patches); 3 no
 dying checkpoint was written (e.g. both holders of a shard were lost, which the runtime refuses
 by design), so there was nothing to resume.
 
@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from mindio_ttp import __version__
 from mindio_ttp.demo.faults import Fault, FaultPlan, Phase
+from mindio_ttp.demo.wrap import wrap
 
 if TYPE_CHECKING:
+    from mindio_ttp.demo.megatron import SourceTree
     from mindio_ttp.demo.runner import LaunchResult
 
 # Ranks of both jobs (mindio_ttp.demo.runner.WORLD, mindio_ttp.demo.megatron.WORLD). The jobs'
@@ -65,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ttp-demo {__version__}")
     p.add_argument("--megatron", type=Path, metavar="DIR",
                    help="run the real Megatron-LM tiny GPT instead of the toy job: DIR is a git "
-                   "checkout of Megatron-LM 285068c (only read: a copy is patched and trained)")
+                   "checkout of Megatron-LM that `ttp-patch apply` accepts (285068c, or a fork "
+                   "or later commit with the same four files), as it is, uncommitted changes "
+                   "included (only read: a copy is patched and trained)")
+    p.add_argument("--allow-modified", action="store_true",
+                   help="with --megatron: patch the copy with `ttp-patch apply "
+                   "--allow-modified` (target files that differ from 285068c's)")
     p.add_argument("--kill-rank", type=_ranks, default=[1], metavar="R[,R]",
                    help="rank(s) to fault (default 1; 1,2 faults two ranks at once)")
     p.add_argument("--kill-step", type=int, metavar="K", help="step of the fault (toy: 5); "
@@ -88,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _say(text: str = "") -> None:
-    print(text, flush=True)
+    print(wrap(text), flush=True)
 
 
 _RUNTIME_LINE = re.compile(r"^\S+ \S+ \[ttp rank \d+\] \w+ mindio_ttp\.controller: (.*)$")
@@ -104,7 +111,7 @@ def _echo(line: str, verbose: bool) -> None:
         line = f"runtime | {match.group(1)}"
     elif not line.startswith(("rank ", "ttprun:")):
         return
-    _say(f"    | {line[:150]}{'...' if len(line) > 150 else ''}")
+    _say(f"    | {line}")
 
 
 def _checkpoint_summary(faulty: LaunchResult) -> Optional[str]:
@@ -220,6 +227,9 @@ class WorkDir:
         elif code == EXIT_MATCH:
             _say(f"removing {self.path} ({self.contents}); pass --keep DIR to keep them")
             shutil.rmtree(self.path, ignore_errors=True)
+        elif code == EXIT_USAGE:  # refused before any run: nothing worth keeping
+            _say(f"removing {self.path} (the refused copy; nothing ran)")
+            shutil.rmtree(self.path, ignore_errors=True)
         else:
             _say(f"kept {self.path} ({self.contents}) to look at what went wrong; remove it "
                  f"with: rm -rf {self.path}")
@@ -227,6 +237,8 @@ class WorkDir:
 
 def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill in each mode's defaults and refuse options the mode cannot honour (exit 2)."""
+    if args.megatron is None and args.allow_modified:
+        parser.error("--allow-modified is for --megatron DIR (the toy job patches nothing)")
     if args.megatron is not None:
         from mindio_ttp.demo import megatron
 
@@ -252,33 +264,34 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.fault = args.fault or Fault.SIGKILL.value
 
 
-def _run_megatron(args: argparse.Namespace, work: Path) -> int:
+def _run_megatron(args: argparse.Namespace, work: Path, source: SourceTree) -> int:
     from mindio_ttp.demo.megatron import MegatronOptions, MegatronRehearsal, Verdict
 
     options = MegatronOptions(
-        source=args.megatron.absolute(), iters=args.steps, kill_ranks=tuple(args.kill_rank),
+        source=source.path, commit=source.head, allow_modified=args.allow_modified,
+        with_changes=source.with_changes, iters=args.steps, kill_ranks=tuple(args.kill_rank),
         kill_after=args.kill_step,
         kill_signal=signal.SIGSTOP if args.fault == Fault.SIGSTOP.value else signal.SIGKILL,
         echo="none" if args.quiet else "all" if args.verbose else "events",
     )  # fmt: skip
     verdict = MegatronRehearsal(options, work, _say).run()
     return {Verdict.MATCH: EXIT_MATCH, Verdict.MISMATCH: EXIT_MISMATCH,
-            Verdict.NO_CHECKPOINT: EXIT_NO_CHECKPOINT}[verdict]  # fmt: skip
+            Verdict.NO_CHECKPOINT: EXIT_NO_CHECKPOINT,
+            Verdict.BAD_INPUT: EXIT_USAGE}[verdict]  # fmt: skip
 
 
-def _check_megatron_input(args: argparse.Namespace) -> List[str]:
+def _check_megatron_input(args: argparse.Namespace) -> SourceTree:
     """DIR, the tools and --keep, before anything is written (BadInput / ValueError: exit 2)."""
     from mindio_ttp.demo.megatron import check_requirements, check_source
 
-    source = args.megatron.absolute()
-    notes = check_source(source)
+    source = check_source(args.megatron.absolute())
     check_requirements()
     if args.keep is not None:
         keep = args.keep.absolute()
-        if keep == source or source in keep.parents:
+        if keep == source.path or source.path in keep.parents:
             raise ValueError(f"--keep {args.keep} is inside --megatron {args.megatron}; keep the "
                              "demo's files outside your checkout")
-    return notes
+    return source
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -291,7 +304,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _resolve(parser, args)
     started = time.monotonic()
     try:
-        notes = _check_megatron_input(args) if args.megatron is not None else []
+        source = _check_megatron_input(args) if args.megatron is not None else None
+        notes = source.notes if source is not None else []
         contents = ("the patched copy of Megatron-LM, the dataset, checkpoints and logs"
                     if args.megatron is not None else "checkpoints and logs of this demo")
         work = WorkDir.choose(args.keep, contents)
@@ -306,8 +320,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(signal.SIGTERM, _terminate)
     code: Optional[int] = None
     try:
-        if args.megatron is not None:
-            code = _run_megatron(args, work.path)
+        if source is not None:
+            code = _run_megatron(args, work.path, source)
         else:
             code = run_demo(args, work.path)
     finally:

@@ -1,13 +1,17 @@
-"""`ttp-demo --megatron DIR`: the CPU rehearsal on a real Megatron-LM 285068c tree, in one command.
+"""`ttp-demo --megatron DIR`: the CPU rehearsal on a real Megatron-LM tree, in one command.
 
-The steps of docs/rehearsal.md, each announced as it starts: (1) copy the tree with
-``git clone --shared`` (the user's checkout is only read) and ``ttp-patch apply --device cpu``
-the copy; (2) make a small dataset with Megatron's own tokenizer and indexed-dataset writer;
-(3) train the tiny GPT on 4 CPU ranks under ``ttprun`` and, once iteration K is logged, SIGKILL a
-rank from outside, as ``kill -9``, the OOM killer or a lost node would (nothing in the tree knows
-it is coming); (4) show the dying checkpoint: iteration, directory, the tracker that marks it
-latest, its checked manifest; (5) run the same command again, which resumes from it; (6) train
-the same job uninterrupted and compare the printed losses and the final checkpoint bit for bit.
+DIR is any tree `ttp-patch apply` accepts (285068c, a fork or later commit with the same four
+target files, or with ``--allow-modified`` any tree whose anchors are all found), as it is: its
+HEAD plus the uncommitted changes of its tracked files. The steps of docs/rehearsal.md, each
+announced as it starts: (1) copy the tree with ``git clone --shared`` (the user's checkout is
+only read) and ``ttp-patch apply --device cpu [--allow-modified]`` the copy (a refusal is
+ttp-patch's own message, exit 2); (2) make a small dataset with Megatron's own tokenizer and
+indexed-dataset writer; (3) train the tiny GPT on 4 CPU ranks under ``ttprun`` and, once
+iteration K is logged, SIGKILL a rank from outside, as ``kill -9``, the OOM killer or a lost
+node would (nothing in the tree knows it is coming); (4) show the dying checkpoint: iteration,
+directory, the tracker that marks it latest, its checked manifest; (5) run the same command
+again, which resumes from it; (6) train the same job uninterrupted and compare the printed
+losses and the final checkpoint bit for bit.
 
 The kill lands wherever the rank is, so the saved iteration is K or a little later (the runtime
 saves the newest step every shard has a clean copy of); the comparison resumes from whatever was
@@ -32,7 +36,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequ
 from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.demo.rehearsal.data import TinyDataset
-from mindio_ttp.demo.rehearsal.tree import MEGATRON_COMMIT
+from mindio_ttp.demo.rehearsal.tree import PatchRefused
 
 if TYPE_CHECKING:
     from mindio_ttp.demo.rehearsal.launch import PretrainJob  # imports psutil
@@ -55,6 +59,7 @@ class Verdict(enum.Enum):
     MATCH = "match"
     MISMATCH = "mismatch"
     NO_CHECKPOINT = "no checkpoint"
+    BAD_INPUT = "bad input"  # ttp-patch refused the tree
 
 
 class BadInput(ValueError):
@@ -66,6 +71,9 @@ class MegatronOptions:
     """What `ttp-demo --megatron` was asked for, resolved once from the command line."""
 
     source: Path
+    commit: str = ""  # the source's HEAD, the commit the copy is made at
+    allow_modified: bool = False
+    with_changes: bool = False  # copy the uncommitted changes of tracked files too
     iters: int = DEFAULT_ITERS
     kill_ranks: Tuple[int, ...] = (1,)
     kill_after: int = DEFAULT_KILL_AFTER
@@ -73,34 +81,46 @@ class MegatronOptions:
     echo: str = "events"  # "all" (--verbose), "events" (default), "none" (--quiet)
 
 
-def check_source(source: Path) -> List[str]:
-    """Refuse (BadInput) anything but a git checkout of Megatron-LM at 285068c; return notes
-    worth telling the user (uncommitted changes are not copied)."""
-    pinned = MEGATRON_COMMIT[:7]
+@dataclass(frozen=True)
+class SourceTree:
+    """The checked --megatron DIR: its HEAD, whether its tracked files have uncommitted changes
+    the copy takes too, and what to tell the user."""
+
+    path: Path
+    head: str
+    with_changes: bool
+    notes: List[str]
+
+
+def check_source(source: Path) -> SourceTree:
+    """Refuse (BadInput) anything but the top of a git checkout of Megatron-LM; whether
+    ttp-patch accepts its files is ttp-patch's to say, on the copy (stage 1)."""
     if not source.is_dir():
         raise BadInput(f"--megatron {source}: no such directory; give the path of a Megatron-LM "
-                       f"checkout at {pinned}")
+                       "checkout")
     if not (source / "pretrain_gpt.py").is_file() or not (source / "megatron").is_dir():
         raise BadInput(f"--megatron {source}: not a Megatron-LM checkout (no pretrain_gpt.py and "
-                       f"megatron/ in it); give the top folder of a clone at {pinned}")
+                       f"megatron/ in it); give the top folder of a clone")
     if shutil.which("git") is None:
         raise BadInput("git is not installed: the demo copies the tree with git clone --shared")
     top = _git(source, "rev-parse", "--show-toplevel")
     head = _git(source, "rev-parse", "HEAD")
     if head is None or top is None or Path(top).resolve() != source.resolve():
-        raise BadInput(f"--megatron {source}: not a git checkout; the demo clones it at "
-                       f"{pinned} and ttp-patch needs a git tree: git clone "
-                       f"https://github.com/NVIDIA/Megatron-LM && git -C Megatron-LM checkout "
-                       f"{MEGATRON_COMMIT}")
-    if head != MEGATRON_COMMIT:
-        raise BadInput(f"--megatron {source}: HEAD is {head[:7]}, not {pinned}, the commit "
-                       f"ttp-patch supports: git -C {source} checkout {MEGATRON_COMMIT} (or "
-                       "point --megatron at a clone of it)")
+        raise BadInput(f"--megatron {source}: not a git checkout (or not its top folder); the demo "
+                       "clones it and ttp-patch needs a git tree: git clone "
+                       "https://github.com/NVIDIA/Megatron-LM && git -C Megatron-LM checkout "
+                       "285068c8108e0e8e6538f54fe27c3ee86c5217a2")
     notes = []
-    if _git(source, "status", "--porcelain", "--untracked-files=no"):
-        notes.append(f"note: {source} has uncommitted changes; the demo copies the committed "
-                     f"tree at {pinned} without them")
-    return notes
+    changed = bool(_git(source, "status", "--porcelain", "--untracked-files=no"))
+    applied = (Path(_git(source, "rev-parse", "--absolute-git-dir") or source / ".git")
+               / "ttp-patch.json").is_file()
+    if changed and applied:
+        notes.append(f"note: {source} is patched by ttp-patch; the demo copies its HEAD "
+                     f"{head[:7]} without those edits and patches the copy with --device cpu")
+    elif changed:
+        notes.append(f"note: {source} has uncommitted changes; the copy takes them too, as "
+                     "ttp-patch apply would")
+    return SourceTree(source, head, changed and not applied, notes)
 
 
 def check_requirements() -> None:
@@ -174,13 +194,23 @@ class MegatronRehearsal:
     # -- the stages ----------------------------------------------------------------------------
     def run(self) -> Verdict:
         o = self.opts
-        self.say(f"ttp-demo --megatron: Megatron-LM {MEGATRON_COMMIT[:7]} from {o.source}, tiny "
+        self.say(f"ttp-demo --megatron: Megatron-LM {o.commit[:7]} from {o.source}, tiny "
                  f"GPT on {WORLD} CPU ranks (gloo, --use-distributed-optimizer), {o.iters} "
                  f"iterations; {o.kill_signal.name} to {_ranks(o.kill_ranks)} once iteration "
                  f"{o.kill_after} is logged; work directory {self.work}")
         with self._child_environment():
             try:
                 self._prepare_tree()
+            except PatchRefused as exc:
+                self.say(f"      {exc}")
+                self.say("RESULT: REFUSED - ttp-patch does not patch this tree (its message "
+                         "above says why)")
+                return Verdict.BAD_INPUT
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                self.say(f"      failed: {exc}")
+                self.say("RESULT: FAILED - the demo could not prepare the tree or the data")
+                return Verdict.MISMATCH
+            try:
                 data = self._make_dataset()
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
                 self.say(f"      failed: {exc}")
@@ -200,14 +230,23 @@ class MegatronRehearsal:
             return self._compare(data, faulty, resumed, saved)
 
     def _prepare_tree(self) -> None:
-        from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree
+        from mindio_ttp.demo.rehearsal.tree import (
+            apply_ttp_patch,
+            copy_megatron_tree,
+            copy_work_tree_changes,
+        )
 
-        self.say(f"[1/6] copying {self.opts.source} to {self.tree} (git clone --shared: your "
-                 "checkout is only read) and patching the copy: ttp-patch apply --device cpu ...")
+        o = self.opts
+        flags = "--device cpu" + (" --allow-modified" if o.allow_modified else "")
+        self.say(f"[1/6] copying {o.source} to {self.tree} (git clone --shared: your "
+                 f"checkout is only read) and patching the copy: ttp-patch apply {flags} ...")
         t0 = time.monotonic()
-        copy_megatron_tree(self.opts.source, self.tree)
-        said = apply_ttp_patch(self.tree, device="cpu").strip().splitlines()
-        self.say(f"      {said[-1] if said else 'ttp-patch: applied'} "
+        copy_megatron_tree(o.source, self.tree, o.commit)
+        if o.with_changes:
+            copy_work_tree_changes(o.source, self.tree)
+        said = apply_ttp_patch(self.tree, device="cpu", allow_modified=o.allow_modified)
+        done = [ln for ln in said.splitlines() if ln.startswith("ttp-patch: applied")]
+        self.say(f"      {done[-1] if done else 'ttp-patch: applied'} "
                  f"({time.monotonic() - t0:.1f} s)")
 
     def _make_dataset(self) -> TinyDataset:
@@ -459,7 +498,7 @@ def story_line(line: str) -> Optional[str]:
         text = match.group(1)
         if any(q in text for q in _QUIET_RUNTIME):
             return None
-        return f"runtime | {text[:160]}{'...' if len(text) > 160 else ''}"
+        return f"runtime | {text}"
     if line.startswith("ttprun: "):
         return line.split(": {", 1)[0]  # the flow record itself is said in words below it
     if (line.startswith("ttp: ") or "successfully loaded checkpoint" in line

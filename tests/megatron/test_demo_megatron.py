@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.megatron]
 DEMO_TIMEOUT_S = 600  # about a minute on two cores; three training runs of ~20 s each
 STAGES = [
     r"\[1/6\] copying .* \(git clone --shared: your checkout is only read\) and patching the "
-    r"copy: ttp-patch apply --device cpu \.\.\.",
+    r"copy: ttp-patch apply --device cpu --allow-modified \.\.\.",
     r"\[2/6\] generating a small dataset in .*",
     r"\[3/6\] training on 4 CPU ranks under ttprun \(10 iterations, .*\); SIGKILL to rank 1 "
     r"once iteration 4 is logged \.\.\.",
@@ -32,7 +32,7 @@ STAGES = [
 
 def _run_demo(args, tmpdir: Path, timeout: float = DEMO_TIMEOUT_S):
     tmpdir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(tmpdir))
+    env = dict(os.environ, TMPDIR=str(tmpdir), COLUMNS="1000")  # whole lines, to match them
     env.pop("TTP_CPU_BUILD_DIR", None)
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "mindio_ttp.demo", *args], capture_output=True,
@@ -40,12 +40,37 @@ def _run_demo(args, tmpdir: Path, timeout: float = DEMO_TIMEOUT_S):
     return done, time.monotonic() - start
 
 
+def _modified_clone(megatron_dir: Path, dest: Path) -> Path:
+    """A clone at 285068c whose training.py has an uncommitted edit of the user's: a tree
+    ttp-patch takes only with --allow-modified, and only as it is in the work tree."""
+    from mindio_ttp.demo.rehearsal.tree import copy_megatron_tree
+
+    src = copy_megatron_tree(megatron_dir, dest)
+    training = src / "megatron/training.py"
+    training.write_text(training.read_text() + "\n# a local change of the user's\n")
+    return src
+
+
+def test_demo_megatron_refuses_a_modified_tree_with_ttp_patchs_words(megatron_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    src = _modified_clone(megatron_dir, tmp_path / "src")
+    done, _ = _run_demo(["--megatron", str(src)], tmp_path / "tmp", timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "has uncommitted changes; the copy takes them too" in done.stdout
+    assert "megatron/training.py" in done.stdout and "--allow-modified" in done.stdout
+    assert "RESULT: REFUSED" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 60)
 def test_demo_megatron_kills_resumes_and_matches_leaving_nothing(megatron_dir: Path,
                                                                  tmp_path: Path) -> None:
+    """On a tree with an uncommitted edit, taken as it is with --allow-modified (the plain
+    285068c tree takes the same path without the flag)."""
     tmpdir = tmp_path / "tmp"
-    done, elapsed = _run_demo(["--megatron", str(megatron_dir)], tmpdir)
+    src = _modified_clone(megatron_dir, tmp_path / "src")
+    done, elapsed = _run_demo(["--megatron", str(src), "--allow-modified"], tmpdir)
     out = done.stdout
     print(out)
     print(f"ttp-demo --megatron took {elapsed:.1f} s")
@@ -120,7 +145,7 @@ def test_sigterm_to_the_demo_stops_every_rank_and_says_what_it_keeps(megatron_di
     """A scheduler's SIGTERM mid-training: ttprun and all four ranks (in sessions of their own)
     are gone, and the output says the work directory is kept."""
     keep = tmp_path / "keep"
-    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env = dict(os.environ, TMPDIR=str(tmp_path), COLUMNS="1000")  # whole lines, to match them
     env.pop("TTP_CPU_BUILD_DIR", None)
     proc = subprocess.Popen([sys.executable, "-m", "mindio_ttp.demo", "--megatron",
                              str(megatron_dir), "--keep", str(keep), "--steps", "200",

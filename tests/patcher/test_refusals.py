@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ from conftest import SCRIPT, TARGETS, FixtureRepo, fixture_files, git, make_repo
 
 from patcher import fileio
 from patcher.cli import main
-from testkit.patcher_pin import pin_to, unpin
+from testkit.patcher_pin import child_env, pin_to, unpin
 
 RECORD = Path(".git") / "ttp-patch.json"
 
@@ -219,13 +222,48 @@ def test_anchor_missing_upstream_names_the_edit(tmp_path: Path, capsys, monkeypa
     )
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only directory")
-def test_read_only_directory(repo: FixtureRepo, capsys) -> None:  # pragma: no cover - non-root
+def test_read_only_directory(repo: FixtureRepo, capsys) -> None:
+    """As the user whose directory it is: root writes anywhere, so a root run (CI) checks it
+    as `nobody` (test_read_only_directory_as_an_unprivileged_user)."""
+    if os.geteuid() == 0:
+        pytest.skip("root may write into a read-only directory: see the unprivileged test")
     (repo.root / "megatron/core").chmod(0o555)
     try:
         refused(capsys, repo, ["apply", str(repo.root)], 2, "not writable")
     finally:
         (repo.root / "megatron/core").chmod(0o755)
+
+
+NOBODY = 65534
+
+
+def test_read_only_directory_as_an_unprivileged_user(monkeypatch) -> None:
+    """The same refusal, from a ttp-patch that runs as `nobody` on a tree nobody owns, with
+    one directory made read-only: run by root (CI), it drops its privileges with setpriv."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: test_read_only_directory runs as this user already")
+    if shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv (util-linux): cannot drop to an unprivileged user")
+    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    base = Path(tempfile.mkdtemp(prefix="ttp-readonly-"))
+    try:
+        base.chmod(0o755)
+        repo = make_repo(base / "megatron", fixture_files())
+        pin_to(monkeypatch, repo.root, repo.commit)
+        for path in [base, *base.rglob("*")]:
+            os.lchown(path, NOBODY, NOBODY)
+        (repo.root / "megatron/core").chmod(0o555)
+        before = repo.snapshot()
+        env = child_env(env={**os.environ, "HOME": str(base)})
+        done = subprocess.run([*drop, shutil.which("ttp-patch") or "ttp-patch", "apply",
+                               str(repo.root)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert "megatron/core/parallel_state.py: its directory is not writable" in done.stderr
+        assert repo.snapshot() == before
+        assert not list(repo.root.rglob("*.ttp-tmp"))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_every_target_is_covered_by_the_fixture() -> None:

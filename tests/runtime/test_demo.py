@@ -267,15 +267,44 @@ def test_megatron_dir_inside_another_git_checkout_is_not_taken_for_it(tmp_path: 
     assert "not a git checkout" in _demo_refuses(tmp_path, "--megatron", str(src))
 
 
-def test_megatron_dir_at_another_commit_is_refused_and_left_alone(tmp_path: Path) -> None:
+def test_a_tree_ttp_patch_refuses_is_refused_with_its_words_and_left_alone(
+    tmp_path: Path,
+) -> None:
+    """The demo takes every tree ttp-patch takes (any commit: ttp-patch decides, on a copy),
+    and refuses the others with ttp-patch's own message, exit 2, nothing left behind."""
     src = _fake_megatron(tmp_path / "src")
-    head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    err = _demo_refuses(tmp_path, "--megatron", str(src))
-    assert f"HEAD is {head[:7]}, not 285068c, the commit ttp-patch supports" in err
+    (src / "pretrain_gpt.py").write_text("print('changed, not committed')\n")
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, "-m", "mindio_ttp.demo", "--megatron", str(src)],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TMPDIR=str(scratch)))
+    assert done.returncode == 2, done.stdout + done.stderr
+    out = " ".join(done.stdout.split())  # lines are wrapped at the terminal's width
+    assert "has uncommitted changes; the copy takes them too" in out
+    assert "ttp-patch apply --device cpu ..." in out
+    assert "ttp-patch: error: megatron/training.py is missing from the work tree" in out
+    assert "RESULT: REFUSED - ttp-patch does not patch this tree" in out
+    assert list(scratch.iterdir()) == []
     status = subprocess.run(["git", "-C", str(src), "status", "--porcelain"],
                             capture_output=True, text=True, check=True).stdout
-    assert status == "", "the user's checkout must not be touched"
+    assert status == " M pretrain_gpt.py\n", "the user's checkout must not be touched"
+    done = subprocess.run([sys.executable, "-m", "mindio_ttp.demo", "--allow-modified"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--allow-modified is for --megatron DIR" in done.stderr
+
+
+def test_long_lines_wrap_on_word_boundaries() -> None:
+    from mindio_ttp.demo.wrap import wrap
+
+    line = ("    | ttprun: dying checkpoint of iteration 30 saved in "
+            "/a/rather/long/path/to/the/checkpoints/of/this/job/iter_0000030 and marked latest "
+            "(exit 83 on the ranks that took part, not failures)")
+    out = wrap(line, 72).splitlines()
+    assert len(out) > 1 and all(ln.startswith("    | ") for ln in out)
+    assert " ".join(ln[6:].strip() for ln in out) == line[6:]  # nothing cut, no word split
+    assert all(len(ln) <= 72 or " " not in ln.strip() for ln in out)
+    assert wrap("short", 72) == "short"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -39,12 +39,41 @@ def copy_megatron_tree(source: Path, dest: Path, commit: str = MEGATRON_COMMIT) 
     return dest
 
 
-def apply_ttp_patch(tree: Path, device: str = "cpu", timeout_s: float = 120) -> str:
-    """``ttp-patch apply TREE --device DEVICE``; returns its output, raises with it on failure."""
+class PatchRefused(RuntimeError):
+    """ttp-patch refused the tree: its own message, and its exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def apply_ttp_patch(tree: Path, device: str = "cpu", timeout_s: float = 120,
+                    allow_modified: bool = False) -> str:
+    """``ttp-patch apply TREE --device DEVICE [--allow-modified]``; returns its output, raises
+    PatchRefused with it (the user's own words to act on) when it refuses."""
     cmd = [sys.executable, "-c", "import sys; from patcher.cli import main; sys.exit(main())",
            "apply", str(tree), "--device", device]
+    if allow_modified:
+        cmd.append("--allow-modified")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
-        raise RuntimeError(f"ttp-patch apply {tree} --device {device} failed "
-                           f"(exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+        raise PatchRefused(f"ttp-patch apply {tree} --device {device} failed "
+                           f"(exit {done.returncode}):\n{done.stdout}\n{done.stderr}",
+                           done.returncode)
     return done.stdout + done.stderr
+
+
+def copy_work_tree_changes(source: Path, dest: Path) -> bool:
+    """Put the uncommitted changes of ``source``'s tracked files into the clone ``dest`` (at the
+    same HEAD), so the copy holds what ``ttp-patch apply`` would patch in ``source``; True
+    when there were any."""
+    diff = subprocess.run(["git", "-C", str(source), "diff", "HEAD", "--binary"],
+                          capture_output=True, timeout=GIT_TIMEOUT_S, check=True).stdout
+    if not diff:
+        return False
+    done = subprocess.run(["git", "-C", str(dest), "apply", "--binary", "-"], input=diff,
+                          capture_output=True, timeout=GIT_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"could not copy the uncommitted changes of {source}: "
+                           f"{done.stderr.decode(errors='replace').strip()}")
+    return True
