@@ -36,6 +36,9 @@ class Phase(str, enum.Enum):
     BEFORE: after forward/backward, before the gradient exchange (survivors last finished k-1).
     BARRIER: right after the guide's barrier of step k, before ``ttp_start_updating_os``: with
     EXCEPTION, what a rank sees when the barrier fails for it while its partners passed it.
+    Given a record directory, it fires only once every other rank has finished its update of
+    step k (each rank marks that at AFTER), so the scenario is the same on every run: the
+    others hold step k and only the catch-up (``ttp_offer_update``) gives this rank k too.
     INSIDE: inside the update window, after this rank's shard is updated but before
     ``ttp_end_updating_os(k)`` (the replica partner finishes k).
     AFTER: right after ``ttp_end_updating_os(k)``, before the parameter all-gather (k).
@@ -142,9 +145,13 @@ class FaultPlan:
         Before firing it writes ``fault-<rank>.json`` (wall time) into ``record_dir`` so a
         benchmark or the demo can time detection and the flow from the moment of the fault.
         """
+        if record_dir is not None and phase is Phase.AFTER and self._barrier_fault(step):
+            _mark(record_dir, f"updated-{step}-{rank}")
         spec = self._faults.get((rank, step, phase))
         if spec is None:
             return
+        if spec.phase is Phase.BARRIER and record_dir is not None:
+            self._wait_for_the_others(rank, step, record_dir)
         print(f"rank {rank} | FAULT: {spec.describe()}", flush=True)
         if record_dir is not None:
             record = {"rank": rank, "step": step, "fault": spec.fault.value,
@@ -167,6 +174,32 @@ class FaultPlan:
             _signal_the_whole_job(signal.SIGTERM)
         else:
             raise InjectedFault(f"injected fault: {spec.describe()}")
+
+
+    def _barrier_fault(self, step: int) -> bool:
+        return any(f.step == step and f.phase is Phase.BARRIER for f in self._faults.values())
+
+    def _wait_for_the_others(self, rank: int, step: int, record_dir: Path) -> None:
+        """Until every rank without a barrier fault of this step has marked its update of
+        `step` done (a polled deadline; the ranks are separate processes)."""
+        world = int(os.environ.get("WORLD_SIZE", "0"))
+        others = [r for r in range(world) if not self.has(r, step, Phase.BARRIER)]
+        deadline = time.monotonic() + BARRIER_WAIT_S
+        while not all((record_dir / f"updated-{step}-{r}").exists() for r in others):
+            if time.monotonic() > deadline:
+                print(f"rank {rank} | fault plan: ranks {others} did not all finish the update of "
+                      f"step {step} within {BARRIER_WAIT_S:.0f} s; firing anyway", flush=True)
+                return
+            time.sleep(0.005)
+
+
+BARRIER_WAIT_S = 120.0
+
+
+def _mark(record_dir: Path, name: str) -> None:
+    tmp = record_dir / f".{name}.tmp"
+    tmp.write_text(str(time.time()), encoding="utf-8")
+    os.replace(tmp, record_dir / name)
 
 
 def _signal_the_whole_job(sig: int) -> None:

@@ -364,16 +364,15 @@ def test_max_restarts_recovers_by_itself_through_three_random_faults(
 def test_death_inside_the_guides_barrier_still_saves_and_resumes(
         reference, patched_megatron_tree, tiny_dataset, work):
     """Ranks 0, 2, 3 pass the guide's barrier of iteration 5 and update (rank 3 then dies);
-    the barrier raises on rank 1, shard 1's only live holder, with iteration 5's update ready:
-    it catches up (ReplicatedOptimizer offers the update), so a checkpoint is written and the
-    resume is bit-exact. (If the lock reaches the others first, everyone saves iteration 4.)"""
+    the barrier raises on rank 1, shard 1's only live holder, with iteration 5's update ready
+    (the plan fires it once the others have updated): only its catch-up (ReplicatedOptimizer
+    offers the update) gives shard 1 iteration 5, so iteration 5, the newest, must be saved,
+    and the resume is bit-exact."""
     ckpt = work / "barrier_ckpt"
     result = run_job(patched_megatron_tree, tiny_dataset, work / "barrier.log", ckpt,
                      plan="1:5:exception:barrier,3:5:sigkill:after")
     assert result.returncode != 0
-    step = tracker_step(ckpt)
-    assert step in (4, 5), result.tail()
-    if step == 5:
-        assert "catching up: running the ready update of step 5" in result.log
+    assert tracker_step(ckpt) == 5, result.tail()
+    assert "catching up: running the ready update of step 5" in result.log
     resume_and_compare(patched_megatron_tree, tiny_dataset, work, "barrier", ckpt, reference,
-                       first_resumed=step + 1)
+                       first_resumed=6)

@@ -188,15 +188,14 @@ def test_preemption_with_dataloader_workers_saves(
 def test_death_inside_the_barrier_still_saves(reference: Reference, tmp_path: Path) -> None:
     """The guide's barrier fails unevenly when a rank dies in it: here ranks 0, 2, 3 pass the
     barrier of step 3 and update (rank 3 then dies), while it raises on rank 1, shard 1's only
-    live holder, at step 2 with step 3's update ready. Rank 1 catches up (ttp_offer_update), so
-    step 3 is saved; without it no step has every shard. If the lock reaches the others before
-    their update, everyone stays at 2 (and rank 3 lives): step 2 is saved. Never a refusal."""
+    live holder, at step 2 with step 3's update ready (the plan fires it once the others have
+    updated). Only rank 1's catch-up (ttp_offer_update) gives shard 1 step 3: without it no
+    step has every shard and nothing is saved. So the newest step, 3, must be saved."""
     plan = (FaultPlan().fail_at(1, KILL_STEP, Fault.EXCEPTION, Phase.BARRIER)
             .fail_at(3, KILL_STEP, Fault.SIGKILL, Phase.AFTER))
     result = launch(tmp_path, STEPS, plan)
     flow = result.flow
     assert flow is not None and flow["outcome"] == "saved", result.output
-    assert flow["step"] in (KILL_STEP - 1, KILL_STEP), flow
-    _assert_saved(result, flow["step"], reference)
-    if flow["step"] == KILL_STEP:
-        assert "catching up: running the ready update of step 3" in result.output
+    assert flow["step"] == KILL_STEP, flow
+    _assert_saved(result, KILL_STEP, reference)
+    assert "catching up: running the ready update of step 3" in result.output
