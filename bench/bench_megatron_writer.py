@@ -1,7 +1,7 @@
 """The Megatron dying-save writer against torch.save of the same tensors, and the host memory
 each way of writing adds, on state dicts shaped like Megatron 285068c's checkpoint files.
 
-    python bench/bench_megatron_writer.py [--hidden 768] [--layers 4] [--repeats 5] [--dir DIR]
+    python bench/bench_megatron_writer.py [--hidden 768] [--layers 4] [--repeats 9] [--dir DIR]
 
 Files (one model-parallel rank, DP position 0 of 4): ``mp_rank_00/model_rng.pt`` (args, the
 GPT model state dict in fp32: embedding, per layer QKV / dense / MLP / layer norms, the RNG
@@ -10,19 +10,23 @@ param, exp_avg, exp_avg_sq per group, the scheduler). Methods, each writing both
 fresh directory of the same disk:
 
 * ``torch.save``: straight to the file, page cache only;
-* ``torch.save + fsync``: the same, durable (the like-for-like baseline of a dying save);
+* ``torch.save + fsync``: the same, durable (the like-for-like baseline of a dying save), with
+  torch's zip CRC-32 switched off as the writer switches it off (``CRC off``), and as torch
+  does it by default (``CRC on``, for reference: the CRC costs about as much as the write);
 * ``BytesIO _save (before)``: what megatron_ttp/save.py did before checkpoint_writer:
   torch.save into BytesIO, ``getvalue()``, sha256 of the bytes, write + fsync + rename;
 * ``checkpoint_writer``: the writer the dying save uses now (streamed into the file, sha256
   in the same pass, fsync, rename, directory fsync).
 
-Throughput: interleaved repeats, median. Peak memory: each method once in a fresh process,
+Throughput: interleaved repeats (ABCD DCBA ..., so order effects cancel), median; the spread
+(min-max) is printed too. Peak memory: each method once in a fresh process,
 VmHWM after the save minus VmHWM before it (the state already resident), over the state size.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -91,6 +95,22 @@ def megatron_states(hidden: int, layers: int, vocab: int, dp: int) -> Dict[str, 
     return {MODEL_FILE: model, OPTIM_FILE: optim}
 
 
+def model_params(hidden: int, layers: int, vocab: int) -> int:
+    """Parameters of the GPT whose files these are (model_rng.pt's model state dict)."""
+    return sum(t.numel() for t in _tensors(megatron_states(hidden, layers, vocab, 4)[MODEL_FILE]))
+
+
+def _tensors(x):
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+    elif torch.is_tensor(x) and x.dtype.is_floating_point and x.dim() > 0:
+        yield x
+
+
 def state_bytes(states: Dict[str, dict]) -> int:
     total = 0
 
@@ -109,12 +129,15 @@ def state_bytes(states: Dict[str, dict]) -> int:
     return total
 
 
-def _plain(path: Path, state: dict, fsync: bool) -> None:
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+def _plain(path: Path, state: dict, fsync: bool, crc: bool = True) -> None:
+    with contextlib.ExitStack() as stack:
+        if not crc:
+            stack.enter_context(checkpoint_writer._without_torch_crc32())
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
 
 
 def _bytesio_before(path: Path, state: dict) -> None:
@@ -130,12 +153,15 @@ def _bytesio_before(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+BASELINE = "torch.save + fsync, CRC off"  # the same bytes durably, the same CRC setting
 METHODS: Dict[str, Callable[[Path, dict], None]] = {
-    "torch.save": lambda p, s: _plain(p, s, fsync=False),
-    "torch.save + fsync": lambda p, s: _plain(p, s, fsync=True),
-    "BytesIO _save (before)": _bytesio_before,
-    "checkpoint_writer": lambda p, s: checkpoint_writer.write_torch(p, s),
+    "torch.save, CRC on": lambda p, s: _plain(p, s, fsync=False),
+    "torch.save + fsync, CRC on": lambda p, s: _plain(p, s, fsync=True),
+    BASELINE: lambda p, s: _plain(p, s, fsync=True, crc=False),
+    "BytesIO _save (before), CRC on": _bytesio_before,
+    "checkpoint_writer (sha256, CRC off)": lambda p, s: checkpoint_writer.write_torch(p, s),
 }
+WRITER = "checkpoint_writer (sha256, CRC off)"
 
 
 def write_all(method: str, root: Path, states: Dict[str, dict]) -> None:
@@ -164,11 +190,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=16000)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved repeats (>= 7)")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.repeats < 7 and not a.child:
+        ap.error("--repeats must be at least 7: a median of fewer runs moves with the load")
     base = Path(tempfile.mkdtemp(prefix="ttp-bench-mw-", dir=a.dir))
     if a.child:
         try:
@@ -185,7 +213,7 @@ def main() -> None:
             write_all(m, base / "warm", states)
             shutil.rmtree(base / "warm")
         for r in range(a.repeats):
-            for m in METHODS:
+            for m in (list(METHODS) if r % 2 == 0 else list(reversed(METHODS))):
                 d = base / f"{r}-{m.replace(' ', '_')}"
                 t0 = time.perf_counter()
                 write_all(m, d, states)
@@ -202,15 +230,20 @@ def main() -> None:
         peaks[m] = json.loads(done.stdout.strip().splitlines()[-1])
     med = {m: statistics.median(v) for m, v in times.items()}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"state {nbytes / 2**20:.0f} MiB in 2 files ({MODEL_FILE}, {OPTIM_FILE}), "
-          f"{a.repeats} interleaved repeats, median; load average {load:.2f}")
-    print("| method | median s | MiB/s | vs torch.save | vs torch.save + fsync | "
-          "peak extra RSS / state |")
-    print("|---|---:|---:|---:|---:|---:|")
+    params = model_params(a.hidden, a.layers, a.vocab)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: GPT of {a.layers} layers, "
+          f"hidden {a.hidden}, vocab {a.vocab} ({params / 1e6:.1f}M parameters), DP position 0 "
+          f"of 4: state {nbytes / 2**20:.0f} MiB in 2 files ({MODEL_FILE}, {OPTIM_FILE}); "
+          f"{a.repeats} interleaved repeats, median; load average {load:.2f} at the end")
+    print(f"| method | median s (min-max) | MiB/s | vs {BASELINE} | peak extra RSS / state |")
+    print("|---|---:|---:|---:|---:|")
     for m in METHODS:
-        print(f"| {m} | {med[m]:.3f} | {sizes[m] / 2**20 / med[m]:.0f} | "
-              f"{med['torch.save'] / med[m]:.0%} | {med['torch.save + fsync'] / med[m]:.0%} | "
+        print(f"| {m} | {med[m]:.3f} ({min(times[m]):.3f}-{max(times[m]):.3f}) | "
+              f"{sizes[m] / 2**20 / med[m]:.0f} | {med[BASELINE] / med[m]:.0%} | "
               f"{peaks[m]['extra'] / peaks[m]['state']:.2f} |")
+    pairs = [b / w for b, w in zip(times[BASELINE], times[WRITER])]
+    print(f"writer speed / {BASELINE}, per repeat: median {statistics.median(pairs):.0%}, "
+          f"{min(pairs):.0%}-{max(pairs):.0%}")
     if a.json:
         a.json.write_text(json.dumps({"state_bytes": nbytes, "times": times, "median": med,
                                       "peaks": peaks, "load": load}, indent=1))
