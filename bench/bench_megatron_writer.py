@@ -129,7 +129,9 @@ def state_bytes(states: Dict[str, dict]) -> int:
     return total
 
 
-def _plain(path: Path, state: dict, fsync: bool, crc: bool = True) -> None:
+def torch_save_file(path: Path, state: dict, fsync: bool, crc: bool = True) -> None:
+    """torch.save into a file object, as training scripts do; `crc=False`: torch's zip CRC-32
+    off, as checkpoint_writer has it (the like-for-like baseline of the writers)."""
     with contextlib.ExitStack() as stack:
         if not crc:
             stack.enter_context(checkpoint_writer._without_torch_crc32())
@@ -155,9 +157,9 @@ def _bytesio_before(path: Path, state: dict) -> None:
 
 BASELINE = "torch.save + fsync, CRC off"  # the same bytes durably, the same CRC setting
 METHODS: Dict[str, Callable[[Path, dict], None]] = {
-    "torch.save, CRC on": lambda p, s: _plain(p, s, fsync=False),
-    "torch.save + fsync, CRC on": lambda p, s: _plain(p, s, fsync=True),
-    BASELINE: lambda p, s: _plain(p, s, fsync=True, crc=False),
+    "torch.save, CRC on": lambda p, s: torch_save_file(p, s, fsync=False),
+    "torch.save + fsync, CRC on": lambda p, s: torch_save_file(p, s, fsync=True),
+    BASELINE: lambda p, s: torch_save_file(p, s, fsync=True, crc=False),
     "BytesIO _save (before), CRC on": _bytesio_before,
     "checkpoint_writer (sha256, CRC off)": lambda p, s: checkpoint_writer.write_torch(p, s),
 }
