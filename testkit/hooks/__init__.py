@@ -14,6 +14,7 @@ FAULT_HOOK_DIR = HERE / "fault_hook"
 DIST_AUDIT_DIR = HERE / "dist_audit"
 RSS_HOOK_DIR = HERE / "rss_hook"
 PATCHER_HOOK_DIR = HERE / "patcher_hook"
+OPTIM_MEMORY_DIR = HERE / "optim_memory"
 
 
 def pythonpath(*dirs: os.PathLike, env: Optional[Mapping[str, str]] = None) -> str:
