@@ -8,8 +8,13 @@ One job, the tiny GPT of mindio_ttp.demo.rehearsal on 4 CPU ranks of a tree patc
 * faults: the same job under `ttprun --max-restarts 3` with a SIGKILL of one rank in each of
   three attempts (testkit/hooks/fault_hook, one plan per attempt); per fault: the moment the
   controller declared it (its FAULT log line) -> the next attempt's "[before the start of
-  training step]" line, i.e. detection + dying checkpoint + grace + restart + Megatron's start-up
-  + the load of the dying checkpoint.
+  training step]" line. The clock starts at detection: the time from the fault to its
+  detection is not in it (milliseconds for a killed rank, whose connection drops; up to
+  TTP_HEARTBEAT_TIMEOUT for a hung one; docs/benchmarks.md, Crash to detection), nor is the
+  training redone (at most the step in flight: the dying checkpoint holds the newest
+  consistent step). What is in it: the dying checkpoint (collect, save, rename), the workers'
+  exit, ttprun's restart of the worker group, Megatron's start-up and its load of the dying
+  checkpoint.
 
 Megatron prints those lines with one-second resolution, so each figure is +-1 s.
 
@@ -97,11 +102,12 @@ def main() -> int:
         if cold_s != cold_s or len(lost) != 3:  # nan, or a fault not found
             raise SystemExit(f"unexpected logs: cold {cold_s}, lost {lost}; rerun with --keep")
     print(f"| measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} "
-          "cores | seconds |")
+          f"cores, load average {os.getloadavg()[0]:.1f} at the end | seconds |")
     print("|---|---|")
     print(f"| cold start: launch -> first training step | {cold_s:.0f} |")
     for i, seconds in enumerate(lost, 1):
-        print(f"| fault {i}: detected -> first training step of the restart | {seconds:.0f} |")
+        print(f"| fault {i}: detected -> first training step of the restarted attempt | "
+              f"{seconds:.0f} |")
     if lost:
         mean = sum(lost) / len(lost)
         print(f"| mean time lost per fault / cold start | {mean:.0f} / {cold_s:.0f} = "
