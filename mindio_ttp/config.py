@@ -56,6 +56,10 @@ PRE_AUTH_BUFFER_BUDGET = 64 * 1024 * 1024
 # update it saves (device_copy.py) before it refuses: that update's kernels normally finished
 # long before a fault is handled; one that has not in this time waits on a hung kernel.
 DEVICE_READY_TIMEOUT_S = 30.0
+# How long the fault-time abort (faulttime/abort.py) waits for every communicator's abort (and
+# NPU's stop/restart) before it reports the stragglers as timed out and the save reads anyway,
+# on its private stream: an abort can hang in NCCL's proxy thread (nccl #1013, #1777).
+ABORT_TIMEOUT_S = 10.0
 # In TTP_RUN_DIR: one empty file per rank whose processor started (rank-N). The launcher holds
 # survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
 # rank holds anything a dying checkpoint could use.
