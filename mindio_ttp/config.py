@@ -64,15 +64,28 @@ KEY_BYTES = (16, 512)  # TTP_AUTH_KEY: at least 128 bits; at most what a key fil
 SAVE_LIMIT_MARGIN_S = 5.0
 
 FLOW_FINISHED_FILE = "flow-finished.json"
+# The largest world the runtime accepts (the API's checks and the wire format's rank ranges).
+MAX_WORLD = 100_000
 # Bytes a listener holds in partial frames of all not-yet-registered connections together.
 # Per connection the cap is protocol.pre_auth_max_payload (a Register carries 8 B per rank), so
 # without a total, (world_size + 64) connections could pin ~560 MiB at 8192 ranks. A real
 # Register arrives whole and is consumed at once; only a flood fills this.
 PRE_AUTH_BUFFER_BUDGET = 64 * 1024 * 1024
+# The authenticated store (control/keyspace.py): what one rank's writes may hold at the acting
+# controller (keys, values and bookkeeping, over every namespace), what all ranks' writes may
+# hold together, and how many gets/waits one rank may leave pending. A gloo group's rendezvous
+# costs each member about 8 B per member of the group, so 4 MiB is ~500k peers' worth per rank.
+STORE_RANK_BUDGET = 4 * 1024 * 1024
+STORE_TOTAL_BUDGET = 256 * 1024 * 1024
+STORE_WAITS_PER_RANK = 64
 # The save handler waits at most this long for the device event recorded at the end of the
 # update it saves (device_copy.py) before it refuses: that update's kernels normally finished
 # long before a fault is handled; one that has not in this time waits on a hung kernel.
 DEVICE_READY_TIMEOUT_S = 30.0
+# How long the fault-time abort (faulttime/abort.py) waits for every communicator's abort (and
+# NPU's stop/restart) before it reports the stragglers as timed out and the save reads anyway,
+# on its private stream: an abort can hang in NCCL's proxy thread (nccl #1013, #1777).
+ABORT_TIMEOUT_S = 10.0
 # In TTP_RUN_DIR: one empty file per rank whose processor started (rank-N). The launcher holds
 # survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
 # rank holds anything a dying checkpoint could use.
@@ -441,10 +454,26 @@ def auth_key_from_env(env: Mapping[str, str]) -> bytes:
     if env.get(ENV_INSECURE) != "1":
         raise ValueError(NO_KEY_MESSAGE)
     seed = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
-    log.warning("INSECURE: %s=1 and no %s: using a key derived from MASTER_ADDR/MASTER_PORT/"
-                "TORCHELASTIC_RUN_ID; anyone who knows these can forge control messages and end "
-                "the job", ENV_INSECURE, ENV_AUTH_KEY)
+    _warn_insecure(f"INSECURE: {ENV_INSECURE}=1 and no {ENV_AUTH_KEY}: using a key derived from "
+                   "MASTER_ADDR/MASTER_PORT/TORCHELASTIC_RUN_ID; anyone who knows these can "
+                   "forge control messages and end the job")
     return hashlib.sha256(b"mindio-ttp-weak-key|" + seed.encode()).digest()
+
+
+_insecure_warned = False
+
+
+def _warn_insecure(text: str) -> None:
+    """Logged, and written to stderr once per process whatever TTP_LOG_LEVEL says: a job
+    anyone on the network can end must never run quietly."""
+    global _insecure_warned
+    log.warning("%s", text)
+    if not _insecure_warned:
+        _insecure_warned = True
+        try:
+            print(f"mindio_ttp: WARNING: {text}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # a closed stderr must not stop the start
+            pass
 
 
 @dataclass(frozen=True)
