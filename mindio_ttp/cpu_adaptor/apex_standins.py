@@ -13,6 +13,8 @@ Registered in ``sys.modules`` as ``apex``, ``apex.optimizers``, ``apex.multi_ten
 * ``amp_C.multi_tensor_l2norm`` / ``multi_tensor_scale``: ``optimizer/optimizer.py:8,47``,
   ``optimizer/clip_grads.py:9,75,101``, ``utils.py:11,55``. Both raise the overflow flag
   (``noop_flag`` set to 1) on non-finite values, as the CUDA kernels do.
+* ``apex.normalization.fused_layer_norm.FusedLayerNormAffineFunction``: imported by
+  ``model/fused_layer_norm.py`` from 2023-04 on (``layer_norm.FusedLayerNormAffineFunction``).
 * ``apex.contrib`` is deliberately absent: ``model/fused_layer_norm.py:15-19`` then sets
   ``HAVE_PERSIST_LAYER_NORM = False``.
 """
@@ -159,10 +161,18 @@ def install(journal: Journal) -> None:
                          FusedAdam=FusedAdam, FusedSGD=FusedSGD)
     mta = _module("apex.multi_tensor_apply", "multi_tensor_applier stand-in (mindio_ttp)",
                   MultiTensorApply=MultiTensorApply, multi_tensor_applier=multi_tensor_applier)
+    from .layer_norm import FusedLayerNormAffineFunction
+
+    fused_ln = _module("apex.normalization.fused_layer_norm",
+                       "FusedLayerNormAffineFunction stand-in (mindio_ttp)",
+                       FusedLayerNormAffineFunction=FusedLayerNormAffineFunction)
+    normalization = _module("apex.normalization", "layer-norm stand-ins (mindio_ttp)",
+                            fused_layer_norm=fused_ln, __path__=[])
     apex = _module("apex", "CPU stand-in for NVIDIA apex, installed by mindio_ttp.cpu_adaptor",
-                   optimizers=optimizers, multi_tensor_apply=mta)
+                   optimizers=optimizers, multi_tensor_apply=mta, normalization=normalization,
+                   __path__=[])  # a package: `import apex.contrib` fails as it should
     amp_c = _module("amp_C", "CPU stand-in for apex's amp_C, installed by mindio_ttp.cpu_adaptor",
                     multi_tensor_l2norm=multi_tensor_l2norm,
                     multi_tensor_scale=multi_tensor_scale)
-    for mod in (apex, optimizers, mta, amp_c):
+    for mod in (apex, optimizers, mta, normalization, fused_ln, amp_c):
         journal.add_module(mod)

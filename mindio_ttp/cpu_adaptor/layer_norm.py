@@ -1,10 +1,14 @@
-"""CPU stand-in for Megatron's ``fused_mix_prec_layer_norm_cuda`` extension.
+"""CPU stand-ins for Megatron's layer-norm extensions.
 
-``model/fused_layer_norm.py:65`` imports it by name (``importlib.import_module``) and
-``:35,48`` call ``forward_affine`` / ``backward_affine``. ATen's ``native_layer_norm`` returns
-``(output, mean, rstd)`` like the CUDA kernel's ``(output, mean, invvar)``, and its backward
-takes them back, so the autograd function in Megatron runs unchanged. ``rstd`` is the inverse
-standard deviation, i.e. exactly what the kernel calls ``invvar``.
+At 285068c ``model/fused_layer_norm.py:65`` imports ``fused_mix_prec_layer_norm_cuda`` by name
+(``importlib.import_module``) and ``:35,48`` call ``forward_affine`` / ``backward_affine``.
+ATen's ``native_layer_norm`` returns ``(output, mean, rstd)`` like the CUDA kernel's
+``(output, mean, invvar)``, and its backward takes them back, so the autograd function in
+Megatron runs unchanged. ``rstd`` is the inverse standard deviation, i.e. exactly what the
+kernel calls ``invvar``. From 2023-04 on (e.g. e48626bb6e) the same file imports apex's
+``FusedLayerNormAffineFunction`` instead and the extension ``fused_layer_norm_cuda``: the
+function below is that autograd function on the same ATen ops (``apex_standins`` registers it
+as ``apex.normalization.fused_layer_norm``), and the extension is registered under both names.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from .journal import Journal
 
 MODULE_NAME = "fused_mix_prec_layer_norm_cuda"
+APEX_MODULE_NAME = "fused_layer_norm_cuda"  # the name apex's own extension has
 
 
 def _shape(normalized_shape: Sequence[int]) -> List[int]:
@@ -57,9 +62,31 @@ def backward(grad_output: torch.Tensor, mean: torch.Tensor, invvar: torch.Tensor
     return grad_input
 
 
+class FusedLayerNormAffineFunction(torch.autograd.Function):
+    """apex's ``FusedLayerNormAffineFunction`` (``apply(input, weight, bias, normalized_shape,
+    eps)``), on :func:`forward_affine` / :func:`backward_affine`."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps):  # type: ignore[override]
+        ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        input_, weight_, bias_ = input.contiguous(), weight.contiguous(), bias.contiguous()
+        output, mean, invvar = forward_affine(input_, normalized_shape, weight_, bias_, eps)
+        ctx.save_for_backward(input_, weight_, bias_, mean, invvar)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        input_, weight_, bias_, mean, invvar = ctx.saved_tensors
+        grad_input, grad_weight, grad_bias = backward_affine(
+            grad_output.contiguous(), mean, invvar, input_, ctx.normalized_shape, weight_, bias_,
+            ctx.eps)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
 def install(journal: Journal) -> None:
-    """Register the stand-in module under the extension's name."""
-    mod = types.ModuleType(MODULE_NAME, __doc__)
-    for fn in (forward_affine, backward_affine, forward, backward):
-        setattr(mod, fn.__name__, fn)
-    journal.add_module(mod)
+    """Register the stand-in module under the extensions' names."""
+    for name in (MODULE_NAME, APEX_MODULE_NAME):
+        mod = types.ModuleType(name, __doc__)
+        for fn in (forward_affine, backward_affine, forward, backward):
+            setattr(mod, fn.__name__, fn)
+        journal.add_module(mod)

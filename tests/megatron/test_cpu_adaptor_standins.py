@@ -227,3 +227,32 @@ def test_apex_module_has_no_contrib_so_megatron_skips_persistent_layer_norm() ->
     finally:
         journal.undo()
     assert "amp_C" not in sys.modules and "apex" not in sys.modules
+
+
+def test_apex_layer_norm_function_of_later_megatron_matches_torch() -> None:
+    """Megatron from 2023-04 on imports apex.normalization's FusedLayerNormAffineFunction
+    and the extension fused_layer_norm_cuda by name: both stand in on CPU (the commit survey
+    trains those commits)."""
+    import importlib
+    import sys
+
+    from mindio_ttp.cpu_adaptor.journal import Journal
+
+    journal = Journal()
+    apex_standins.install(journal)
+    layer_norm.install(journal)
+    try:
+        from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction as Fn
+
+        assert importlib.import_module("fused_layer_norm_cuda").forward_affine is \
+            layer_norm.forward_affine
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(2, 5, 16, dtype=torch.float64, generator=g, requires_grad=True)
+        w = torch.randn(16, dtype=torch.float64, generator=g, requires_grad=True)
+        b = torch.randn(16, dtype=torch.float64, generator=g, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda *t: Fn.apply(*t, (16,), 1e-5), (x, w, b))
+        torch.testing.assert_close(Fn.apply(x, w, b, (16,), 1e-5),
+                                   torch.nn.functional.layer_norm(x, (16,), w, b, 1e-5))
+    finally:
+        journal.undo()
+    assert "apex.normalization" not in sys.modules and "fused_layer_norm_cuda" not in sys.modules

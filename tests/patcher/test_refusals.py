@@ -284,6 +284,18 @@ def test_tree_whose_distributed_optimizer_predates_params_dtype_is_refused(
     refused(capsys, repo, ["apply", str(repo.root)], 2, f"{path} is missing")
 
 
+def test_tree_with_the_dp_independent_optimizer_checkpoint_is_refused(
+    repo: FixtureRepo, capsys
+) -> None:
+    """Megatron-LM from 49e4bd6857: build_optimizer_group_ranges returns a pair and the
+    optimizer checkpoint changed format; the commit survey's trains failed at optimizer build."""
+    path = "megatron/optimizer/distrib_optimizer.py"
+    repo.write(path, repo.read(path).replace(b"return group_ranges",
+                                             b"return local_param_group_map, group_ranges"))
+    refused(capsys, repo, ["apply", str(repo.root), "--allow-modified"], 1, path,
+            "build_optimizer_group_ranges returns a pair", "49e4bd6857")
+
+
 def test_the_refusal_knows_the_arguments_replicated_optimizer_takes() -> None:
     """patcher/prerequisites.py cannot import the runtime (it imports Megatron): read both."""
     import ast
