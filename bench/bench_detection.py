@@ -13,9 +13,11 @@ a death is found by the dropped connection.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import tempfile
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -70,7 +72,9 @@ def main() -> None:
                 for i in range(args.repeats)
             ]
             rows.append((label, {k: [r[k] for r in runs] for k in runs[0]}))
-    print(f"demo job, 4 ranks, fault inside the update window of step 3; heartbeat interval "
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+          f"{os.getloadavg()[0]:.1f} at the end: "
+          f"demo job, 4 ranks, fault inside the update window of step 3; heartbeat interval "
           f"{FAST_ENV['TTP_HEARTBEAT_INTERVAL']} s, timeout {FAST_ENV['TTP_HEARTBEAT_TIMEOUT']} s; "
           f"median (min-max) of {args.repeats} runs")  # fmt: skip
     print("| fault | fault -> detected | fault -> checkpoint in place | fault -> ttprun exit |")
