@@ -21,21 +21,19 @@ import json
 import re
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit: the repository's rig
 
-from mindio_ttp.demo.rehearsal.data import make_tiny_dataset  # noqa: E402
 from mindio_ttp.demo.rehearsal.launch import (  # noqa: E402
     Launcher,
     PretrainJob,
     pick_free_port,
     tiny_gpt_args,
 )
-from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree  # noqa: E402
+from mindio_ttp.demo.rehearsal.tree import stock_and_patched  # noqa: E402
 from testkit.hooks import DIST_AUDIT_DIR, pythonpath  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,13 +97,8 @@ def main() -> int:
     parser.add_argument("--megatron", type=Path, required=True)
     parser.add_argument("--keep", type=Path, help="work in this new folder and keep the logs")
     opts = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-optimizer-") as tmp:
-        work = opts.keep or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        stock_tree = copy_megatron_tree(opts.megatron, work / "stock" / "Megatron-LM")
-        ttp_tree = copy_megatron_tree(opts.megatron, work / "ttp" / "Megatron-LM")
-        apply_ttp_patch(ttp_tree, "cpu")
-        data = make_tiny_dataset(ttp_tree, work / "data")
+    with stock_and_patched(opts.megatron, opts.keep, prefix="bench-optimizer-") as (
+            work, stock_tree, ttp_tree, data):
         args = tiny_gpt_args(data, train_iters=ITERS, extra=MODEL)
         stock = measure(stock_tree, args, work, "distributed", Launcher.TORCHRUN, True)
         ttp = measure(ttp_tree, args, work, "replicated", Launcher.TTPRUN, False)

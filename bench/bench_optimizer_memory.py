@@ -19,21 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit: the repository's rig
 
-from mindio_ttp.demo.rehearsal.data import make_tiny_dataset  # noqa: E402
 from mindio_ttp.demo.rehearsal.launch import (  # noqa: E402
     Launcher,
-    PretrainJob,
     pick_free_port,
+    run_pretrain,
     tiny_gpt_args,
 )
-from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree  # noqa: E402
+from mindio_ttp.demo.rehearsal.tree import stock_and_patched  # noqa: E402
 from testkit.hooks import OPTIM_MEMORY_DIR, pythonpath  # noqa: E402
 
 DP = 4
@@ -45,14 +43,13 @@ def measure(tree: Path, args, work: Path, name: str, launcher: Launcher,
     """Per rank: {"optimizer", "params", "bytes"} as the hook recorded them."""
     out = work / f"{name}-memory"
     out.mkdir()
-    env = {"PYTHONPATH": pythonpath(OPTIM_MEMORY_DIR), "TTP_OPTIM_MEMORY_DIR": str(out),
-           "TTP_CONTROLLER_PORT": str(pick_free_port())}
-    log = work / f"{name}.log"
-    with PretrainJob(tree, args, nproc=DP, log_path=log, launcher=launcher, env=env,
-                     inject_adaptor=inject) as job:
-        result = job.wait(1800)
+    result = run_pretrain(tree, args, nproc=DP, log_path=work / f"{name}.log", timeout_s=1800,
+                          launcher=launcher, inject_adaptor=inject,
+                          env={"PYTHONPATH": pythonpath(OPTIM_MEMORY_DIR),
+                               "TTP_OPTIM_MEMORY_DIR": str(out),
+                               "TTP_CONTROLLER_PORT": str(pick_free_port())})
     if result.timed_out or result.returncode != 0:
-        raise SystemExit(f"{name} failed; see {log}")
+        raise SystemExit(f"{name} failed (exit {result.returncode}): {result.tail(2000)}")
     return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
 
 
@@ -65,13 +62,8 @@ def main() -> int:
     opts = parser.parse_args()
     model = ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden),
              "--num-attention-heads", "8"]
-    with tempfile.TemporaryDirectory(prefix="bench-optim-memory-") as tmp:
-        work = opts.keep or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        stock_tree = copy_megatron_tree(opts.megatron, work / "stock" / "Megatron-LM")
-        ttp_tree = copy_megatron_tree(opts.megatron, work / "ttp" / "Megatron-LM")
-        apply_ttp_patch(ttp_tree, "cpu")
-        data = make_tiny_dataset(ttp_tree, work / "data")
+    with stock_and_patched(opts.megatron, opts.keep, prefix="bench-optim-memory-") as (
+            work, stock_tree, ttp_tree, data):
         args = tiny_gpt_args(data, train_iters=ITERS, extra=model)
         stock = measure(stock_tree, args, work, "distributed", Launcher.TORCHRUN, True)
         ttp = measure(ttp_tree, args, work, "replicated", Launcher.TTPRUN, False)

@@ -9,10 +9,12 @@ is what ``ttp-patch`` checks before it edits.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 MEGATRON_COMMIT = "285068c8108e0e8e6538f54fe27c3ee86c5217a2"
 GIT_TIMEOUT_S = 180
@@ -37,6 +39,22 @@ def copy_megatron_tree(source: Path, dest: Path, commit: str = MEGATRON_COMMIT) 
     if not (dest / "pretrain_gpt.py").is_file():
         raise RuntimeError(f"{source} at {commit[:7]} has no pretrain_gpt.py")
     return dest
+
+
+@contextlib.contextmanager
+def stock_and_patched(source: Path, keep: Optional[Path] = None, device: str = "cpu",
+                      prefix: str = "ttp-compare-") -> Iterator[Tuple[Path, Path, Path, Any]]:
+    """``(work, stock tree, patched tree, tiny dataset)``: what a comparison of stock Megatron
+    with the patched tree starts from. ``work`` is ``keep`` (kept) or a temporary directory."""
+    from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        work = Path(keep) if keep is not None else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        stock = copy_megatron_tree(source, work / "stock" / "Megatron-LM")
+        patched = copy_megatron_tree(source, work / "ttp" / "Megatron-LM")
+        apply_ttp_patch(patched, device)
+        yield work, stock, patched, make_tiny_dataset(patched, work / "data")
 
 
 class PatchRefused(RuntimeError):
