@@ -50,7 +50,7 @@ from patcher.pin import PINNED_BLOBS, PINNED_COMMIT
 from patcher.prerequisites import DISTRIB_OPTIMIZER
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from survey_train import TrainResult, train_one  # noqa: E402
+from survey_train import TrainResult, stock_error, train_one  # noqa: E402
 
 Key = Tuple[Optional[str], ...]
 Code = Tuple[Optional[str], Optional[str]]  # tree id of megatron/, blob id of pretrain_gpt.py
@@ -276,13 +276,27 @@ def train_all(
         with tempfile.TemporaryDirectory(prefix="ttp-survey-train-") as tmp:
             r = train_one(repo, c.sha, Path(tmp))
         out[c.code], known[cid] = r, asdict(r)
-        if cache is not None:
-            tmp_path = cache.with_name(cache.name + ".tmp")
-            tmp_path.write_text(json.dumps(known, indent=1))
-            os.replace(tmp_path, cache)
+        _save(cache, known)
         log(f"train {len(out)}/{codes} {c.sha[:10]} {c.date[:10]} built={r.optimizer_built} "
             f"passed={r.passed} {r.wall_s}s {'' if r.passed else r.error[-200:]}")
+    # a failure: does the commit fail the same way without the patch (broken upstream)?
+    firsts = {c.code: c for c in reversed(todo)}
+    for code, r in out.items():
+        if r.passed or r.stock_error is not None:
+            continue
+        with tempfile.TemporaryDirectory(prefix="ttp-survey-stock-") as tmp:
+            r.stock_error = stock_error(repo, firsts[code].sha, Path(tmp))
+        known[_code_id(code)] = asdict(r)
+        _save(cache, known)
+        log(f"stock {firsts[code].sha[:10]}: {r.stock_error[-200:] or 'trains unpatched'}")
     return out
+
+
+def _save(cache: Optional[Path], known: Dict[str, dict]) -> None:
+    if cache is not None:
+        tmp_path = cache.with_name(cache.name + ".tmp")
+        tmp_path.write_text(json.dumps(known, indent=1))
+        os.replace(tmp_path, cache)
 
 
 def _when(iso: str) -> dt.datetime:
@@ -456,27 +470,37 @@ def _three_columns(
             got = [c for c in subset if stages(c)[i]]
             cells.append(f"{len(got)} ({len({c.code for c in got})})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    why: Dict[str, List[Commit]] = {}
+    why: Dict[Tuple[str, str], List[Commit]] = {}
     for c in commits:
         builds, built, passed = stages(c)
         if builds and not passed:
             run = trained[c.code]
             stage = "optimizer not built" if not built else "no dying checkpoint"
-            why.setdefault(f"{stage}: {run.error.splitlines()[-1] if run.error else '?'}",
-                           []).append(c)
+            error = _last_line(run.error) or "?"
+            stock = ("not checked" if run.stock_error is None else "trains" if not
+                     run.stock_error else "the same error" if _last_line(run.stock_error) == error
+                     else f"fails: {_last_line(run.stock_error)}")
+            why.setdefault((f"{stage}: {error}", stock), []).append(c)
     if why:
         lines += [
             "",
-            "Why the others stop (the error the job printed first; the oldest commit of each):",
+            "Why the others stop (the error the job printed first; the oldest commit of each), "
+            "and what the same commit does without the patch (stock Megatron, torchrun, 3 "
+            "iterations): *the same error* means the commit is broken upstream, whatever the "
+            "patch does.",
             "",
-            "| stops at | commits (codes) | oldest | dates |",
-            "|---|---:|---|---|",
+            "| stops at | without the patch | commits (codes) | oldest | dates |",
+            "|---|---|---:|---|---|",
         ]
-        for reason, cs in sorted(why.items(), key=lambda kv: -len(kv[1])):
-            text = reason.replace("|", "\\|")[:220]
-            lines.append(f"| {text} | {len(cs)} ({len({c.code for c in cs})}) | "
+        for (reason, stock), cs in sorted(why.items(), key=lambda kv: -len(kv[1])):
+            cells = [reason.replace("|", "\\|")[:220], stock.replace("|", "\\|")[:160]]
+            lines.append(f"| {cells[0]} | {cells[1]} | {len(cs)} ({len({c.code for c in cs})}) | "
                          f"`{cs[0].sha[:12]}` | {cs[0].date[:10]} .. {cs[-1].date[:10]} |")
     return lines + [""]
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1].strip() if text.strip() else ""
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -65,6 +65,10 @@ class TrainResult:
     passed: bool = False
     wall_s: float = 0.0
     error: str = ""
+    # for a failure: the first error of the same commit unpatched (stock Megatron, torchrun):
+    # "" when stock trains, None when not checked; the same error means the commit is broken
+    # upstream, whatever the patch does
+    stock_error: Optional[str] = None
 
 
 def first_error(log: str) -> str:
@@ -128,6 +132,27 @@ def train_one(repo: Path, commit: str, work: Path) -> TrainResult:
         res.error = first_error(result.log) or result.tail(1500)
     res.wall_s = round(time.monotonic() - t0, 1)
     return res
+
+
+def stock_error(repo: Path, commit: str, work: Path) -> str:
+    """The first error of `commit` unpatched (torchrun, the CPU adaptor injected, 3
+    iterations), or "" when it trains."""
+    tree = work / "Megatron-LM"
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(repo), str(tree)],
+                   check=True, timeout=300)
+    subprocess.run(["git", "-C", str(tree), "checkout", "-q", "--detach", commit],
+                   check=True, timeout=300)
+    try:
+        data = make_tiny_dataset(tree, work / "data")
+    except RuntimeError as exc:
+        return first_error(str(exc)) or str(exc)[-300:]
+    args = tiny_gpt_args(data, train_iters=3)
+    with PretrainJob(tree, args, nproc=4, log_path=work / "stock.log", launcher=Launcher.TORCHRUN,
+                     inject_adaptor=True) as job:
+        result = job.wait(JOB_TIMEOUT_S)
+    if result.returncode == 0 and not result.timed_out:
+        return ""
+    return first_error(result.log) or result.tail(300)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
