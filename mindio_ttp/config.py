@@ -363,36 +363,27 @@ def derived_save_limit(ot: float, collect: float, rename: float) -> float:
     return max(ot - collect - rename - SAVE_LIMIT_MARGIN_S, ot / 4)
 
 
-def overtime_s(env: Optional[Mapping[str, str]] = None) -> float:
-    """TTP_OT in seconds (ValueError naming the variable when it is bad)."""
-    env = os.environ if env is None else env
-    raw = _raw(env, ENV_OT)
-    if raw is None:
-        return BY_NAME[ENV_OT].value
-    try:
-        return seconds(raw)
-    except ValueError as exc:
-        raise ValueError(f"{ENV_OT}={raw!r} {exc}") from None
-
-
-def _float_env(env: Mapping[str, str], name: str) -> float:
+def value(env: Mapping[str, str], name: str) -> Any:
+    """One setting's value from `env` (its default when unset), parsed by its row of the table;
+    a ValueError names the variable and what is wrong."""
+    setting = BY_NAME[name]
     raw = _raw(env, name)
     if raw is None:
-        return BY_NAME[name].value
+        return setting.value
     try:
-        return BY_NAME[name].parse(raw)
+        return setting.parse(raw)
     except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} {exc}") from None
+        why = str(exc)
+        raise ValueError(why if why.startswith(name) else f"{name}={raw!r} {why}") from None
+
+
+def overtime_s(env: Optional[Mapping[str, str]] = None) -> float:
+    """TTP_OT in seconds (ValueError naming the variable when it is bad)."""
+    return value(os.environ if env is None else env, ENV_OT)
 
 
 def _port_env(env: Mapping[str, str]) -> Optional[int]:
-    raw = _raw(env, ENV_CONTROLLER_PORT)
-    if raw is None:
-        return None
-    try:
-        return port(raw)
-    except ValueError as exc:
-        raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} {exc}") from None
+    return value(env, ENV_CONTROLLER_PORT)
 
 
 def _parse_key(raw: str, source: str) -> bytes:

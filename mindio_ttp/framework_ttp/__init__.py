@@ -31,6 +31,7 @@ from mindio_ttp.config import (
     TTPConfig,
     _port_env,
 )
+from mindio_ttp.config import value as _config_value
 from mindio_ttp.control import hooks as _hooks
 from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.hooks import TTPError, TTPForceStop
@@ -118,11 +119,7 @@ def _handler(name: str, fn: Any, nargs: int, shape: str) -> Callable[..., Any]:
 
 
 def _setup_logging(rank: int) -> None:
-    level_name = os.environ.get(ENV_LOG_LEVEL, "INFO").upper()
-    level = logging.getLevelName(level_name)
-    if not isinstance(level, int):
-        raise ValueError(f"{ENV_LOG_LEVEL}={level_name!r}: use DEBUG, INFO, WARNING or ERROR")
-    log.setLevel(level)
+    log.setLevel(_config_value(os.environ, ENV_LOG_LEVEL))  # the settings table's check
     for h in list(log.handlers):
         if getattr(h, "_ttp", False):
             log.removeHandler(h)

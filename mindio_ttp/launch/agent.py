@@ -531,7 +531,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if problems:
         print(f"ttprun: error: {preflight.refusal(problems)}", file=sys.stderr)
         return 2
-    RDZV_WAIT_NOTICE_S = config._float_env(os.environ, config.ENV_RDZV_NOTICE)
+    RDZV_WAIT_NOTICE_S = config.value(os.environ, config.ENV_RDZV_NOTICE)
     with ttp_environment() as run_dir, _agent_installed():
         logger.info("ttprun: TTP_RUN_DIR=%s", run_dir)
         try:
