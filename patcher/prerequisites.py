@@ -60,20 +60,20 @@ def _parse(source: bytes) -> Optional[ast.Module]:
         return None
 
 
-def constructor_args(source: bytes, cls: str = "DistributedOptimizer") -> Optional[Tuple[str, ...]]:
+def constructor_args(source, cls: str = "DistributedOptimizer") -> Optional[Tuple[str, ...]]:
     """The positional parameters of `cls.__init__` after self; None when there is no such
-    class or method (or the file does not parse)."""
-    module = _parse(source)
+    class or method (or the file does not parse). `source`: bytes, or a parsed module."""
+    module = source if isinstance(source, ast.Module) else _parse(source)
     init = _method(_class(module, cls), "__init__") if module is not None else None
     if init is None:
         return None
     return tuple(a.arg for a in (*init.args.posonlyargs, *init.args.args))[1:]
 
 
-def returns_pair(source: bytes) -> Optional[bool]:
+def returns_pair(source) -> Optional[bool]:
     """Whether DistributedOptimizer.build_optimizer_group_ranges returns a tuple (49e4bd6857
     on) rather than the list of group ranges (285068c); None when there is no such method."""
-    module = _parse(source)
+    module = source if isinstance(source, ast.Module) else _parse(source)
     fn = _method(_class(module, "DistributedOptimizer"), GROUP_RANGES) if module else None
     if fn is None:
         return None
@@ -90,7 +90,8 @@ def check(current: Optional[bytes]) -> None:
             "ReplicatedOptimizer subclasses its DistributedOptimizer",
             f"restore it: git checkout -- {DISTRIB_OPTIMIZER}",
         )
-    found = constructor_args(current)
+    module = _parse(current)
+    found = constructor_args(module) if module is not None else None
     if found != CONSTRUCTOR_ARGS:
         if found is None:
             what = "has no DistributedOptimizer.__init__ that ttp-patch can read"
@@ -105,7 +106,7 @@ def check(current: Optional[bytes]) -> None:
             "use a Megatron-LM commit that contains 57bfa7caba (285068c does); this one predates "
             "the distributed optimizer's param buffers that ReplicatedOptimizer writes into",
         )
-    pair = returns_pair(current)
+    pair = returns_pair(module)
     if pair is None or pair:
         what = (f"has no DistributedOptimizer.{GROUP_RANGES}" if pair is None else
                 f"DistributedOptimizer.{GROUP_RANGES} returns a pair (Megatron-LM {CHANGED_BY}, "
