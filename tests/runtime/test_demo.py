@@ -183,6 +183,7 @@ def test_demo_command_resumes_bit_exact(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "mindio_ttp.demo", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=240,
+        env=dict(os.environ, COLUMNS="1000"),  # whole lines, to match them
     )  # fmt: skip
     elapsed = time.monotonic() - start
     out = done.stdout
@@ -200,7 +201,7 @@ def test_demo_command_resumes_bit_exact(tmp_path: Path) -> None:
 def test_demo_says_why_exit_1_and_what_it_removes(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "mindio_ttp.demo"], capture_output=True, text=True, timeout=240,
-        env=dict(os.environ, TMPDIR=str(tmp_path)),
+        env=dict(os.environ, TMPDIR=str(tmp_path), COLUMNS="1000"),  # whole lines
     )  # fmt: skip
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
