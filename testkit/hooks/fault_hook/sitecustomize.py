@@ -42,7 +42,8 @@ def _wrap_train_step(train_step, get_args, plan, record_dir):
     started = []  # monotonic start of every iteration this process ran
 
     def fault_injecting_train_step(forward_step_func, data_iterator, model, optimizer,
-                                   opt_param_scheduler):
+                                   opt_param_scheduler, *rest, **kwargs):
+        # *rest: later Megatron passes more (2023-05: the model config)
         step = get_args().curr_iteration + 1
         rank = torch.distributed.get_rank()
         fired = []
@@ -92,7 +93,8 @@ def _wrap_train_step(train_step, get_args, plan, record_dir):
         optimizer.reduce_model_grads = reduce
         torch.distributed.barrier = barrier
         try:
-            return train_step(forward_step, data_iterator, model, optimizer, opt_param_scheduler)
+            return train_step(forward_step, data_iterator, model, optimizer, opt_param_scheduler,
+                              *rest, **kwargs)
         finally:
             del optimizer.step, optimizer.gather_model_params, optimizer.reduce_model_grads
             torch.distributed.barrier = real_barrier

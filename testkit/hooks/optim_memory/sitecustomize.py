@@ -66,8 +66,9 @@ def _wrap(training, out: Path) -> None:
     done = []
 
     def measured_train_step(forward_step_func, data_iterator, model, optimizer,
-                            opt_param_scheduler):
-        result = real(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler)
+                            opt_param_scheduler, *rest, **kwargs):
+        result = real(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                      *rest, **kwargs)
         if not done:
             done.append(True)
             import torch
