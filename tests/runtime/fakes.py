@@ -43,6 +43,7 @@ class FakeRank:
         self.heartbeat = heartbeat
         self.key = key
         self.received: List[P.Message] = []
+        self.received_at: List[float] = []  # time.monotonic() of each message
         self.exit: Optional[P.ExitOrder] = None
         self.silent = False  # stop heartbeating and answering (a hung rank)
         self._send_lock = threading.Lock()
@@ -82,6 +83,7 @@ class FakeRank:
                 return
             for m in self.dec.feed(data):
                 self.received.append(m)
+                self.received_at.append(time.monotonic())
                 if not self.silent:
                     try:
                         self._answer(m)
