@@ -513,7 +513,7 @@ class Controller:
             with self._cond:
                 self.flow.result(msg.flow_id, info.rank, msg)
         elif isinstance(msg, P.StoreRequest):
-            self.store.handle(info.rank, msg, lambda reply: self._reply(conn, reply))
+            self.store.handle(info.rank, msg, lambda reply: self._reply(conn, reply), conn.peer)
         elif isinstance(msg, P.Goodbye):
             with self._cond:
                 self._set_status(info, "gone", "finished training")
