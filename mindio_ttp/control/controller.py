@@ -179,14 +179,29 @@ class Controller:
         return self.flow.faults
 
     # -- life cycle --------------------------------------------------------------------------
-    def listen(self, ip: str, port: int) -> Tuple[str, int]:
+    def listen(self, ip: str, port: int, ports: Optional[Tuple[int, int]] = None,
+               first: int = 0) -> Tuple[str, int]:
+        """Listen on ip:port; with `ports` (TTP_LISTEN_PORTS), on the first free port of that
+        range from its `first`-th one on (ranks on one host start at different ones)."""
         sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((ip, port))
-        except OSError as exc:
+        candidates = [port] if ports is None else [
+            ports[0] + (first + i) % (ports[1] - ports[0] + 1)
+            for i in range(ports[1] - ports[0] + 1)]
+        for candidate in candidates:
+            try:
+                sock.bind((ip, candidate))
+                break
+            except OSError as exc:
+                if ports is not None and exc.errno == errno.EADDRINUSE:
+                    continue
+                sock.close()
+                raise TTPError(listen_error(ip, candidate, exc, self.standby)) from None
+        else:
             sock.close()
-            raise TTPError(listen_error(ip, port, exc, self.standby)) from None
+            raise TTPError(f"TTP standby controller cannot listen on {ip}: every port of "
+                           f"TTP_LISTEN_PORTS={ports[0]}-{ports[1]} is in use; give a range "
+                           "with at least as many free ports as ranks on this host")
         sock.listen(4096)
         sock.setblocking(False)
         self._listener = sock

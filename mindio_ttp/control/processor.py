@@ -143,7 +143,7 @@ class Processor:
         local_ip = sock.getsockname()[0]
         self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
                                   standby=True)
-        self.standby.listen(local_ip, 0)
+        self.standby.listen(local_ip, 0, self.cfg.listen_ports, self.rank)
         self.standby.start()
         try:
             conn = self._handshake(sock, failover=False, timeout=self.cfg.handshake_timeout)
