@@ -14,7 +14,7 @@ import contextlib
 import json
 import socket
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import psutil
 import pytest
@@ -474,27 +474,44 @@ def test_a_flood_of_unregistered_connections_is_bounded_in_rss_and_delays_no_hea
 
 
 # -- issue 18: the save's rendezvous and the fault id, in a real 4-process job ------------------
-def job_with_an_outside_store(tmp_path, plan: dict, before=None):
-    """The demo worker job (rank 1 killed at step 5) with torch's rendezvous store hosted
-    outside the ranks, as torchrun's agent hosts it (so no rank's process listens for it);
-    `before(store)` is what an outsider does to that store before the ranks start."""
-    from datetime import timedelta
+OUTSIDE_STORE = r"""
+import json, sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=60))
+for key, value in json.loads(sys.argv[2]).items():  # what an outsider wrote first
+    store.set(key, value)
+print("ready", flush=True)
+sys.stdin.read()
+"""
 
-    import torch.distributed as dist
+
+def job_with_an_outside_store(tmp_path, plan: dict, planted: Optional[dict] = None):
+    """The demo worker job (rank 1 killed at step 5) with torch's rendezvous store hosted
+    outside the ranks, as torchrun's agent hosts it (in its own process: the ranks are forked
+    from this one, which must not run a store's threads); `planted`: keys an outsider wrote
+    there before the ranks started."""
+    import subprocess
+    import sys
 
     from .jobs import free_port, run_job
 
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
-    if before is not None:
-        before(store)
-    res = run_job(tmp_path, {"steps": 40, "faults": [{"rank": 1, "step": 5,
-                                                      "phase": "after", "kind": "kill"}],
-                             **plan},
-                  env_extra={"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                             "TORCHELASTIC_RUN_ID": "job18", "TTP_SAVE_TIME_LIMIT": "20"})
-    return res, store
+    host = subprocess.Popen([sys.executable, "-c", OUTSIDE_STORE, str(port),
+                             json.dumps(planted or {})], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "ready"
+        return run_job(tmp_path, {"steps": 40, "faults": [{"rank": 1, "step": 5,
+                                                           "phase": "after", "kind": "kill"}],
+                                  **plan},
+                       env_extra={"MASTER_PORT": str(port),
+                                  "TORCHELASTIC_USE_AGENT_STORE": "True",
+                                  "TORCHELASTIC_RUN_ID": "job18", "TTP_SAVE_TIME_LIMIT": "20"})
+    finally:
+        host.kill()
+        host.wait(10)
 
 
 @pytest.mark.slow
@@ -502,7 +519,7 @@ def test_no_port_of_the_controller_process_serves_an_unauthenticated_store_clien
     """The acting controller hosted a plain TCPStore per save order: any client could list
     its keys (the order's tag, the savers' gloo addresses) and write under them. During the
     save, every port the controller's process listens on now refuses a TCPStore client."""
-    res, _ = job_with_an_outside_store(tmp_path, {"probe_listeners_rank": 0})
+    res = job_with_an_outside_store(tmp_path, {"probe_listeners_rank": 0})
     assert res.codes[0] == 83, res.all_logs()
     found = json.loads((res.out / "probe-0.json").read_text())
     assert found, "the controller's process listens on nothing?"
@@ -522,10 +539,9 @@ def test_an_outsider_writing_the_rendezvous_store_first_does_not_decide_the_faul
     (claims / f"fault-{planted}.json").write_text(json.dumps(
         {"fault": planted, "holder": "outsider", "state": "done"}))
 
-    def plant(store) -> None:  # where torch 2.13's default group keys it (list_keys says so)
-        store.set("default_pg/0//ttp/fault-id/job18/0", planted)
-
-    res, _ = job_with_an_outside_store(tmp_path, {}, before=plant)
+    # where torch 2.13's default group keys it (an outsider's list_keys shows it)
+    res = job_with_an_outside_store(tmp_path, {},
+                                    {"default_pg/0//ttp/fault-id/job18/0": planted})
     codes = {r: c for r, c in res.codes.items() if r != 1}
     assert set(codes.values()) == {83}, res.all_logs()
     assert res.flow is not None and res.flow["outcome"] == "saved", res.flow
