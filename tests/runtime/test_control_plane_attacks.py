@@ -25,16 +25,7 @@ from mindio_ttp.control import protocol as P
 from mindio_ttp.control.processor import Processor
 
 from .conftest import DP, ENV
-from .fakes import KEY, FakeRank, handshake, read_frames
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+from .fakes import KEY, FakeRank, handshake, read_frames, wait_for
 
 
 def closed_by_peer(s: socket.socket, timeout_s: float = 5.0) -> bool:
@@ -402,6 +393,7 @@ sys.stdin.read()  # hold every connection until the test is done
 """
 
 
+@pytest.mark.slow
 def test_a_flood_of_unregistered_connections_is_bounded_in_rss_and_delays_no_heartbeat():
     """World 8192: 8256 connections (every waiting slot) each send a frame one byte under the
     pre-authentication cap. The controller's count stayed at 64 MiB while its RSS grew by

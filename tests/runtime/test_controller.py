@@ -13,7 +13,7 @@ from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.state import ControllerState
 
 from .conftest import DP, ENV
-from .fakes import KEY, FakeRank, handshake, read_frames
+from .fakes import KEY, FakeRank, handshake, read_frames, wait_for
 
 
 @pytest.fixture
@@ -125,13 +125,6 @@ def test_mismatched_registration_is_refused(ctl):
         hs = handshake(s, P.Register(1, 8, [0, 1], 1, "127.0.0.1", 0, 0, None, False, False, False))
         msg = read_frames(s, hs.dec)[0]  # the Reject is sealed with this connection's key
     assert isinstance(msg, P.Reject) and "world_size 4" in msg.reason
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_goodbye_is_not_a_fault_and_stop_waits_for_it(ctl, ranks):

@@ -23,16 +23,7 @@ from mindio_ttp.control.processor import Processor
 from mindio_ttp.control.session import new_nonce
 
 from .conftest import DP, ENV
-from .fakes import KEY, FakeRank, read_frames
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+from .fakes import KEY, FakeRank, read_frames, wait_for
 
 
 def signed_register(addr, **fields_: object) -> bytes:
