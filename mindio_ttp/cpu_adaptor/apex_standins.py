@@ -24,7 +24,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .journal import Journal
+from mindio_ttp.compat.journal import Journal
 
 #: apex's default chunk size; kept so callers that read it see the same number.
 CHUNK_SIZE = 2048 * 32

@@ -214,7 +214,7 @@ def test_layer_norm_without_affine_matches_torch() -> None:
 def test_apex_module_has_no_contrib_so_megatron_skips_persistent_layer_norm() -> None:
     import sys
 
-    from mindio_ttp.cpu_adaptor.journal import Journal
+    from mindio_ttp.compat.journal import Journal
 
     journal = Journal()
     apex_standins.install(journal)
