@@ -61,6 +61,22 @@ DEVICE_READY_TIMEOUT_S = 30.0
 # rank holds anything a dying checkpoint could use.
 RUNTIME_STARTED_DIR = "runtime-started"
 
+# Megatron-LM 285068c's process-group timeout, hard-coded at 10 minutes
+# (megatron/initialize.py:174-177; the --distributed-timeout-minutes flag came later). A
+# survivor's collective hung on a dead peer fails when it runs out, and with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING the watchdog then aborts the communicators, so it must outlast
+# TTP_OT by the time from the collective's start to the fault's detection: the step that was
+# running when the peer died, plus TTP_HEARTBEAT_TIMEOUT. PG_TIMEOUT_MARGIN_S bounds that.
+MEGATRON_PG_TIMEOUT_S = 600.0
+PG_TIMEOUT_MARGIN_S = 300.0
+
+
+def process_group_timeout_s(ot_s: float, floor_s: float = MEGATRON_PG_TIMEOUT_S) -> float:
+    """The process-group timeout a patched tree runs with: Megatron's own unless TTP_OT needs
+    more (the launcher checks other trees against the same rule)."""
+    return max(floor_s, ot_s + PG_TIMEOUT_MARGIN_S)
+
+
 DEFAULTS: dict[str, float] = {
     ENV_OT: 120.0,
     ENV_HEARTBEAT_INTERVAL: 2.0,
@@ -113,6 +129,11 @@ def _float_env(env: Mapping[str, str], name: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
     return value
+
+
+def overtime_from_env(env: Optional[Mapping[str, str]] = None) -> float:
+    """TTP_OT in seconds, read and checked as the runtime reads it."""
+    return _float_env(os.environ if env is None else env, ENV_OT)
 
 
 def _optional_float_env(env: Mapping[str, str], name: str) -> float:

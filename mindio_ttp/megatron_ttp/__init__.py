@@ -21,6 +21,7 @@ __all__ = [
     "load_checkpoint",
     "ttp_save_checkpoint",
     "rename_save_result",
+    "process_group_timeout",
 ]
 
 
@@ -46,6 +47,10 @@ def __getattr__(name: str) -> Any:
         from mindio_ttp.megatron_ttp.save import rename_save_result
 
         return rename_save_result
+    if name == "process_group_timeout":
+        from mindio_ttp.megatron_ttp.timeout import process_group_timeout
+
+        return process_group_timeout
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
