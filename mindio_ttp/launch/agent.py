@@ -61,6 +61,7 @@ from mindio_ttp.config import (
 )
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
+from mindio_ttp.launch import timeouts
 
 logger = logging.getLogger("ttprun")
 
@@ -557,7 +558,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         print(f"ttprun: error: {exc}", file=sys.stderr)
         return 2
-    warning = collective_env.timeout_warning(args.training_script_args, ot)
+    warning = timeouts.timeout_warning(args.training_script, args.training_script_args, ot,
+                                       is_module=args.module)
     if warning:
         print(f"ttprun: warning: {warning}", file=sys.stderr)
     try:
