@@ -61,3 +61,12 @@ def load_defaults_to_weights_only() -> bool:
 def missing_numpy_aliases() -> List[str]:
     """The :data:`NUMPY_ALIASES` this numpy no longer has."""
     return [name for name in NUMPY_ALIASES if name not in np.__dict__]
+
+
+def adam_has_decoupled_weight_decay() -> bool:
+    """``torch.optim.Adam(decoupled_weight_decay=...)``: the CPU adaptor's FusedAdam builds
+    apex's AdamW mode on it where it exists."""
+    try:
+        return "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters
+    except (TypeError, ValueError):
+        return False

@@ -24,6 +24,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from mindio_ttp.compat import features
 from mindio_ttp.compat.journal import Journal
 
 #: apex's default chunk size; kept so callers that read it see the same number.
@@ -53,10 +54,31 @@ class FusedAdam(torch.optim.Adam):
             raise NotImplementedError(
                 "FusedAdam(bias_correction=False) has no CPU stand-in in mindio_ttp.cpu_adaptor"
             )
+        # torch.optim.Adam takes decoupled_weight_decay only in recent releases (2.13 does,
+        # 2.1.2 does not); where it does not, step() decays the params itself, as AdamW does.
+        has_flag = features.adam_has_decoupled_weight_decay()
+        self._decay_by_hand = adam_w_mode and not has_flag
+        extra = {"decoupled_weight_decay": adam_w_mode} if has_flag else {}
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         foreach=False, decoupled_weight_decay=adam_w_mode)
+                         foreach=False, **extra)
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
+
+    def step(self, closure: Any = None) -> Any:
+        if not self._decay_by_hand:
+            return super().step(closure)
+        decays = [group["weight_decay"] for group in self.param_groups]
+        with torch.no_grad():  # torch's AdamW: param *= 1 - lr * wd, then the Adam update
+            for group, wd in zip(self.param_groups, decays):
+                for param in group["params"]:
+                    if wd and param.grad is not None:
+                        param.mul_(1 - group["lr"] * wd)
+                group["weight_decay"] = 0.0
+        try:
+            return super().step(closure)
+        finally:
+            for group, wd in zip(self.param_groups, decays):
+                group["weight_decay"] = wd
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)

@@ -46,7 +46,6 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.utils.process_state import read_proc_state
 
 from mindio_ttp.config import (
     DEFAULTS,
@@ -62,6 +61,7 @@ from mindio_ttp.config import (
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
 from mindio_ttp.launch import timeouts
+from mindio_ttp.launch.procstate import read_proc_state
 
 logger = logging.getLogger("ttprun")
 

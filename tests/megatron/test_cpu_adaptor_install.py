@@ -196,9 +196,9 @@ def test_install_is_idempotent_and_uninstall_restores_stock() -> None:
     callbacks = atexit._ncallbacks()
     adaptor.install()
     assert atexit._ncallbacks() == callbacks + 1  # the process-group cleanup
-    wrapped_load = torch.load
+    wrapped = torch.cuda.is_available
     adaptor.install()
-    assert torch.load is wrapped_load and wrapped_load.__wrapped__ is STOCK_LOAD
+    assert torch.cuda.is_available is wrapped and wrapped.__wrapped__ is STOCK_IS_AVAILABLE
     adaptor.uninstall()
     assert compat.is_installed(), "the compatibility layer is not the adaptor's to remove"
     assert torch.cuda.is_available is STOCK_IS_AVAILABLE and "amp_C" not in sys.modules
