@@ -13,6 +13,8 @@ What it patches, by module (each module's docstring gives the Megatron file:line
 ========================  =====================================================================
 ``cpu_torch``             DDP without ``device_ids``; private DataLoader generator for
                           Megatron; process groups destroyed at exit (gloo)
+``gloo_collectives``      ``_all_gather_base`` / ``_reduce_scatter_base`` for Megatron on a
+                          gloo without them (torch 2.1)
 ``cuda_on_cpu``           ``torch.cuda`` device/RNG/memory calls, typed-tensor classes,
                           ``Tensor.cuda``/``Module.cuda`` identity, ``Tensor.type()`` names
 ``apex_standins``         ``apex.optimizers.FusedAdam/FusedSGD``, ``multi_tensor_applier``,

@@ -47,11 +47,19 @@ def install() -> None:
 
         compat_before = compat.is_installed()  # in a patched tree its own import line came first
         compat.install()
-        from . import apex_standins, cpu_torch, cuda_on_cpu, layer_norm, megatron_hooks
+        from . import (
+            apex_standins,
+            cpu_torch,
+            cuda_on_cpu,
+            gloo_collectives,
+            layer_norm,
+            megatron_hooks,
+        )
 
         journal = Journal()
         try:
             cpu_torch.install(journal)
+            gloo_collectives.install(journal)
             cuda_on_cpu.install(journal)
             apex_standins.install(journal)
             layer_norm.install(journal)

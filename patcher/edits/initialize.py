@@ -10,9 +10,14 @@ otherwise. The patched call keeps Megatron's 10 minutes unless TTP_OT needs more
 
 from __future__ import annotations
 
+import ast
+from typing import Optional
+
 import libcst as cst
 
-from .base import InsertAfterAnchor, ReplaceAnchor
+from ..options import Options
+from .base import Assessment, Edit, FileIndex, InsertAfterAnchor, Op, State, where
+from .statements import EMPTY_MODULE
 
 FILE = "megatron/initialize.py"
 
@@ -30,7 +35,24 @@ class ImportGlue(InsertAfterAnchor):
     summary = "import mindio_ttp.megatron_ttp as mega (ttp-patch's, not the guide's)"
 
 
-class TimeoutFromRuntime(ReplaceAnchor):
+def _timeout_arg(stmt: cst.BaseStatement) -> Optional[ast.expr]:
+    """The `timeout=` expression of a statement that is one call."""
+    tree = ast.parse(EMPTY_MODULE.code_for_node(stmt))
+    call = tree.body[0].value if isinstance(tree.body[0], ast.Expr) else None
+    if not isinstance(call, ast.Call):
+        return None
+    return next((kw.value for kw in call.keywords if kw.arg == "timeout"), None)
+
+
+def _is_timedelta(expr: Optional[ast.expr]) -> bool:
+    return isinstance(expr, ast.Call) and ast.unparse(expr.func) == "timedelta"
+
+
+class TimeoutFromRuntime(Edit):
+    """Wraps the `timeout=timedelta(...)` of the one `init_process_group` call. Any timedelta:
+    285068c's `minutes=10`, and a later Megatron's `minutes=args.distributed_timeout_minutes`
+    (patched with --allow-modified), which then stays the floor the runtime raises."""
+
     id = "initialize/pg-timeout"
     number = "6.2"
     file = FILE
@@ -41,18 +63,38 @@ class TimeoutFromRuntime(ReplaceAnchor):
         "    world_size=args.world_size, rank=args.rank,\n"
         "    timeout=timedelta(minutes=10))"
     )
-    replacement = anchor.replace(
-        "timeout=timedelta(minutes=10)", "timeout=mega.process_group_timeout(timedelta(minutes=10))"
-    )
     summary = "process-group timeout at least TTP_OT + margin (ttp-patch's, not the guide's)"
 
     def anchor_text(self) -> str:
-        return "timeout=timedelta(minutes=10))"
+        return "torch.distributed.init_process_group(..., timeout=timedelta(...))"
 
-    def rewrite(self, stmt: cst.BaseStatement) -> cst.BaseStatement:
-        from .rewrites import TimeoutFromRuntime as Wrap
+    def assess(self, module: cst.Module, index: FileIndex, opts: Options) -> Assessment:
+        calls = [s for s in index.simple(self.scope) if index.shape(s.stmt) == _CALL_SHAPE]
+        if len(calls) != 1:
+            how = "not found" if not calls else f"found {len(calls)} times"
+            return Assessment(State.DRIFTED, f"init_process_group(...) {how} {where(self.scope)}")
+        site = calls[0]
+        timeout = _timeout_arg(site.stmt)
+        if (isinstance(timeout, ast.Call) and ast.unparse(timeout.func) == _RUNTIME_CALL
+                and len(timeout.args) == 1 and _is_timedelta(timeout.args[0])):
+            return Assessment(State.APPLIED)
+        if _is_timedelta(timeout):
+            return Assessment(State.MISSING, ops=[Op(site.block, site.index, rewrite=_wrap)])
+        return Assessment(
+            State.DRIFTED,
+            f"{where(self.scope)}: init_process_group's timeout is neither timedelta(...) nor "
+            f"{_RUNTIME_CALL}(timedelta(...))",
+        )
 
-        return stmt.visit(Wrap())
+
+_CALL_SHAPE = "call torch.distributed.init_process_group"
+_RUNTIME_CALL = "mega.process_group_timeout"
+
+
+def _wrap(stmt: cst.BaseStatement) -> cst.BaseStatement:
+    from .rewrites import TimeoutFromRuntime as Wrap
+
+    return stmt.visit(Wrap())
 
 
 EDITS = [ImportGlue(), TimeoutFromRuntime()]

@@ -286,3 +286,31 @@ def test_helpers_are_built_out_of_tree_and_imported(
 def test_scoped_wrapper_reports_original(installed: None) -> None:
     fn: Callable[..., Any] = torch.cuda.device_count
     assert fn.__wrapped__ is not fn  # type: ignore[attr-defined]
+
+
+def test_flat_collectives_fall_back_where_gloo_refuses_them(free_port: int) -> None:
+    """torch 2.1's gloo refuses _all_gather_base/_reduce_scatter_base before sending anything;
+    Megatron's calls then get all_gather / all_reduce, anyone else keeps the refusal."""
+    import torch.distributed as dist
+
+    from mindio_ttp.cpu_adaptor import gloo_collectives as gc
+
+    def refusing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no support for _allgather_base in Gloo process group")
+
+    gather = gc._with_fallback("test_gather", gc._gather)(refusing)
+    scatter = gc._with_fallback("test_scatter", gc._reduce_scatter)(refusing)
+    ns = as_module("megatron.timers", "def call(fn, *a, **k):\n    return fn(*a, **k)\n")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port}", rank=0,
+                            world_size=1)
+    try:
+        out = torch.zeros(3)
+        assert ns["call"](gather, out, torch.tensor([1.0, 2.0, 3.0])) is None
+        assert out.tolist() == [1.0, 2.0, 3.0]
+        handle = ns["call"](scatter, out, torch.tensor([4.0, 5.0, 6.0]), async_op=True)
+        handle.wait()
+        assert out.tolist() == [4.0, 5.0, 6.0]
+        with pytest.raises(RuntimeError, match="no support"):
+            gather(out, torch.ones(3))  # not Megatron: the refusal stands
+    finally:
+        dist.destroy_process_group()

@@ -236,7 +236,7 @@ BREAK_ANCHOR = {
     "initialize/import-ttp": ("from datetime import timedelta\n", "import datetime\n"),
     "initialize/pg-timeout": (
         "        timeout=timedelta(minutes=10))\n\n\ndef _decoy",
-        "        timeout=timedelta(minutes=30))\n\n\ndef _decoy",
+        "        timeout=my_timeout())\n\n\ndef _decoy",
     ),
 }
 
@@ -345,6 +345,18 @@ def test_only_the_process_group_timeout_of_initialize_distributed_changes() -> N
     assert after.count("timeout=timedelta(minutes=10))") == 1  # the decoy's
     assert after.index("mega.process_group_timeout") < after.index("def _decoy")
     assert len(after.splitlines()) == len(before.splitlines()) + 1  # the import
+
+
+def test_a_later_megatrons_timeout_flag_is_wrapped_too() -> None:
+    """Megatron-LM from 2023-03 reads --distributed-timeout-minutes: under --allow-modified the
+    flag's value stays the floor the runtime raises to what TTP_OT needs."""
+    path = "megatron/initialize.py"
+    later = FILES[path].replace(b"timeout=timedelta(minutes=10))\n\n\ndef _decoy",
+                                b"timeout=timedelta(minutes=args.distributed_timeout_minutes))"
+                                b"\n\n\ndef _decoy")
+    after = plan_file(path, later, Options.build("cuda")).after.decode()
+    assert "mega.process_group_timeout(timedelta(minutes=args.distributed_timeout_minutes))" \
+        in after
 
 
 def test_crlf_is_refused_with_a_way_out() -> None:
