@@ -20,7 +20,7 @@ Registered in ``sys.modules`` as ``apex``, ``apex.optimizers``, ``apex.multi_ten
 from __future__ import annotations
 
 import types
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +64,13 @@ class FusedAdam(torch.optim.Adam):
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch's Optimizer pickles (and copy.copy copies) only defaults/state/param_groups;
+        # ReplicatedOptimizer's partner stripe is such a copy, and must keep apex's options.
+        return {**super().__getstate__(),
+                **{k: self.__dict__[k] for k in ("adam_w_mode", "set_grad_none",
+                                                  "_decay_by_hand")}}
+
     def step(self, closure: Any = None) -> Any:
         if not self._decay_by_hand:
             return super().step(closure)
@@ -106,6 +113,9 @@ class FusedSGD(torch.optim.SGD):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov, foreach=False)
         self.set_grad_none = set_grad_none
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**super().__getstate__(), "set_grad_none": self.set_grad_none}
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)

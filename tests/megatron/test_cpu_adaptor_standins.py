@@ -227,3 +227,26 @@ def test_apex_module_has_no_contrib_so_megatron_skips_persistent_layer_norm() ->
     finally:
         journal.undo()
     assert "amp_C" not in sys.modules and "apex" not in sys.modules
+
+
+@pytest.mark.parametrize("make", [lambda ps: FusedAdam(ps, weight_decay=0.1),
+                                  lambda ps: FusedSGD(ps, momentum=0.9)], ids=["adam", "sgd"])
+def test_a_copy_keeps_apex_options_and_steps_like_the_original(make) -> None:
+    """ReplicatedOptimizer builds the partner stripe's optimizer with copy.copy, which goes
+    through torch's Optimizer.__getstate__ (defaults, state, param_groups only)."""
+    import collections
+    import copy
+
+    a, b = _params(), _params()
+    original = make(a)
+    twin = copy.copy(original)
+    twin.state = collections.defaultdict(dict)
+    twin.param_groups = [dict(g, params=b) for g in original.param_groups]
+    for t in range(1, 4):
+        for p, q, g in zip(a, b, _grads(t, a)):
+            p.grad, q.grad = g.clone(), g.clone()
+        original.step()
+        twin.step()
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    twin.zero_grad()
+    assert twin.set_grad_none == original.set_grad_none
