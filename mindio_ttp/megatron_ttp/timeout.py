@@ -15,14 +15,14 @@ from datetime import timedelta
 from mindio_ttp.config import (
     ENV_OT,
     PG_TIMEOUT_MARGIN_S,
-    overtime_from_env,
+    overtime_s,
     process_group_timeout_s,
 )
 
 
 def process_group_timeout(megatron_default: timedelta) -> timedelta:
     """``megatron_default``, or longer when TTP_OT needs it (said once, by rank 0)."""
-    ot = overtime_from_env()
+    ot = overtime_s()
     default_s = megatron_default.total_seconds()
     seconds = process_group_timeout_s(ot, default_s)
     if seconds > default_s and os.environ.get("RANK", "0") == "0":
