@@ -139,8 +139,9 @@ def rehearsal(python: Path, megatron: Path, work: Path, row: Row) -> None:
         row.rehearsal = "MATCH"
     else:
         row.rehearsal = "FAIL"
-        last = result[-1] if result else (text.strip().splitlines() or ["no output"])[-1]
-        row.note = f"{last[:200]} (log: {log})"
+        errors = re.findall(r"^\s*\|?\s*(\w+(?:Error|Exception): .*)$", text, flags=re.M)
+        last = (errors or result or text.strip().splitlines() or ["no output"])[-1]
+        row.note = f"{last.strip()[:160]} (log: {log})"
 
 
 def measure(version: str, venvs: Path, megatron: Path, work: Path) -> Row:
