@@ -76,8 +76,7 @@ def _group_timeout(tree: Path, ot: str) -> float:
 @pytest.mark.slow
 def test_patched_tree_process_group_outlasts_ttp_ot(megatron_tree_factory) -> None:
     tree = megatron_tree_factory(patched=True, device="cpu")
-    assert _group_timeout(tree, "900") == 1200.0  # TTP_OT + 300 s margin
-    assert _group_timeout(tree, "120") == 600.0  # Megatron's own 10 minutes
+    assert _group_timeout(tree, "900") == 1200.0  # TTP_OT + 300 s margin (the floor: unit tests)
     assert _group_timeout(guide_only(tree), "900") == 600.0  # what ttprun warns about
 
 
