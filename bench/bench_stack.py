@@ -62,6 +62,7 @@ class Row:
     saved: Optional[int] = None
     seconds: float = 0.0
     note: str = ""
+    log: str = ""  # the rehearsal's output, when it failed (said on stderr, not in the table)
 
 
 def _run(cmd: List[str], timeout: float, **kw) -> subprocess.CompletedProcess:
@@ -141,7 +142,8 @@ def rehearsal(python: Path, megatron: Path, work: Path, row: Row) -> None:
         row.rehearsal = "FAIL"
         errors = re.findall(r"^\s*\|?\s*(\w+(?:Error|Exception): .*)$", text, flags=re.M)
         last = (errors or result or text.strip().splitlines() or ["no output"])[-1]
-        row.note = f"{last.strip()[:160]} (log: {log})"
+        row.note = last.strip()[:160]
+        row.log = str(log)
 
 
 def measure(version: str, venvs: Path, megatron: Path, work: Path) -> Row:
@@ -194,10 +196,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"bench_stack: torch {version} ...", file=sys.stderr, flush=True)
         row = measure(version, args.venvs, args.megatron.resolve(), work / f"torch-{version}")
         print(f"bench_stack: torch {version}: {row.rehearsal}, cuda tree {row.cuda_tree}, "
-              f"{row.seconds:.0f} s {row.note}", file=sys.stderr, flush=True)
+              f"{row.seconds:.0f} s {row.note} {row.log}", file=sys.stderr, flush=True)
         rows.append(row)
+    print(f"bench_stack: work in {work}", file=sys.stderr)
     print(f"Measured {env_note['date']} on {env_note['cores']} cores by "
-          f"`python bench/bench_stack.py --megatron DIR --torch {args.torch}`; work in {work}\n")
+          f"`python bench/bench_stack.py --megatron DIR --torch {args.torch}`\n")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps({**env_note, "rows": [asdict(r) for r in rows]},
