@@ -145,6 +145,7 @@ class Controller:
         self._pre_auth_held: Dict[Conn, int] = {}
         self._pre_auth_total = 0
         self.pre_auth_budget = PRE_AUTH_BUFFER_BUDGET
+        self.pre_auth_refused = 0  # connections closed because the budget was spent
         self._conns: Dict[int, Conn] = {}  # fileno -> conn
         self._flush_waiters: List[threading.Event] = []
         self._stop = threading.Event()
@@ -400,6 +401,7 @@ class Controller:
                         "%s: unregistered connections hold %d bytes of partial frames, the "
                         "budget; closing %s, which sent more", self.name, self._pre_auth_total,
                         conn.peer)
+                    self.pre_auth_refused += 1
                     self._drop(conn, "pre-authentication buffer budget exceeded")
                     return
                 msgs = conn.read(min(max(conn.dec.wanted(), PRE_AUTH_READ), room))
@@ -526,7 +528,7 @@ class Controller:
             with self._cond:
                 self.flow.result(msg.flow_id, info.rank, msg)
         elif isinstance(msg, P.StoreRequest):
-            self.store.handle(info.rank, msg, lambda reply: self._reply(conn, reply))
+            self.store.handle(info.rank, msg, lambda reply: self._reply(conn, reply), conn.peer)
         elif isinstance(msg, P.Goodbye):
             with self._cond:
                 self._set_status(info, "gone", "finished training")

@@ -242,7 +242,8 @@ class Flow:
             return Outcome.NO_CONSISTENT_STEP, None, [], reason
         savers = savers_for(layout, states, step)
         self.timeline["chosen"] = time.monotonic()
-        settled, why = self._settle(fid, step, sorted(reports))
+        # a faulty rank answered too: it is on this controller's side of any partition
+        settled, why = self._settle(fid, step, sorted(set(reports) | set(self._faulty)))
         if not settled:
             log.error("%s: not saving step %d: %s", self.name, step, why)
             return Outcome.NOT_CLAIMED, None, [], why

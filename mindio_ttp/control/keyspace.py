@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -34,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from mindio_ttp.config import STORE_RANK_BUDGET, STORE_TOTAL_BUDGET, STORE_WAITS_PER_RANK
 from mindio_ttp.control import protocol as P
 
+log = logging.getLogger("mindio_ttp.controller")
 Reply = Callable[[P.StoreReply], None]
 KEY_OVERHEAD = 96  # bytes charged per key on top of its key and value (dict entry, objects)
 WAIT_OVERHEAD = 256  # per pending get/wait
@@ -84,9 +86,10 @@ class KeySpace:
         self._ids = itertools.count(1)
 
     # -- what the controller calls -------------------------------------------------------------
-    def handle(self, rank: int, m: P.StoreRequest, reply: Reply) -> None:
+    def handle(self, rank: int, m: P.StoreRequest, reply: Reply, peer: str = "") -> None:
         """Serve one request of a registered rank; `reply` now or (get, wait) when the keys
-        exist, the wait times out, or the namespace is closed."""
+        exist, the wait times out, or the namespace is closed. A refusal is logged with the
+        rank and its address (`peer`): only a key holder gets this far."""
         try:
             ns = self._namespace(m.ns, rank)
             values = [P.b64decode(v) for v in m.values]
@@ -109,6 +112,8 @@ class KeySpace:
                 number = len(ns.values)
             reply(P.StoreReply(m.req, True, [P.b64encode(v) for v in out], number, ""))
         except StoreRefused as exc:
+            log.warning("store: refused %s in namespace %s for rank %d (%s): %s", m.op, m.ns,
+                        rank, peer, exc)
             reply(P.StoreReply(m.req, False, [], 0, str(exc)))
 
     def expire(self, now: Optional[float] = None) -> None:

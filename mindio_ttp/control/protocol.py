@@ -211,7 +211,13 @@ class Message:
 
 
 _REGISTRY: Dict[int, Type[Message]] = {}
-_SCHEMA: Dict[Type[Message], Tuple[Tuple[str, Check, Optional[Check]], ...]] = {}
+_SCHEMA: Dict[Type[Message], Tuple[Tuple[str, Check], ...]] = {}
+
+
+def _both(of_type: Check, in_range: Optional[Check]) -> Check:
+    if in_range is None:
+        return of_type
+    return lambda v: of_type(v) and in_range(v)
 
 
 def _message(code: int, **ranges: Check) -> Callable[[Type[Message]], Type[Message]]:
@@ -226,7 +232,8 @@ def _message(code: int, **ranges: Check) -> Callable[[Type[Message]], Type[Messa
         for f in fields(cls):
             assert f.type in _TYPES, (cls.__name__, f.name, f.type)
         _REGISTRY[code] = cls
-        _SCHEMA[cls] = tuple((f.name, _TYPES[f.type], ranges.get(f.name)) for f in fields(cls))
+        _SCHEMA[cls] = tuple((f.name, _both(_TYPES[f.type], ranges.get(f.name)))
+                             for f in fields(cls))
         return cls
     return deco
 
@@ -446,9 +453,9 @@ class StoreReply(Message):
 # -- codec ---------------------------------------------------------------------------------------
 def problem(msg: Message) -> str:
     """What is wrong with `msg` ("" when nothing): the checks every decoded message passes."""
-    for name, of_type, in_range in _SCHEMA[type(msg)]:
+    for name, check in _SCHEMA[type(msg)]:
         v = getattr(msg, name)
-        if not of_type(v) or (in_range is not None and not in_range(v)):
+        if not check(v):
             return f"{type(msg).__name__}.{name}: bad value {_show(v)}"
     bad = msg.problem()
     return f"{type(msg).__name__}: {bad}" if bad else ""
@@ -464,7 +471,7 @@ def encode_payload(msg: Message) -> bytes:
     bad = problem(msg)
     if bad:
         raise ProtocolError(f"refusing to send {bad}")
-    body = {name: getattr(msg, name) for name, _, _ in _SCHEMA[type(msg)]}
+    body = {name: getattr(msg, name) for name, _ in _SCHEMA[type(msg)]}
     payload = json.dumps(body, separators=(",", ":")).encode()
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError(f"{type(msg).__name__} payload is {len(payload)} bytes, over "
@@ -493,13 +500,12 @@ def _decode_payload(code: int, payload: bytes) -> Message:
     if not isinstance(obj, dict):
         raise ProtocolError(f"{cls.__name__}: payload is not an object")
     schema = _SCHEMA[cls]
-    if len(obj) != len(schema) or any(name not in obj for name, _, _ in schema):
+    if len(obj) != len(schema) or any(name not in obj for name, _ in schema):
         raise ProtocolError(f"{cls.__name__}: fields {_show(sorted(obj))} != "
-                            f"{sorted(n for n, _, _ in schema)}")
-    for name, of_type, in_range in schema:
-        v = obj[name]
-        if not of_type(v) or (in_range is not None and not in_range(v)):
-            raise ProtocolError(f"{cls.__name__}.{name}: bad value {_show(v)}")
+                            f"{sorted(n for n, _ in schema)}")
+    for name, check in schema:
+        if not check(obj[name]):
+            raise ProtocolError(f"{cls.__name__}.{name}: bad value {_show(obj[name])}")
     msg = cls(**obj)
     bad = msg.problem()
     if bad:

@@ -13,6 +13,16 @@ from mindio_ttp.control.session import RankHandshake
 KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
 
 
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    """Poll `predicate` until it holds or `timeout_s` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
 def read_frames(sock: socket.socket, dec: P.FrameDecoder, timeout: float = 5.0) -> list:
     """Blocking: the next message(s) from `sock` (ProtocolError / ConnectionError propagate)."""
     sock.settimeout(timeout)
@@ -43,6 +53,7 @@ class FakeRank:
         self.heartbeat = heartbeat
         self.key = key
         self.received: List[P.Message] = []
+        self.received_at: List[float] = []  # time.monotonic() of each message
         self.exit: Optional[P.ExitOrder] = None
         self.silent = False  # stop heartbeating and answering (a hung rank)
         self._send_lock = threading.Lock()
@@ -82,6 +93,7 @@ class FakeRank:
                 return
             for m in self.dec.feed(data):
                 self.received.append(m)
+                self.received_at.append(time.monotonic())
                 if not self.silent:
                     try:
                         self._answer(m)

@@ -26,6 +26,7 @@ from mindio_ttp.control.keyspace import KEY_OVERHEAD, KeySpace
 from mindio_ttp.control.processor import Processor
 
 from .conftest import DP, ENV
+from .fakes import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -184,10 +185,7 @@ def test_authstore_from_any_thread_and_through_a_prefix_store(ctl, rank_processo
     got = []
     t = threading.Thread(target=lambda: got.append(prefixed.get("later")))  # blocks meanwhile
     t.start()
-    deadline = time.monotonic() + 5
-    while ctl.store.pending == 0 and time.monotonic() < deadline:  # it waits at the controller
-        time.sleep(0.01)
-    assert ctl.store.pending == 1 and got == []
+    assert wait_for(lambda: ctl.store.pending == 1) and got == []  # it waits at the controller
     AuthStore("job/a", 5, channel=rank_processor).set("p/later", b"x")
     t.join(5)
     assert got == [b"x"]
@@ -207,10 +205,7 @@ def test_a_lost_controller_fails_the_calls_in_flight_at_once(ctl, rank_processor
             errors.append(str(exc))
     t = threading.Thread(target=get)
     t.start()
-    deadline = time.monotonic() + 5
-    while ctl.store.pending == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ctl.store.pending == 1
+    assert wait_for(lambda: ctl.store.pending == 1)
     t0 = time.monotonic()
     ctl._stop.set()  # the controller dies
     ctl._mail.wake()
@@ -221,6 +216,7 @@ def test_a_lost_controller_fails_the_calls_in_flight_at_once(ctl, rank_processor
     assert time.monotonic() - t0 < 5, "the call waited out its 60 s timeout"
 
 
+@pytest.mark.slow
 def test_process_groups_of_four_processes_rendezvous_on_the_authstore(tmp_path):
     """init_process_group(store=AuthStore(ns)) with torch's store barrier, then Megatron's
     initialize_model_parallel (TP 2, PP 2) on gloo: every group sums its members' ranks."""
@@ -256,10 +252,7 @@ def test_process_groups_of_four_processes_rendezvous_on_the_authstore(tmp_path):
             assert sums["embedding"] == sums["pipeline"]
         assert "recover/1" in ctl.store.namespaces and ctl.store.total > 0
         ctl.close_store("recover/1")
-        deadline = time.monotonic() + 5
-        while ctl.store.namespaces and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ctl.store.namespaces == [] and ctl.store.total == 0
+        assert wait_for(lambda: ctl.store.namespaces == []) and ctl.store.total == 0
         assert ctl.faults == [] and ctl.rejected_frames == 0
     finally:
         ctl.stop()

@@ -153,3 +153,42 @@ def test_with_a_claim_directory_the_flow_claims_before_its_save_order(tmp_path: 
         for f in fakes:
             f.close()
         ctl.stop()
+
+
+@pytest.mark.parametrize("bad", ["../../../tmp/x", "A" * 32, "a" * 31, "", None, "a" * 31 + "\n"])
+def test_a_fault_id_is_checked_before_it_names_a_file(tmp_path: Path, bad) -> None:
+    with pytest.raises(ValueError, match="not 32 lowercase hex digits"):
+        C.ClaimSpace(tmp_path, bad)
+    C.register(tmp_path)
+    try:
+        with pytest.raises(ValueError):
+            C.registered(bad)
+    finally:
+        C.reset()
+
+
+def test_the_primary_hands_its_fault_id_to_every_rank_and_its_standby(tmp_path: Path) -> None:
+    """Both halves of a partition claim under one id: the primary's, which every rank got when
+    it registered (over the authenticated channel), and so every standby it hosts."""
+    from mindio_ttp.control import hooks
+    from mindio_ttp.control.processor import Processor
+
+    ctl = Controller(TTPConfig.from_env(ENV), 4, 2, host_rank=0)
+    ctl.listen("127.0.0.1", 0)
+    ctl.start()
+    hooks.STATE.reset()
+    proc = Processor(TTPConfig.from_env(ENV), 2, DP, 4, 2)
+    proc.exit_fn = lambda code: None
+    try:
+        proc.start("127.0.0.1", ctl.address[1])
+        assert ctl.fault_id is not None and len(ctl.fault_id) == 32
+        assert proc.fault_id == ctl.fault_id == proc.standby.fault_id
+        C.register(tmp_path)
+        assert proc.standby.flow._claims() == C.ClaimSpace(tmp_path / C.CLAIM_DIR, ctl.fault_id)
+    finally:
+        C.reset()
+        proc._stop.set()
+        proc._mail.wake()
+        proc.standby.stop()
+        ctl.stop()
+        hooks.STATE.reset()

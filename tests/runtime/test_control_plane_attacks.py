@@ -11,9 +11,10 @@ connections (accepted before sequence numbers and session keys)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import psutil
 import pytest
@@ -24,16 +25,7 @@ from mindio_ttp.control import protocol as P
 from mindio_ttp.control.processor import Processor
 
 from .conftest import DP, ENV
-from .fakes import KEY, FakeRank, handshake, read_frames
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+from .fakes import KEY, FakeRank, handshake, read_frames, wait_for
 
 
 def closed_by_peer(s: socket.socket, timeout_s: float = 5.0) -> bool:
@@ -211,7 +203,10 @@ def test_register_replayed_while_its_rank_is_away_is_refused(ctl, caplog):
         rejected = ctl.rejected_frames
         assert replay(ctl.address, fakes[1].hs.sent) == [P.Challenge]
         assert ctl.rejected_frames == rejected + 1
-        time.sleep(0.3)  # three heartbeat intervals: time for a wrongly accepted rank to show
+        # the replayer has hung up (where a wrongly accepted rank 1 would die: a fault), and
+        # the I/O loop went on to serve rank 0's next heartbeat after that
+        closed_at, loops = time.monotonic(), ctl.loops
+        assert wait_for(lambda: ctl.loops >= loops + 2 and ctl._ranks[0].last_seen > closed_at)
         assert ctl.registered == [0, 2, 3] and ctl.faults == []
         assert "Register for rank 1 answers another connection's challenge" in caplog.text
     finally:
@@ -300,7 +295,10 @@ def test_registers_recorded_at_the_primary_cannot_promote_a_standby(ctl, tmp_pat
             hs = handshake(s, register(3))
             assert isinstance(read_frames(s, hs.dec)[0], P.RegisterAck)
             assert replay(standby.address, hs.sent) == [P.Challenge]
-            time.sleep(0.3)
+            # a frame rank 3 sends after the replays is served: they were all dealt with
+            after = time.monotonic()
+            s.sendall(hs.tx.seal(P.Heartbeat(3, 1, 3, False)))
+            assert wait_for(lambda: standby._ranks[3].last_seen > after)
             assert standby.registered == [3]
             assert standby.sm.state.name == "STANDBY" and standby.faults == []
             assert standby.rejected_frames == 3
@@ -338,3 +336,269 @@ def test_a_standby_listener_has_the_same_pre_authentication_limits(ctl):
         finally:
             for s in socks:
                 s.close()
+
+
+# -- issue 18: memory before authentication, as RSS, and heartbeats during a flood --------------
+CONTROLLER_HOST = r"""
+import array, fcntl, json, sys, termios
+from mindio_ttp.config import TTPConfig
+from mindio_ttp.control.controller import Controller
+env = json.loads(sys.argv[1])
+c = Controller(TTPConfig.from_env(env), int(sys.argv[2]), 1, host_rank=0)
+c.listen("127.0.0.1", 0)
+c.start()
+print(json.dumps({"port": c.address[1]}), flush=True)
+
+
+def unread(conn):  # bytes the kernel holds for the controller, not read yet
+    n = array.array("i", [0])
+    try:
+        fcntl.ioctl(conn.sock.fileno(), termios.FIONREAD, n)
+    except (OSError, ValueError):  # closed meanwhile
+        return 0
+    return n[0]
+
+
+def pending():  # the I/O thread changes the dict meanwhile
+    while True:
+        try:
+            return list(c._pending)
+        except RuntimeError:
+            pass
+
+
+for line in sys.stdin:
+    print(json.dumps({"pending": len(c._pending), "held": c.pre_auth_buffered,
+                      "unread": sum(unread(conn) for conn in pending()),
+                      "refused": getattr(c, "pre_auth_refused", -1),
+                      "accept_refused": c._refused_pending, "faults": c.faults,
+                      "registered": len(c.registered)}), flush=True)
+"""
+
+FLOOD = r"""
+import socket, sys
+from mindio_ttp.control import protocol as P
+port, n, length = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+frame = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, length) + b"\0" * length
+socks = []
+for _ in range(n):
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    socks.append(s)
+    try:
+        s.sendall(frame)  # a frame one byte under the cap, never finished (no MAC)
+    except OSError:
+        pass  # closed by the controller: what it may do
+print("sent", flush=True)
+sys.stdin.read()  # hold every connection until the test is done
+"""
+
+
+@pytest.mark.slow
+def test_a_flood_of_unregistered_connections_is_bounded_in_rss_and_delays_no_heartbeat():
+    """World 8192: 8256 connections (every waiting slot) each send a frame one byte under the
+    pre-authentication cap. The controller's count stayed at 64 MiB while its RSS grew by
+    537-623 MiB, and the I/O loop stalled past a 3 s heartbeat timeout. Now what it reads is
+    bounded (the frame being sent, the budget), dropped connections free their buffers at once,
+    and the flood is served after the registered ranks on every loop turn."""
+    import subprocess
+    import sys
+    import threading
+
+    from mindio_ttp.config import PRE_AUTH_BUFFER_BUDGET
+
+    world, timeout_s = 8192, 3.0
+    env = dict(ENV, TTP_HEARTBEAT_INTERVAL="0.2", TTP_HEARTBEAT_TIMEOUT=str(timeout_s),
+               TTP_HANDSHAKE_TIMEOUT="120")
+    host = subprocess.Popen([sys.executable, "-c", CONTROLLER_HOST, json.dumps(env), str(world)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    flood = None
+    rank = None
+    try:
+        port = json.loads(host.stdout.readline())["port"]
+
+        def report() -> dict:
+            host.stdin.write("report\n")
+            host.stdin.flush()
+            return json.loads(host.stdout.readline())
+
+        rank = FakeRank(("127.0.0.1", port), 0, world, [0, 1], 1, heartbeat=0.2)
+        assert wait_for(lambda: report()["registered"] == 1)
+        proc = psutil.Process(host.pid)
+        base = proc.memory_info().rss
+        peak, stop = [base], threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                try:
+                    peak[0] = max(peak[0], proc.memory_info().rss)
+                except psutil.Error:
+                    return
+                stop.wait(0.02)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        n, length = world + 64, P.pre_auth_max_payload(world) - 1
+        t0 = time.monotonic()
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(port), str(n), str(length)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert flood.stdout.readline().strip() == "sent"
+        # the controller has read what the flood sent: nothing is left unread in the kernel
+        settled = wait_for(lambda: report()["unread"] == 0, 60)
+        stop.set()
+        sampler.join(5)
+        growth = peak[0] - base
+        state = report()
+        assert growth < PRE_AUTH_BUFFER_BUDGET + 48 * 2**20, \
+            f"controller RSS grew by {growth / 2**20:.0f} MiB ({state})"
+        assert settled, state
+        assert state["held"] <= PRE_AUTH_BUFFER_BUDGET and state["refused"] > 0, state
+        acks = [t for m, t in zip(list(rank.received), list(rank.received_at))
+                if isinstance(m, P.HeartbeatAck) and t >= t0]
+        gaps = [b - a for a, b in zip([t0] + acks, acks)]
+        assert acks and max(gaps) < timeout_s, f"heartbeat acks {max(gaps):.1f} s apart"
+        assert state["faults"] == [] and not rank.of_type(P.Lock), state
+    finally:
+        if rank is not None:
+            rank.close()
+        for p in (flood, host):
+            if p is not None:
+                p.kill()
+                p.wait(10)
+
+
+# -- issue 18: the save's rendezvous and the fault id, in a real 4-process job ------------------
+OUTSIDE_STORE = r"""
+import json, sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=60))
+for key, value in json.loads(sys.argv[2]).items():  # what an outsider wrote first
+    store.set(key, value)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def job_with_an_outside_store(tmp_path, plan: dict, planted: Optional[dict] = None):
+    """The demo worker job (rank 1 killed at step 5) with torch's rendezvous store hosted
+    outside the ranks, as torchrun's agent hosts it (in its own process: the ranks are forked
+    from this one, which must not run a store's threads); `planted`: keys an outsider wrote
+    there before the ranks started."""
+    import subprocess
+    import sys
+
+    from .jobs import free_port, run_job
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", OUTSIDE_STORE, str(port),
+                             json.dumps(planted or {})], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "ready"
+        return run_job(tmp_path, {"steps": 40, "faults": [{"rank": 1, "step": 5,
+                                                           "phase": "after", "kind": "kill"}],
+                                  **plan},
+                       env_extra={"MASTER_PORT": str(port),
+                                  "TORCHELASTIC_USE_AGENT_STORE": "True",
+                                  "TORCHELASTIC_RUN_ID": "job18", "TTP_SAVE_TIME_LIMIT": "20"})
+    finally:
+        host.kill()
+        host.wait(10)
+
+
+@pytest.mark.slow
+def test_no_port_of_the_controller_process_serves_an_unauthenticated_store_client(tmp_path):
+    """The acting controller hosted a plain TCPStore per save order: any client could list
+    its keys (the order's tag, the savers' gloo addresses) and write under them. During the
+    save, every port the controller's process listens on now refuses a TCPStore client."""
+    res = job_with_an_outside_store(tmp_path, {"probe_listeners_rank": 0})
+    assert res.codes[0] == 83, res.all_logs()
+    found = json.loads((res.out / "probe-0.json").read_text())
+    assert found, "the controller's process listens on nothing?"
+    open_ports = {p: what for p, what in found.items() if what.startswith("open")}
+    assert not open_ports, f"an outsider's TCPStore client got in: {open_ports}"
+
+
+@pytest.mark.slow
+def test_an_outsider_writing_the_rendezvous_store_first_does_not_decide_the_fault_claim(
+        tmp_path):
+    """The fault id was the first value written to a known key of torch's rendezvous store: an
+    outsider who wrote it before the ranks started aimed the fault at a claim that was already
+    done, and the next fault ended with not_claimed (87), no checkpoint, nothing said why."""
+    planted = "a" * 32
+    claims = tmp_path / "ckpt" / ".ttp-claims"
+    claims.mkdir(parents=True)
+    (claims / f"fault-{planted}.json").write_text(json.dumps(
+        {"fault": planted, "holder": "outsider", "state": "done"}))
+
+    # where torch 2.13's default group keys it (an outsider's list_keys shows it)
+    res = job_with_an_outside_store(tmp_path, {},
+                                    {"default_pg/0//ttp/fault-id/job18/0": planted})
+    codes = {r: c for r, c in res.codes.items() if r != 1}
+    assert set(codes.values()) == {83}, res.all_logs()
+    assert res.flow is not None and res.flow["outcome"] == "saved", res.flow
+    claimed = [p.name for p in claims.iterdir()]
+    assert len(claimed) == 2 and f"fault-{planted}.json" in claimed, claimed
+
+
+# -- issue 18: what an outsider's junk costs in log ----------------------------------------------
+def test_junk_after_the_challenge_is_logged_at_a_bounded_rate(ctl, caplog):
+    """3,000 connections that read the challenge and sent junk wrote 3,000 WARNING lines. Now:
+    a few lines per window, then one that counts the rest; every connection is accounted."""
+    import re
+
+    window, n, burst = 2.0, 300, 10
+    limit = getattr(ctl, "_warn_pre_auth", None)
+    if limit is not None:  # shorter than the minute it is, to see the summary
+        limit.window, burst = window, limit.burst
+    t0 = time.monotonic()
+    for _ in range(n):
+        with socket.create_connection(ctl.address, timeout=5) as s:
+            read_frames(s, P.FrameDecoder(KEY, handshake=True))  # the challenge
+            s.sendall(b"junk" * 8)
+            everything_until_closed(s)
+    elapsed = time.monotonic() - t0
+    summary = re.compile(r"(\d+) more warnings about unregistered connections suppressed")
+
+    def accounted() -> tuple:
+        lines = [r.getMessage() for r in caplog.records
+                 if r.name == "mindio_ttp.controller" and r.levelname == "WARNING"]
+        counted = [int(m.group(1)) for line in lines for m in [summary.match(line)] if m]
+        said = sum(line.startswith(f"{ctl.name}: rejected frame from 127.0.0.1:")
+                   for line in lines)
+        return said + sum(counted), len(lines)
+    assert wait_for(lambda: accounted()[0] == n, elapsed + 3 * window), accounted()
+    lines = accounted()[1]
+    windows = 2 + int(elapsed / window)
+    assert lines <= windows * (burst + 1) and lines < n / 4, lines
+
+
+def test_insecure_mode_says_so_on_stderr_whatever_the_log_level(monkeypatch, capfd,
+                                                                free_port):
+    """With TTP_INSECURE_NO_AUTH=1 and TTP_LOG_LEVEL=ERROR nothing warned that anyone on the
+    network can end the job."""
+    import logging
+
+    import mindio_ttp.config as config
+    import mindio_ttp.framework_ttp as ttp
+
+    monkeypatch.setattr(config, "_insecure_warned", False, raising=False)
+    for name in ("TTP_AUTH_KEY", "TTP_AUTH_KEY_FILE", "TTP_LOG_PATH", "TTP_CONTROLLER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TTP_INSECURE_NO_AUTH", "1")
+    monkeypatch.setenv("TTP_LOG_LEVEL", "ERROR")
+    root = logging.getLogger("mindio_ttp")
+    saved = (root.level, list(root.handlers), root.propagate)
+    try:
+        ttp.ttp_init_controller(0, 2, 1, False)
+        ttp.ttp_start_controller("127.0.0.1", free_port)
+    finally:
+        ttp.ttp_shutdown()
+        root.setLevel(saved[0])
+        for h in list(root.handlers):
+            if h not in saved[1]:
+                root.removeHandler(h)
+                h.close()
+        root.propagate = saved[2]
+    err = capfd.readouterr().err
+    assert "INSECURE" in err and "TTP_INSECURE_NO_AUTH=1" in err, err

@@ -13,7 +13,7 @@ from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.state import ControllerState
 
 from .conftest import DP, ENV
-from .fakes import KEY, FakeRank, handshake, read_frames
+from .fakes import KEY, FakeRank, handshake, read_frames, wait_for
 
 
 @pytest.fixture
@@ -132,7 +132,10 @@ def test_goodbye_is_not_a_fault_and_stop_waits_for_it(ctl, ranks):
     for f in fakes:
         f.send(P.Goodbye(f.rank))
         f.close()
-    time.sleep(0.3)
+    # the controller has seen each goodbye and then each connection close (where a fault
+    # would be counted): the rank is gone and its connection dropped
+    assert wait_for(lambda: all(ctl._ranks[r].status == "gone" and ctl._ranks[r].conn is None
+                                for r in (0, 1)))
     assert ctl.faults == []
     t0 = time.monotonic()
     ctl.stop(wait_goodbyes=5)
@@ -148,7 +151,10 @@ def test_standby_takes_over_once_half_the_world_registered():
     fakes = []
     try:
         fakes.append(FakeRank(sb.address, 1, 4, DP, 2))
-        time.sleep(0.3)
+        assert wait_for(lambda: sb.registered == [1])
+        registered_at = sb._ranks[1].last_seen
+        # a later heartbeat is served: the registration (and its promotion check) is over
+        assert wait_for(lambda: sb._ranks[1].last_seen > registered_at)
         assert sb.sm.state is ControllerState.STANDBY and not sb.faults
         fakes += [FakeRank(sb.address, r, 4, DP, 2) for r in (2, 3)]
         d = wait_decision(sb)
@@ -166,7 +172,10 @@ def test_job_wide_stall_starts_the_flow_when_step_timeout_is_set():
     c.start()
     fakes = [FakeRank(c.address, r, 4, DP, 2) for r in range(4)]
     try:
-        time.sleep(0.8)
+        assert wait_for(lambda: len(c.registered) == 4)
+        since = time.monotonic()
+        # the stall check ran after TTP_STEP_TIMEOUT (0.5 s) of no change: it could have fired
+        assert wait_for(lambda: c.checked_at > since + 0.6)
         assert c.faults == [], "no step change seen yet: the stall detector is not armed"
         fakes[0].step = 4  # one step of progress, then every rank stalls
         d = wait_decision(c)

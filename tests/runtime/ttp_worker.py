@@ -47,7 +47,44 @@ def inject(phase: str, step: int) -> None:
                 raise RuntimeError(f"injected failure on rank {RANK} at step {step} {phase}")
 
 
+def probe_listeners(path: str) -> None:
+    """An outsider's view of this process during a save: for every TCP port it listens on, try
+    what a torch TCPStore client can do there (list the keys, write one). Only TTP listeners
+    (which answer with a challenge and close) may be found; the per-save TCPStore was another.
+    A client that gets no sensible answer may retry for long: each probe has 5 s. The job's
+    own rendezvous store is skipped (a forked rank inherits the test's listening socket)."""
+    import threading
+
+    import psutil
+
+    found = {}
+
+    def probe(ip: str, port: int) -> None:
+        try:
+            store = dist.TCPStore(ip, port, is_master=False, timeout=timedelta(seconds=2))
+            keys = store.list_keys()
+            store.set("outsider", "was here")
+            found[port] = f"open: {len(keys)} key(s): {sorted(keys)[:8]}"
+        except Exception as exc:  # noqa: BLE001 - what the outsider gets
+            found[port] = f"refused: {type(exc).__name__}: {str(exc)[:200]}"
+    threads = []
+    job_store = int(os.environ["MASTER_PORT"])  # torch's rendezvous store: not ours to guard
+    for c in psutil.Process().net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port != job_store:
+            found[c.laddr.port] = "refused: no answer within 5 s"
+            threads.append(threading.Thread(target=probe, args=(c.laddr.ip, c.laddr.port),
+                                            daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    with open(path, "w") as f:
+        json.dump(found, f)
+
+
 def save(step: int, save_ranks: list, args: tuple) -> None:
+    if PLAN.get("probe_listeners_rank") == RANK:
+        probe_listeners(os.path.join(OUT, f"probe-{RANK}.json"))
     if PLAN.get("save_fail_rank") == RANK:
         raise OSError("injected: disk full")
     if PLAN.get("save_kill_rank") == RANK:

@@ -1,0 +1,203 @@
+"""One rank holding the key (a bug, a compromised host) against the control plane, over real
+loopback sockets: it may end the job, loudly, and nothing else. A malformed signed Register
+used to kill a listener's I/O thread (primary and standby alike), a bad standby address to fan
+a fault out to every rank or kill the processors' failover, and one rank's step report to set
+every rank's AdvanceTo limit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from dataclasses import fields
+from typing import Iterator
+
+import pytest
+
+from mindio_ttp.config import Outcome, TTPConfig
+from mindio_ttp.control import hooks
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.controller import Controller
+from mindio_ttp.control.processor import Processor
+from mindio_ttp.control.session import new_nonce
+
+from .conftest import DP, ENV
+from .fakes import KEY, FakeRank, read_frames, wait_for
+
+
+def signed_register(addr, **fields_: object) -> bytes:
+    """A key holder's Register with any field values (a real rank's encoder refuses bad ones):
+    answers the listener's challenge, MACed with the job key. Returns what the listener sent
+    back before it closed the connection (b"" when it closed without a word)."""
+    good = P.Register(1, 4, DP, 2, "127.0.0.1", 0, 0, 3, False, False, False)
+    with socket.create_connection(addr, timeout=5) as s:
+        dec = P.FrameDecoder(KEY, handshake=True)
+        challenge = read_frames(s, dec)[0]
+        body = {f.name: getattr(good, f.name) for f in fields(good)}
+        body.update(challenge=challenge.nonce, nonce=new_nonce())
+        body.update(fields_)
+        s.sendall(P.seal(P.Register.TYPE, json.dumps(body).encode(), KEY, 0))
+        s.settimeout(5)
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+        return data
+
+
+@contextlib.contextmanager
+def listener(kind: str) -> Iterator[Controller]:
+    c = Controller(TTPConfig.from_env(ENV), 4, 2, host_rank=0, standby=kind == "standby")
+    c.listen("127.0.0.1", 0)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@contextlib.contextmanager
+def real_rank(ctl: Controller, rank: int = 3, **env: str) -> Iterator[tuple]:
+    """A real processor as `rank` (the one whose reaction matters), exit codes recorded."""
+    hooks.STATE.reset()
+    proc = Processor(TTPConfig.from_env(dict(ENV, **env)), rank, DP, 4, 2)
+    codes: list = []
+    proc.exit_fn = codes.append
+    try:
+        proc.start("127.0.0.1", ctl.address[1])
+        yield proc, codes
+    finally:
+        proc._stop.set()
+        proc._mail.wake()
+        if proc.standby:
+            proc.standby.stop()
+        hooks.STATE.reset()
+
+
+def served_after(proc: Processor, t0: float) -> bool:
+    """The processor heard from its controller after t0 (a HeartbeatAck at least)."""
+    conn = proc._conn
+    return conn is not None and conn.last_rx > t0
+
+
+# -- item 6: a malformed signed message closes one connection, never the listener ---------------
+@pytest.mark.parametrize("kind", ["primary", "standby"])
+def test_a_signed_register_with_a_lone_surrogate_closes_only_its_connection(kind, caplog):
+    """The challenge "\\ud800" made `reg.challenge.encode()` raise UnicodeEncodeError in the
+    I/O thread, which then died: no new rank got an answer."""
+    with listener(kind) as c:
+        answer = signed_register(c.address, challenge="\ud800")
+        fake = FakeRank(c.address, 2, 4, DP, 2)  # fails its handshake if nobody serves
+        try:
+            assert wait_for(lambda: c.registered == [2])
+            assert c._thread.is_alive() and c.faults == []
+        finally:
+            fake.close()
+        assert answer == b""  # closed without a word
+        assert "Register.challenge: bad value" in caplog.text and "127.0.0.1:" in caplog.text
+
+
+def test_an_error_while_serving_one_connection_closes_it_and_the_loop_serves_on(ctl, caplog):
+    """Whatever slips past validation: the connection it came on is closed and the error is
+    logged with its peer; the other ranks are served (here: rank 1 is gone, so a fault)."""
+    fakes = [FakeRank(ctl.address, r, 4, DP, 2) for r in range(4)]
+    try:
+        assert wait_for(lambda: len(ctl.registered) == 4)
+
+        real = ctl._set_status
+
+        def broken(info, status, note):  # a bug on the way from a Goodbye to the roster
+            if status == "gone":
+                raise ZeroDivisionError("a bug")
+            real(info, status, note)
+        ctl._set_status = broken
+        fakes[1].send(P.Goodbye(1))
+        assert wait_for(lambda: ctl.faults != [])
+        assert "rank 1 dead (error while serving it)" in ctl.faults[0]
+        assert "error while serving 127.0.0.1:" in caplog.text and "ZeroDivisionError" in \
+            caplog.text
+        assert ctl._thread.is_alive()
+        assert wait_for(lambda: ctl.decided.is_set(), 10)  # the others answered the flow
+        assert ctl.decision.outcome is Outcome.SAVED and 1 not in ctl.decision.ranks
+    finally:
+        for f in fakes:
+            f.close()
+
+
+# -- item 7: a bad standby address is refused at Register, and failover survives one -----------
+def test_a_standby_port_out_of_range_is_refused_and_no_rank_drops_the_controller(ctl, caplog):
+    """Forwarded unchecked, standby_port=70000 reached every rank in a Backups broadcast, which
+    every rank refused: each dropped the controller and the whole job faulted."""
+    with real_rank(ctl) as (proc, codes):
+        assert wait_for(lambda: ctl.registered == [3])
+        t0 = time.monotonic()
+        answer = signed_register(ctl.address, rank=1, standby_port=70000)
+        assert wait_for(lambda: served_after(proc, t0 + 0.3))  # three heartbeats later
+        assert ctl.faults == [] and not proc.fault_seen and codes == []
+        assert ctl.registered == [3] and [b[0] for b in proc._backups] == [3]  # its own only
+        assert answer == b"" and "Register.standby_port: bad value 70000" in caplog.text
+
+
+def test_a_host_that_cannot_be_encoded_is_refused_and_failover_ends_with_an_exit_code(ctl,
+                                                                                      caplog):
+    """A host of "\\ud800" was accepted and announced as the first backup; when the controller
+    was lost, the processor's failover thread died with UnicodeError: no failover, no exit."""
+    with real_rank(ctl, TTP_OT="2") as (proc, codes):
+        assert wait_for(lambda: ctl.registered == [3])
+        answer = signed_register(ctl.address, rank=1, host="\ud800", standby_port=4000)
+        t0 = time.monotonic()
+        ctl._stop.set()  # the controller dies: sockets close, no Closing notice
+        ctl._mail.wake()
+        ctl._thread.join(5)
+        ctl._close_all()
+        assert proc.exited.wait(10), "the processor never ended"
+        assert codes == [Outcome.NO_VERDICT.exit_code] and time.monotonic() - t0 < 8
+        assert "exiting with code 86" in caplog.text
+        assert answer == b"" and "Register.host: bad value" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [[1, "\ud800", 4000], [1, "no-such-host.invalid", 1],
+                                 [1, "127.0.0.1", 70000], ["x"]])
+def test_a_failover_target_that_cannot_be_reached_is_skipped_for_the_next(ctl, bad):
+    """Whatever a backup entry holds (the decoder refuses these, but the failover must not
+    depend on that), the processor goes on to the next backup and registers there."""
+    standby = Controller(TTPConfig.from_env(ENV), 4, 2, host_rank=2, standby=True)
+    standby.listen("127.0.0.1", 0)
+    standby.start()
+    try:
+        with real_rank(ctl) as (proc, codes):
+            assert wait_for(lambda: [b[0] for b in proc._backups] == [3])  # announced
+            proc._backups = [bad, [2, "127.0.0.1", standby.address[1]]]
+            ctl._stop.set()
+            ctl._mail.wake()
+            ctl._thread.join(5)
+            ctl._close_all()
+            assert wait_for(lambda: standby.registered == [3], 10), "no failover to rank 2"
+            assert codes == []
+    finally:
+        standby.stop()
+
+
+# -- item 8: one rank's report does not set everyone's limit -------------------------------------
+def test_a_rank_reporting_a_step_beyond_the_agreed_one_is_faulty_and_sets_no_limit(ctl, caplog):
+    """Rank 1 reports step 10^15: the limit stays the agreed step (3), rank 1's state is not
+    used (shard 1 is saved from rank 3), and the log says why."""
+    fakes = [FakeRank(ctl.address, r, 4, DP, 2, step=10**15 if r == 1 else 3) for r in range(4)]
+    liar = fakes[1]
+    try:
+        assert wait_for(lambda: len(ctl.registered) == 4)
+        fakes[2].close()  # the fault
+        assert ctl.decided.wait(10), ctl.faults
+        advance = fakes[0].of_type(P.AdvanceTo)
+        assert advance and advance[0].limit == 3, advance
+        d = ctl.decision
+        assert d.outcome is Outcome.SAVED and d.step == 3 and d.ranks == [0, 3], d
+        assert "rank 1 reported step 1000000000000000 in phase 1, beyond the agreed step 3" in \
+            caplog.text
+        assert liar.got_exit.wait(3) and liar.exit.exit_code == Outcome.SAVED.exit_code
+    finally:
+        for f in fakes:
+            f.close()
