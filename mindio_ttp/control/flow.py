@@ -23,7 +23,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set,
 from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.roster import Roster
-from mindio_ttp.control.selection import Layout, choose_step, savers_for, states_from
+from mindio_ttp.control.selection import (
+    Layout,
+    RankState,
+    choose_step,
+    replacement_savers,
+    savers_for,
+    states_from,
+)
 from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
 from mindio_ttp.faulttime import claim as C
@@ -86,6 +93,7 @@ class Flow:
         self._await_kind: Tuple[str, int] = ("", 0)
         self._claim: Optional[C.Claim] = None
         self._save_store: Any = None  # the TCPStore of the current save order
+        self._failed: List[int] = []  # ranks that failed the last order (`_order`)
 
     # -- called by the controller's I/O thread, holding `lock` ----------------------------------
     def fault(self, desc: str, promoted: bool = False) -> None:
@@ -238,12 +246,7 @@ class Flow:
             return Outcome.NOT_CLAIMED, None, [], why
         log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why, savers)
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
-        # the chosen ranks rendezvous on a store this controller hosts for this order alone
-        self._save_store, port = save_session.host_store(self._store_host(), cfg.save_time_limit)
-        order = P.SaveOrder(fid, step, savers, cfg.save_time_limit,
-                            save_session.format_address(self._store_host(), port),
-                            save_session.new_tag())
-        ok, why = self._order(savers, order, cfg.save_time_limit)
+        savers, fid, ok, why = self._save(fid, step, layout, states, savers)
         self.timeline["saved"] = time.monotonic()
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
@@ -257,6 +260,42 @@ class Flow:
             return (Outcome.SAVE_FAILED, step, savers,
                     f"rename of step {step} failed: {why}; nothing marked latest")
         return Outcome.SAVED, step, savers, f"dying checkpoint of step {step} saved by {savers}"
+
+    def _save(self, fid: int, step: int, layout: Layout, states: Dict[int, RankState],
+              savers: List[int]) -> Tuple[List[int], int, bool, str]:
+        """Order the save of `step`; when savers fail or miss their deadline, order it again
+        with each failed saver's shard moved to its other clean holder (`replacement_savers`),
+        while TTP_OT leaves time for another save and the rename. Every attempt is a new order:
+        a new flow id (a late answer to an earlier attempt is ignored), its own store and tag,
+        so its own staging directory (a failed attempt's files are never part of the
+        checkpoint). Returns (savers, flow id, ok, why) of the last attempt."""
+        cfg = self.cfg
+        failed: Set[int] = set()
+        while True:
+            # the chosen ranks rendezvous on a store this controller hosts for this order alone
+            self._save_store, port = save_session.host_store(self._store_host(),
+                                                             cfg.save_time_limit)
+            order = P.SaveOrder(fid, step, savers, cfg.save_time_limit,
+                                save_session.format_address(self._store_host(), port),
+                                save_session.new_tag())
+            ok, why = self._order(savers, order, cfg.save_time_limit)
+            if ok:
+                return savers, fid, True, why
+            failed.update(self._failed)
+            nxt = replacement_savers(layout, states, step, savers, failed, set(self._alive()))
+            if nxt is None:
+                return savers, fid, False, why + "; no other clean holder can replace them"
+            spent = time.monotonic() - (self.fault_at or time.monotonic())
+            needed = cfg.save_time_limit + cfg.rename_time_limit + 4 * cfg.heartbeat_interval
+            if spent + needed > cfg.ot:
+                return savers, fid, False, (f"{why}; TTP_OT ({cfg.ot:g} s) leaves no time to "
+                                            "order the save again")
+            log.warning("%s: save of step %d failed on rank(s) %s (%s); ordering it again, "
+                        "from rank(s) %s", self.name, step, sorted(self._failed), why, nxt)
+            with self._cond:
+                self._flow_id += 1
+                fid = self._flow_id
+            savers = nxt
 
     def _settle(self, fid: int, step: int, members: List[int]) -> Tuple[bool, str]:
         """May this flow order a save? With a claim directory, only if it wins this fault's
@@ -285,7 +324,7 @@ class Flow:
         t0 = time.monotonic()
         self._out.send_many(ranks, msg)
         self._await(limit + 2 * self.cfg.heartbeat_interval + 1.0)
-        errors = []
+        errors, self._failed = [], []
         with self._cond:
             for r in ranks:
                 res = self._results.get(r)
@@ -293,6 +332,9 @@ class Flow:
                     errors.append(f"rank {r}: no result ({self._ranks[r].note or 'timed out'})")
                 elif not res.ok:  # type: ignore[attr-defined]
                     errors.append(f"rank {r}: {res.error}")  # type: ignore[attr-defined]
+                else:
+                    continue
+                self._failed.append(r)
         log.info("%s: %s on %d rank(s) done in %.3f s%s", self.name, type(msg).__name__,
                  len(ranks), time.monotonic() - t0, f" with errors: {errors}" if errors else "")
         return not errors, "; ".join(errors)

@@ -17,13 +17,16 @@ each save order has its own random tag, and each attempt on the job's store its 
 * **Tensors to one rank** (`send_to` / `receive_from`): each sender builds a 2-rank gloo group
   with the receiver only (CPU tensors), so a sender holds one connection and its own tensor;
   the receiver one connection per sender, and what it asked for.
+
+`gloo_group` / `allgather` (a full mesh over given ranks) remain for callers that want every
+member's tensor everywhere (the demo job's cross-check of its shards).
 """
 
 from __future__ import annotations
 
 import itertools
 from datetime import timedelta
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,11 +71,39 @@ def read_flag(store: dist.Store, key: str, timeout: timedelta) -> bool:
     return value == _TRUE
 
 
+def gloo_group(ranks: Sequence[int], my_rank: int, prefix: str,
+               store: Optional[dist.Store] = None,
+               timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroupGloo]:
+    """A gloo group over `ranks` (global ranks, any order; rank order inside); None for a
+    single rank. Without a `store`: the current save order's store and time limit (else the
+    job's store). A full mesh: every member connects to every other."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return None
+    if store is None:
+        store, default = order_store()
+        timeout = timeout or default
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), ranks.index(my_rank),
+                                 len(ranks), timeout or EXCHANGE_TIMEOUT)
+
+
+def allgather(group: Optional[dist.ProcessGroupGloo], tensor: torch.Tensor,
+              size: int) -> List[torch.Tensor]:
+    """Every member's `tensor` (all the same shape), in rank order; [tensor] without a group."""
+    if group is None:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    group.allgather([parts], [tensor]).wait()
+    return parts
+
+
 def pair_group(store: dist.Store, prefix: str, sender: int, me_is_receiver: bool,
                timeout: timedelta) -> dist.ProcessGroupGloo:
     """The 2-rank gloo group of `sender` and the receiver (receiver rank 0, sender rank 1)."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}pair-{sender}/", store),
-                                 0 if me_is_receiver else 1, 2, timeout)
+    group = gloo_group([0, 1], 0 if me_is_receiver else 1, f"{prefix}pair-{sender}/", store,
+                       timeout)
+    assert group is not None
+    return group
 
 
 def send_to(store: dist.Store, prefix: str, me: int, tensor: torch.Tensor,

@@ -107,6 +107,10 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     # directory is refused
     manifest.write_tracker(save_dir, step)
     shutil.rmtree(root, ignore_errors=True)
+    # earlier attempts of this save (a failed saver was replaced: each attempt stages in its
+    # own directory), never visible to a loader, now only debris
+    for earlier in save_dir.glob(manifest.tmp_root("", step, "*").name):
+        shutil.rmtree(earlier, ignore_errors=True)
     print(f"ttp: dying checkpoint of iteration {step} is in {final}", flush=True)
 
 
