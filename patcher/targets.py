@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from . import prerequisites
 from .edits import TARGET_FILES
 from .engine import decode, plan_file
 from .errors import ModifiedTarget, PatchError, WrongCommit
@@ -82,6 +83,7 @@ def plan_targets(tree: Tree, opts: Options, allow_modified: bool = False) -> Tar
     head_differs = [p for p in TARGET_FILES if heads.get(p) != pin.blobs.get(p)]
     if not_pinned and not allow_modified:
         _refuse(tree, pin, not_pinned, head_differs)
+    prerequisites.check(prerequisites.read(tree.root))
     return Targets(plans, head_differs, _notes(tree, pin, head_differs, not_pinned))
 
 

@@ -20,7 +20,7 @@ shorter than the grace period ``TTP_OT`` the launcher gives the survivors.
 from __future__ import annotations
 
 import logging
-from typing import Dict, MutableMapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 log = logging.getLogger("mindio_ttp.launch.agent")
 
@@ -32,6 +32,17 @@ WORKER_DEFAULTS: Tuple[Tuple[str, str, str], ...] = (
      "a dead peer's ERROR CQE must not terminate the survivors before they save"),
 )
 NAMES = tuple(name for name, _, _ in WORKER_DEFAULTS)
+# What a user's own value does to the survivors of a fault (values named in the docs above;
+# torch: 0 no handling, 1 abort + tear down, 2 abort only, 3 tear down without abort).
+FATAL_VALUES = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": {
+        "1": "aborts the communicator and then kills the process",
+        "3": "kills the process without aborting the communicator",
+    },
+    "HCCL_ASYNC_ERROR_HANDLING": {
+        "1": "terminates the process on the dead peer's ERROR CQE",
+    },
+}
 MEGATRON_TIMEOUT_FLAG = "--distributed-timeout-minutes"
 MEGATRON_TIMEOUT_DEFAULT_MIN = 10.0
 
@@ -48,6 +59,19 @@ def apply_defaults(environ: MutableMapping[str, str]) -> Dict[str, str]:
         environ[name] = value
         done[name] = value
     return done
+
+
+def user_value_warnings(environ: Mapping[str, str]) -> List[str]:
+    """A warning for each user value that kills the survivors before they save."""
+    out = []
+    for name, value, why in WORKER_DEFAULTS:
+        mine = environ.get(name)
+        effect = FATAL_VALUES.get(name, {}).get((mine or "").strip())
+        if effect:
+            out.append(f"your {name}={mine} {effect} when a collective with a dead rank times "
+                       f"out: the survivors die before the dying checkpoint. ttprun keeps your "
+                       f"value; unset it (ttprun then gives {value}: {why}) or set {value}")
+    return out
 
 
 def megatron_timeout_s(script_args: Sequence[str]) -> Optional[float]:

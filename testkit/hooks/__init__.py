@@ -15,6 +15,7 @@ DIST_AUDIT_DIR = HERE / "dist_audit"
 RSS_HOOK_DIR = HERE / "rss_hook"
 FAKE_DEVICE_DIR = HERE / "fake_device"
 HOSTNAME_HOOK_DIR = HERE / "hostname_hook"
+PATCHER_HOOK_DIR = HERE / "patcher_hook"
 
 
 def pythonpath(*dirs: os.PathLike, env: Optional[Mapping[str, str]] = None) -> str:

@@ -1,7 +1,8 @@
 """Forks and nearby commits (issue 10): the pin is four files' bytes, not one commit id.
 
-Fixture repos stand in for Megatron: TTP_PATCH_COMMIT names the fixture's first commit, whose
-target blobs play 285068c's; later commits, branches and work-tree edits are made on top.
+Fixture repos stand in for Megatron: the fixture's first commit is the pin
+(testkit/patcher_pin.py), whose target blobs play 285068c's; later commits, branches and
+work-tree edits are made on top.
 """
 
 from __future__ import annotations

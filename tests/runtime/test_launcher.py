@@ -119,8 +119,9 @@ def test_overtime_parses_env_and_refuses_garbage() -> None:
     assert overtime_s({"TTP_OT": "7.5"}) == 7.5
     with pytest.raises(ValueError, match="TTP_OT='soon' is not a number"):
         overtime_s({"TTP_OT": "soon"})
-    with pytest.raises(ValueError, match="negative"):
-        overtime_s({"TTP_OT": "-1"})
+    for bad in ("-1", "0", "nan", "inf", "1e9"):
+        with pytest.raises(ValueError, match=f"TTP_OT='{bad}' must be a positive number"):
+            overtime_s({"TTP_OT": bad})
 
 
 @pytest.mark.slow
