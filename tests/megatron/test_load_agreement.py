@@ -12,7 +12,6 @@ Walking each rank's own list would pair rank 0's vote on 7 with rank 1's vote on
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from mindio_ttp.megatron_ttp import manifest
+from testkit.procs import run_together
 
 pytestmark = [pytest.mark.megatron]
 
@@ -62,20 +62,12 @@ def test_ranks_whose_listings_differ_load_the_same_checkpoint(megatron_dir: Path
         manifest.write_tracker(root, broken)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    procs = [subprocess.Popen([sys.executable, str(script), str(megatron_dir), str(r),
-                               str(tmp_path / "store"), str(tmp_path / f"view{r}")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in views]
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    results = run_together([[sys.executable, str(script), str(megatron_dir), str(r),
+                             str(tmp_path / "store"), str(tmp_path / f"view{r}")]
+                            for r in views], timeout=180)
     chosen = {}
-    for p, (stdout, stderr) in zip(procs, outs):
-        assert p.returncode == 0, stderr[-3000:]
+    for returncode, stdout, stderr in results:
+        assert returncode == 0, stderr[-3000:]
         got = json.loads(stdout.strip().splitlines()[-1])
         chosen[got["rank"]] = got["chosen"]
     assert chosen == {0: 6, 1: 6}, chosen

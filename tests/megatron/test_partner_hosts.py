@@ -8,8 +8,8 @@ rank). Needs TTP_MEGATRON_DIR.
   ranks, holders of different shards now) still gives a dying checkpoint, equal tensor for
   tensor to Megatron's own save of the step. With p + DP/2 that host held both copies of a
   shard: nothing could be saved.
-* A host holding more than half of a DP group: no pairing helps; warned, or refused with
-  TTP_REQUIRE_CROSS_HOST_REPLICAS=1 before any step."""
+* A host holding more than half of a DP group: no pairing helps; refused before any step with
+  TTP_REQUIRE_CROSS_HOST_REPLICAS=1 (a warning without it)."""
 
 from __future__ import annotations
 
@@ -64,21 +64,15 @@ def test_pipeline_across_hosts_pairs_partners_across_hosts_and_survives_a_host(
     assert comparison.bit_exact, comparison.summary()
 
 
-def test_a_host_holding_more_than_half_a_dp_group_is_warned_about(
-        patched_megatron_tree, tiny_dataset, work):
-    result = run_job(patched_megatron_tree, tiny_dataset, work / "warn.log", work / "warn_ckpt",
-                     iters=3, load=False, env_extra=_env(CROWDED))
-    assert result.returncode == 0, result.tail()
-    assert "WARNING: mindio_ttp: 1 optimizer shard(s) of 2 have both copies on one host" \
-        in result.log, result.tail()
-    assert "hostA holds 3 of the 4 ranks of DP group" in result.log
-
-
 def test_a_host_holding_more_than_half_a_dp_group_is_refused_when_required(
         patched_megatron_tree, tiny_dataset, work):
+    """No pairing helps; the message names the pairs and the crowded host (without
+    TTP_REQUIRE_CROSS_HOST_REPLICAS it is the same text, as a WARNING on rank 0)."""
     result = run_job(patched_megatron_tree, tiny_dataset, work / "refuse.log",
                      work / "refuse_ckpt", iters=3, load=False,
                      env_extra=_env(CROWDED, require=True))
     assert result.returncode != 0
+    assert "1 optimizer shard(s) of 2 have both copies on one host" in result.log, result.tail()
+    assert "hostA holds 3 of the 4 ranks of DP group" in result.log
     assert f"refusing to start because {config.ENV_REQUIRE_CROSS_HOST_REPLICAS}=1" in result.log
     assert not result.losses, "no training step may run"
