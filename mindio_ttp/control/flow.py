@@ -275,19 +275,22 @@ class Flow:
               savers: List[int]) -> Tuple[List[int], int, bool, str]:
         """Order the save of `step`; when savers fail or miss their deadline, order it again
         with each failed saver's shard moved to its other clean holder (`replacement_savers`),
-        while TTP_OT leaves time for another save and the rename. Every attempt is a new order:
-        a new flow id (a late answer to an earlier attempt is ignored), its own tag,
-        so its own staging directory (a failed attempt's files are never part of the
-        checkpoint) and store namespace. Returns (savers, flow id, ok, why) of the last attempt."""
+        while TTP_OT leaves time for another save and the rename (the new order's limit is
+        what is left, at most TTP_SAVE_TIME_LIMIT; less than a quarter of it: no new order).
+        Every attempt is a new order: a new flow id (a late answer to an earlier attempt is
+        ignored), its own tag, so its own staging directory (a failed attempt's files are never
+        part of the checkpoint) and store namespace. Returns (savers, flow id, ok, why) of the
+        last attempt."""
         cfg = self.cfg
         failed: Set[int] = set()
+        limit = cfg.save_time_limit
         while True:
             # the chosen ranks rendezvous in a namespace of this controller's authenticated
             # store, for this order alone; it is dropped as soon as the order is answered
             tag = save_session.new_tag()
             self._save_ns = save_session.namespace_of(tag)
-            order = P.SaveOrder(fid, step, savers, cfg.save_time_limit, self._save_ns, tag)
-            ok, why = self._order(savers, order, cfg.save_time_limit)
+            order = P.SaveOrder(fid, step, savers, limit, self._save_ns, tag)
+            ok, why = self._order(savers, order, limit)
             self._end_save_store("the save order was answered")
             if ok:
                 return savers, fid, True, why
@@ -295,13 +298,17 @@ class Flow:
             nxt = replacement_savers(layout, states, step, savers, failed, set(self._alive()))
             if nxt is None:
                 return savers, fid, False, why + "; no other clean holder can replace them"
+            # what TTP_OT leaves for another save, once the rename and the exit orders fit
             spent = time.monotonic() - (self.fault_at or time.monotonic())
-            needed = cfg.save_time_limit + cfg.rename_time_limit + 4 * cfg.heartbeat_interval
-            if spent + needed > cfg.ot:
-                return savers, fid, False, (f"{why}; TTP_OT ({cfg.ot:g} s) leaves no time to "
-                                            "order the save again")
+            left = cfg.ot - spent - cfg.rename_time_limit - 4 * cfg.heartbeat_interval - 1.0
+            if left < cfg.save_time_limit / 4:
+                return savers, fid, False, (f"{why}; TTP_OT ({cfg.ot:g} s) leaves "
+                                            f"{max(left, 0):.0f} s, too little to order the save "
+                                            "again")
+            limit = min(cfg.save_time_limit, left)
             log.warning("%s: save of step %d failed on rank(s) %s (%s); ordering it again, "
-                        "from rank(s) %s", self.name, step, sorted(self._failed), why, nxt)
+                        "from rank(s) %s, within %.0f s", self.name, step, sorted(self._failed),
+                        why, nxt, limit)
             with self._cond:
                 self._flow_id += 1
                 fid = self._flow_id
