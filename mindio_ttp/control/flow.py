@@ -307,7 +307,7 @@ class Flow:
                                             "again")
             limit = min(cfg.save_time_limit, left)
             log.warning("%s: save of step %d failed on rank(s) %s (%s); ordering it again, "
-                        "from rank(s) %s, within %.0f s", self.name, step, sorted(self._failed),
+                        "from rank(s) %s, within %.1f s", self.name, step, sorted(self._failed),
                         why, nxt, limit)
             with self._cond:
                 self._flow_id += 1

@@ -2,10 +2,11 @@
 
 Layout (striped). With d DP positions and s = d/2, DP position p keeps two *stripes*: its own
 stock stripe p (exactly the range Megatron's `DistributedOptimizer` gives position p, built by
-the stock code) and its partner's stripe p' = (p + s) mod d. So shard k (the TTP runtime's
-unit: positions k and k + s hold the same shard) is the pair of stock stripes {k, k + s}, and
-each position holds, in its own memory, the exact state stock Megatron keeps at position p
-*and* at its partner. That is what makes checkpoints local:
+the stock code) and its partner's stripe p' (p' = (p + s) mod d, or, when those pairs would
+share a host, any pairing that puts partners on different hosts: pairing.py). So shard k (the
+TTP runtime's unit: the two positions of pair k hold the same shard) is the pair of stock
+stripes {p, p'}, and each position holds, in its own memory, the exact state stock Megatron
+keeps at position p *and* at its partner. That is what makes checkpoints local:
 
 - `state_dict()` returns the own stripe's stock state (references, like stock): no collective,
   no copy; stock Megatron loads it and we load stock files.
@@ -19,7 +20,8 @@ Per-step communication, on Megatron's groups and the job's backend only (NCCL, H
 no explicit backend anywhere here): stock reduce-scatter of grads over the DP group, then each
 rank swaps its reduced stripe with its partner (`batch_isend_irecv` on a 2-rank group per pair,
 created once at start-up with the default backend), then the stock param all-gather of own
-stripes. Bytes per rank per step: stock's 2(d-1)/d N plus N/d, i.e. 1 + 1/(2(d-1)) times stock.
+stripes. Bytes per rank per step (fp32): stock's 2(d-1)/d N plus N/d, i.e. 1 + 1/(2(d-1))
+times stock; with bf16 params and fp32 grads, 1 + 2/(3(d-1)) (bench/bench_optimizer.py).
 
 The TTP contract forbids collectives between `ttp_start_updating_os` and `ttp_end_updating_os`:
 a rank killed there must not leave survivors blocked half-updated. So every collective of the
