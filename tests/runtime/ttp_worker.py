@@ -48,7 +48,8 @@ def inject(phase: str, step: int) -> None:
 
 
 def save(step: int, save_ranks: list, args: tuple) -> None:
-    if PLAN.get("save_fail_rank") == RANK:
+    failing = PLAN.get("save_fail_rank")
+    if RANK in (failing if isinstance(failing, list) else [failing]):
         raise OSError("injected: disk full")
     if PLAN.get("save_kill_rank") == RANK:
         os.kill(os.getpid(), signal.SIGKILL)
