@@ -90,6 +90,22 @@ ABORT_TIMEOUT_S = 10.0
 RUNTIME_STARTED_DIR = "runtime-started"
 
 
+# Megatron-LM 285068c's process-group timeout, hard-coded at 10 minutes
+# (megatron/initialize.py:174-177; the --distributed-timeout-minutes flag came later). A
+# survivor's collective hung on a dead peer fails when it runs out, and with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING the watchdog then aborts the communicators, so it must outlast
+# TTP_OT by the time from the collective's start to the fault's detection: the step that was
+# running when the peer died, plus TTP_HEARTBEAT_TIMEOUT. PG_TIMEOUT_MARGIN_S bounds that.
+MEGATRON_PG_TIMEOUT_S = 600.0
+PG_TIMEOUT_MARGIN_S = 300.0
+
+
+def process_group_timeout_s(ot_s: float, floor_s: float = MEGATRON_PG_TIMEOUT_S) -> float:
+    """The process-group timeout a patched tree runs with: Megatron's own unless TTP_OT needs
+    more (the launcher checks other trees against the same rule)."""
+    return max(floor_s, ot_s + PG_TIMEOUT_MARGIN_S)
+
+
 class ExitCode(enum.IntEnum):
     """Exit status of every process after a dying-checkpoint flow (all non-zero: the job failed
     and a scheduler should restart it). Kept distinct so a launcher can say what happened."""

@@ -1,6 +1,6 @@
-"""What "Megatron-LM 285068c" means to the edits: four files' exact bytes, not one commit id.
+"""What "Megatron-LM 285068c" means to the edits: the target files' exact bytes, not one commit id.
 
-The edits only read the four target files, so a fork commit, an empty commit on top, or any
+The edits only read the target files, so a fork commit, an empty commit on top, or any
 later commit that leaves them byte-identical is as good as the pin. Identity is the git blob id
 (sha1 of "blob LEN\\0" + bytes), the same id `git ls-tree` prints, so a checkout is matched from
 its object store without reading 285068c itself (shallow clones and forks do not have it).
@@ -21,6 +21,7 @@ PINNED_BLOBS: Dict[str, str] = {
     "megatron/training.py": "2179f63417f3408ca8f629cb233fc197cbc9dd85",
     "megatron/optimizer/__init__.py": "484e9b322e98dff2bb7b12756acc22694e2b0100",
     "megatron/core/parallel_state.py": "ef4e886d874b5fc94204d329ce662274b6958629",
+    "megatron/initialize.py": "ba68a8fd5bff04fd1d7765b964acd0b2ad2a3e0e",
 }
 
 

@@ -117,13 +117,13 @@ def _notes(tree: Tree, pin: Pin, head_differs: List[str], not_pinned: List[str])
         same = [p for p in TARGET_FILES if p not in head_differs]
         if not head_differs:
             notes.append(
-                f"found HEAD {found} {relation}: its 4 target files are byte-identical to "
-                f"{short}'s"
+                f"found HEAD {found} {relation}: its {len(TARGET_FILES)} target files are "
+                f"byte-identical to {short}'s"
             )
         else:
             notes.append(
-                f"found HEAD {found} {relation}: {len(same)} of 4 target files are "
-                f"{short}'s; differing: {', '.join(head_differs)}"
+                f"found HEAD {found} {relation}: {len(same)} of {len(TARGET_FILES)} target "
+                f"files are {short}'s; differing: {', '.join(head_differs)}"
             )
     if not_pinned:
         notes.append(

@@ -16,15 +16,14 @@ Either way the dying save aborts the communicators itself before it reads device
 abort that came first shows in the collective's result, which that note reads.
 
 ttprun sets these for its workers only where the user has not set them (their value wins and
-is logged). Megatron's process-group timeout (``--distributed-timeout-minutes``, default 10)
-is the other clock: a survivor's hung collective fails when it runs out, so it must not be
-shorter than the grace period ``TTP_OT`` the launcher gives the survivors.
+is logged). The process-group timeout is the other clock: a survivor's hung collective fails
+when it runs out (``mindio_ttp.launch.timeouts`` checks it against ``TTP_OT``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, MutableMapping, Tuple
 
 log = logging.getLogger("mindio_ttp.launch.agent")
 
@@ -47,8 +46,6 @@ FATAL_VALUES = {
         "1": "terminates the process on the dead peer's ERROR CQE",
     },
 }
-MEGATRON_TIMEOUT_FLAG = "--distributed-timeout-minutes"
-MEGATRON_TIMEOUT_DEFAULT_MIN = 10.0
 
 
 def apply_defaults(environ: MutableMapping[str, str]) -> Dict[str, str]:
@@ -76,33 +73,3 @@ def user_value_warnings(environ: Mapping[str, str]) -> List[str]:
                        f"out: the survivors die before the dying checkpoint. ttprun keeps your "
                        f"value; unset it (ttprun then gives {value}: {why}) or set {value}")
     return out
-
-
-def megatron_timeout_s(script_args: Sequence[str]) -> Optional[float]:
-    """Megatron's process-group timeout from the training command line (None: not Megatron's
-    flag, or unreadable)."""
-    args = list(script_args)
-    for i, arg in enumerate(args):
-        raw = None
-        if arg == MEGATRON_TIMEOUT_FLAG and i + 1 < len(args):
-            raw = args[i + 1]
-        elif arg.startswith(MEGATRON_TIMEOUT_FLAG + "="):
-            raw = arg.split("=", 1)[1]
-        if raw is not None:
-            try:
-                return float(raw) * 60.0
-            except ValueError:
-                return None
-    return None
-
-
-def timeout_warning(script_args: Sequence[str], overtime_s: float) -> Optional[str]:
-    """A warning when the collectives' timeout runs out before the survivors' grace period."""
-    timeout = megatron_timeout_s(script_args)
-    if timeout is None or timeout >= overtime_s:
-        return None
-    need = -(-overtime_s // 60)  # ceil, in minutes
-    return (f"Megatron's {MEGATRON_TIMEOUT_FLAG} ({timeout:.0f} s) is shorter than TTP_OT "
-            f"({overtime_s:.0f} s): a survivor's collective hung on the dead rank fails before "
-            f"the dying checkpoint's grace period ends; pass {MEGATRON_TIMEOUT_FLAG} {need:.0f} "
-            "or more, or lower TTP_OT")

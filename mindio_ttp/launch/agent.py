@@ -47,7 +47,6 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.utils.process_state import read_proc_state
 
 from mindio_ttp import config
 from mindio_ttp.config import (
@@ -62,6 +61,7 @@ from mindio_ttp.config import (
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
 from mindio_ttp.launch import gloo_iface, preflight
+from mindio_ttp.launch.procstate import read_proc_state
 
 logger = logging.getLogger("ttprun")
 
@@ -527,7 +527,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     global RDZV_WAIT_NOTICE_S
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     problems, warnings = preflight.check(os.environ, is_multi_node(args.nnodes),
-                                         args.training_script_args)
+                                         args.training_script_args, args.training_script,
+                                         is_module=args.module)
     for warning in warnings:
         print(f"ttprun: warning: {warning}", file=sys.stderr)
     if problems:

@@ -14,6 +14,7 @@ from typing import List, Mapping, Sequence, Tuple
 from mindio_ttp import config
 from mindio_ttp.config import ENV_AUTH_KEY, ENV_AUTH_KEY_FILE, ExitCode
 from mindio_ttp.faulttime import collective_env
+from mindio_ttp.launch import timeouts
 
 MULTI_NODE_KEY_MESSAGE = (
     "a multi-node job needs a control-plane key that every node already has: export "
@@ -24,15 +25,17 @@ MULTI_NODE_KEY_MESSAGE = (
 )
 
 
-def check(env: Mapping[str, str], multi_node: bool,
-          script_args: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
-    """(problems, warnings): any problem means nothing may start."""
+def check(env: Mapping[str, str], multi_node: bool, script_args: Sequence[str] = (),
+          script: str = "", is_module: bool = False) -> Tuple[List[str], List[str]]:
+    """(problems, warnings): any problem means nothing may start. `script` is the training
+    script (a module name with `is_module`): the process-group timeout is read from its tree."""
     problems = config.problems(env)
     if multi_node and not (env.get(ENV_AUTH_KEY) or env.get(ENV_AUTH_KEY_FILE)):
         problems.append(MULTI_NODE_KEY_MESSAGE)
     warnings = config.unknown_names(env) + collective_env.user_value_warnings(env)
     try:
-        timeout = collective_env.timeout_warning(script_args, config.overtime_s(env))
+        timeout = timeouts.timeout_warning(script, script_args, config.overtime_s(env),
+                                           is_module=is_module or not script)
     except ValueError:
         timeout = None  # TTP_OT itself is among the problems
     if timeout:

@@ -24,6 +24,7 @@ TARGETS = [
     "megatron/training.py",
     "megatron/optimizer/__init__.py",
     "megatron/core/parallel_state.py",
+    "megatron/initialize.py",
 ]
 SCRIPT = "pretrain_gpt_ttp.sh"
 
