@@ -234,9 +234,11 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
     def _build_stripe(self, position: int, orig_groups: List[dict]) -> Stripe:
         """The partner's stripe, built by the stock class methods, with its own inner
         optimizer: a new instance of our optimizer's class with the same options
-        (`fresh_like`), never a copy: fused optimizers keep per-instance buffers (torch_npu's
+        (`fresh_like`), never a copy: torch's Optimizer.__getstate__ keeps only defaults,
+        state and groups, so a copy loses what the constructor set (apex FusedAdam's
+        `adam_w_mode`), and fused optimizers keep per-instance buffers (torch_npu's
         NpuFusedOptimizerBase fills lists made in __init__ with combined param and grad
-        buffers), which a shallow copy would share between the two stripes."""
+        buffers) that the two stripes must not share."""
         ranges = [{dtype: stock_gbuf_range(model, dtype, position, self.dp_size)
                    for dtype in model._grad_buffers} for model in self.models]
         pmap = self.build_model_param_gbuf_map(ranges)
