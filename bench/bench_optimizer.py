@@ -1,5 +1,10 @@
 """Bytes per rank per step and step time: ReplicatedOptimizer against Megatron's
-DistributedOptimizer, same model, DP4 on CPU (gloo), both measured in the same run.
+DistributedOptimizer, same model, DP4 on CPU (gloo), fp32 and bf16, all measured in one run.
+
+With bf16, Megatron 285068c keeps the grads in fp32 (``accumulate_allreduce_grads_in_fp32``,
+``arguments.py:152-158``) while the params are all-gathered in bf16, so the partner swap of fp32
+grad stripes costs more relative to stock: 1 + 2/(3(d-1)) times stock instead of
+1 + 1/(2(d-1)). The table prints both the figure from the recorded calls and the formula.
 
 The model is Megatron's GPT at 4 layers x hidden 512 (8 heads, seq 64): large enough that the
 optimizer's traffic dominates. DistributedOptimizer runs on an unpatched copy of Megatron-LM
@@ -7,11 +12,13 @@ optimizer's traffic dominates. DistributedOptimizer runs on an unpatched copy of
 --device cpu` (ttprun). Every torch.distributed call of the workers is recorded by the test-only
 audit hook (testkit/hooks/dist_audit): training-path calls (inside train_step) are converted to
 bytes *sent* per rank with the usual ring costs (reduce-scatter and all-gather: (n-1)/n of the
-full buffer; all-reduce: 2(n-1)/n; a send: its size; groups of one rank: nothing). The raw
-bytes of the tensors handed over are printed too. Step time is Megatron's own "elapsed time
+full buffer; all-reduce: 2(n-1)/n; a send: its size; groups of one rank: nothing): computed from
+the sizes of the tensors handed to each call, not measured on the wire. The raw bytes of the
+tensors handed over are printed too. Step time is Megatron's own "elapsed time
 per iteration", the median over iterations 3..N (the audit's small per-call cost is in both).
 
     python bench/bench_optimizer.py --megatron DIR   # a Megatron-LM checkout at 285068c
+    python bench/bench_optimizer.py --megatron DIR --precision bf16   # one precision only
 """
 
 from __future__ import annotations
@@ -92,29 +99,45 @@ def measure(tree: Path, args: List[str], work: Path, name: str, launcher: Launch
     return per_rank, statistics.median(times), {k: v // (DP * ITERS) for k, v in by_op.items()}
 
 
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
+# per-step bytes relative to stock, from the tensor sizes (module doc); d = DP size
+EXPECTED = {"fp32": lambda d: 1 + 1 / (2 * (d - 1)), "bf16": lambda d: 1 + 2 / (3 * (d - 1))}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron", type=Path, required=True)
     parser.add_argument("--keep", type=Path, help="work in this new folder and keep the logs")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), action="append",
+                        help="run only this precision (repeatable; default: fp32 and bf16)")
     opts = parser.parse_args()
+    precisions = opts.precision or list(PRECISIONS)
+    results = {}
     with stock_and_patched(opts.megatron, opts.keep, prefix="bench-optimizer-") as (
             work, stock_tree, ttp_tree, data):
-        args = tiny_gpt_args(data, train_iters=ITERS, extra=MODEL)
-        stock = measure(stock_tree, args, work, "distributed", Launcher.TORCHRUN, True)
-        ttp = measure(ttp_tree, args, work, "replicated", Launcher.TTPRUN, False)
-    rows = [("DistributedOptimizer (stock)", stock), ("ReplicatedOptimizer", ttp)]
-    print(f"GPT 4 layers x hidden 512, DP{DP}, CPU/gloo, {ITERS} iterations; per rank per step")
-    print("| optimizer | MB sent | MB handed to collectives | step time (ms) |")
-    print("|---|---:|---:|---:|")
-    for name, (b, t, _) in rows:
-        print(f"| {name} | {b['sent'] / 1e6:.2f} | {b['handed'] / 1e6:.2f} | {t:.0f} |")
-    ratio = ttp[0]["sent"] / stock[0]["sent"]
-    print(f"ratio sent: {ratio:.3f} (target <= 1 + 1/d = {1 + 1 / DP:.3f}; "
-          f"expected 1 + 1/(2(d-1)) = {1 + 1 / (2 * (DP - 1)):.3f}); "
-          f"ratio step time: {ttp[1] / stock[1]:.3f}")
-    for name, (_, _, ops) in rows:
-        print(f"{name}: bytes sent per rank per step by op: "
-              + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(ops.items()) if v))
+        for precision in precisions:
+            args = tiny_gpt_args(data, train_iters=ITERS, extra=MODEL + PRECISIONS[precision])
+            results[precision] = (
+                measure(stock_tree, args, work, f"distributed-{precision}", Launcher.TORCHRUN,
+                        True),
+                measure(ttp_tree, args, work, f"replicated-{precision}", Launcher.TTPRUN, False))
+    print(f"GPT 4 layers x hidden 512, DP{DP}, CPU/gloo, {ITERS} iterations; per rank per step; "
+          "MB sent computed from the tensor sizes handed to each call (ring costs), not "
+          "measured on the wire")
+    print("| precision | optimizer | MB sent | MB handed to collectives | step time (ms) |")
+    print("|---|---|---:|---:|---:|")
+    for precision, (stock, ttp) in results.items():
+        for name, (b, t, _) in (("DistributedOptimizer (stock)", stock),
+                                ("ReplicatedOptimizer", ttp)):
+            print(f"| {precision} | {name} | {b['sent'] / 1e6:.2f} | {b['handed'] / 1e6:.2f} | "
+                  f"{t:.0f} |")
+    for precision, (stock, ttp) in results.items():
+        ratio = ttp[0]["sent"] / stock[0]["sent"]
+        print(f"{precision}: ratio sent {ratio:.3f} (from the tensor sizes: "
+              f"{EXPECTED[precision](DP):.3f}); ratio step time {ttp[1] / stock[1]:.3f}")
+        for name, (_, _, ops) in (("DistributedOptimizer", stock), ("ReplicatedOptimizer", ttp)):
+            print(f"  {name}: bytes sent per rank per step by op: "
+                  + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(ops.items()) if v))
     return 0
 
 

@@ -48,8 +48,6 @@ ENV_CPU_BUILD_DIR = "TTP_CPU_BUILD_DIR"
 ENV_RDZV_NOTICE = "TTPRUN_RDZV_NOTICE_S"
 # "1": refuse to start when both holders of an optimizer shard share a host (default: warn)
 ENV_REQUIRE_CROSS_HOST_REPLICAS = "TTP_REQUIRE_CROSS_HOST_REPLICAS"
-# test-only: the host name a rank reports for that check (one machine plays several hosts)
-ENV_TEST_HOSTNAME = "TTP_TEST_HOSTNAME"
 
 # The controller's TCP port, inclusive: no privileged port (ranks do not run as root), and the
 # one range everything holds a port to: the port argument, TTP_CONTROLLER_PORT, `ttp-patch

@@ -92,6 +92,7 @@ class TwoNodes:
         self.ckpt = self.work / "ckpt"  # the checkpoint directory both nodes share
         self.cut_at: Optional[float] = None
         self._made: List[str] = []
+        self._etc: List[Path] = []  # /etc/netns/<ns>/ made by launch(hostname=...)
 
     # -- set-up and tear-down ---------------------------------------------------------------
     def create(self) -> None:
@@ -123,6 +124,11 @@ class TwoNodes:
         for ns in self._made:
             ip("netns", "del", ns, check=False)  # the veth pair goes with its namespaces
         self._made.clear()
+        for etc in self._etc:
+            shutil.rmtree(etc, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                etc.parent.rmdir()  # /etc/netns, if nothing else uses it
+        self._etc.clear()
 
     # -- launching ----------------------------------------------------------------------------
     def run_dir(self, n: Node) -> Path:
@@ -149,14 +155,27 @@ class TwoNodes:
         raise ValueError(f"rdzv={rdzv!r}: use 'static' or 'c10d'")
 
     def launch(self, n: Node, cmd: Sequence[str], env: Mapping[str, str],
-               cwd: Optional[Path] = None) -> None:
+               cwd: Optional[Path] = None, gloo_ifname: bool = True,
+               hostname: Optional[str] = None) -> None:
         """Start ``cmd`` inside node ``n``'s namespace; its output is collected line by line.
 
         ``TTP_RUN_DIR`` is the node's own run directory, and gloo is told to use the node's
-        link (it would resolve the host name to 127.0.0.1 otherwise)."""
+        link (it would resolve the host name to 127.0.0.1 otherwise) unless ``gloo_ifname`` is
+        False. ``hostname``: the node gets that host name (its own UTS namespace) and an
+        /etc/hosts of its own (``ip netns exec`` binds /etc/netns/<ns>/hosts over /etc/hosts)
+        resolving it to 127.0.1.1, as Debian and Ubuntu do."""
         run_dir = self.run_dir(n)
         run_dir.mkdir(parents=True, exist_ok=True)
-        env_n = dict(env, TTP_RUN_DIR=str(run_dir), GLOO_SOCKET_IFNAME=n.veth)
+        env_n = dict(env, TTP_RUN_DIR=str(run_dir))
+        if gloo_ifname:
+            env_n["GLOO_SOCKET_IFNAME"] = n.veth
+        if hostname is not None:
+            etc = Path("/etc/netns") / n.ns
+            etc.mkdir(parents=True, exist_ok=True)
+            self._etc.append(etc)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {hostname}\n")
+            cmd = ["unshare", "--uts", "--", "sh", "-c", f'hostname {hostname} && exec "$@"',
+                   "sh", *cmd]
         n.proc = subprocess.Popen(["ip", "netns", "exec", n.ns, *cmd], env=env_n,
                                   cwd=None if cwd is None else str(cwd),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

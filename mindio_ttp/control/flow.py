@@ -28,7 +28,14 @@ from typing import Callable, Dict, Iterable, List, Optional, Protocol, Set, Tupl
 from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.roster import Roster
-from mindio_ttp.control.selection import Layout, choose_step, savers_for, states_from
+from mindio_ttp.control.selection import (
+    Layout,
+    RankState,
+    choose_step,
+    replacement_savers,
+    savers_for,
+    states_from,
+)
 from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
 from mindio_ttp.faulttime import claim as C
@@ -92,6 +99,7 @@ class Flow:
         self._claim: Optional[C.Claim] = None
         self._save_ns: Optional[str] = None  # the store namespace of the current save order
         self._faulty: Dict[int, str] = {}  # ranks whose reports are refused, and why
+        self._failed: List[int] = []  # ranks that failed the last order (`_order`)
 
     # -- called by the controller's I/O thread, holding `lock` ----------------------------------
     def fault(self, desc: str, promoted: bool = False) -> None:
@@ -249,13 +257,7 @@ class Flow:
             return Outcome.NOT_CLAIMED, None, [], why
         log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why, savers)
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
-        # the chosen ranks rendezvous in a namespace of this controller's authenticated store,
-        # for this order alone; it is dropped as soon as the order is answered
-        tag = save_session.new_tag()
-        self._save_ns = save_session.namespace_of(tag)
-        order = P.SaveOrder(fid, step, savers, cfg.save_time_limit, self._save_ns, tag)
-        ok, why = self._order(savers, order, cfg.save_time_limit)
-        self._end_save_store("the save order was answered")
+        savers, fid, ok, why = self._save(fid, step, layout, states, savers)
         self.timeline["saved"] = time.monotonic()
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
@@ -269,6 +271,49 @@ class Flow:
             return (Outcome.SAVE_FAILED, step, savers,
                     f"rename of step {step} failed: {why}; nothing marked latest")
         return Outcome.SAVED, step, savers, f"dying checkpoint of step {step} saved by {savers}"
+
+    def _save(self, fid: int, step: int, layout: Layout, states: Dict[int, RankState],
+              savers: List[int]) -> Tuple[List[int], int, bool, str]:
+        """Order the save of `step`; when savers fail or miss their deadline, order it again
+        with each failed saver's shard moved to its other clean holder (`replacement_savers`),
+        while TTP_OT leaves time for another save and the rename (the new order's limit is
+        what is left, at most TTP_SAVE_TIME_LIMIT; less than a quarter of it: no new order).
+        Every attempt is a new order: a new flow id (a late answer to an earlier attempt is
+        ignored), its own tag, so its own staging directory (a failed attempt's files are never
+        part of the checkpoint) and store namespace. Returns (savers, flow id, ok, why) of the
+        last attempt."""
+        cfg = self.cfg
+        failed: Set[int] = set()
+        limit = cfg.save_time_limit
+        while True:
+            # the chosen ranks rendezvous in a namespace of this controller's authenticated
+            # store, for this order alone; it is dropped as soon as the order is answered
+            tag = save_session.new_tag()
+            self._save_ns = save_session.namespace_of(tag)
+            order = P.SaveOrder(fid, step, savers, limit, self._save_ns, tag)
+            ok, why = self._order(savers, order, limit)
+            self._end_save_store("the save order was answered")
+            if ok:
+                return savers, fid, True, why
+            failed.update(self._failed)
+            nxt = replacement_savers(layout, states, step, savers, failed, set(self._alive()))
+            if nxt is None:
+                return savers, fid, False, why + "; no other clean holder can replace them"
+            # what TTP_OT leaves for another save, once the rename and the exit orders fit
+            spent = time.monotonic() - (self.fault_at or time.monotonic())
+            left = cfg.ot - spent - cfg.rename_time_limit - 4 * cfg.heartbeat_interval - 1.0
+            if left < cfg.save_time_limit / 4:
+                return savers, fid, False, (f"{why}; TTP_OT ({cfg.ot:g} s) leaves "
+                                            f"{max(left, 0):.0f} s, too little to order the save "
+                                            "again")
+            limit = min(cfg.save_time_limit, left)
+            log.warning("%s: save of step %d failed on rank(s) %s (%s); ordering it again, "
+                        "from rank(s) %s, within %.1f s", self.name, step, sorted(self._failed),
+                        why, nxt, limit)
+            with self._cond:
+                self._flow_id += 1
+                fid = self._flow_id
+            savers = nxt
 
     def _refuse_beyond(self, phase: int, agreed: Optional[int]) -> int:
         """Drop the reports of `phase` that claim a step beyond the agreed step + 1 (caller
@@ -326,7 +371,7 @@ class Flow:
         t0 = time.monotonic()
         self._out.send_many(ranks, msg)
         self._await(limit + 2 * self.cfg.heartbeat_interval + 1.0)
-        errors = []
+        errors, self._failed = [], []
         with self._cond:
             for r in ranks:
                 res = self._results.get(r)
@@ -334,6 +379,9 @@ class Flow:
                     errors.append(f"rank {r}: no result ({self._ranks[r].note or 'timed out'})")
                 elif not res.ok:  # type: ignore[attr-defined]
                     errors.append(f"rank {r}: {res.error}")  # type: ignore[attr-defined]
+                else:
+                    continue
+                self._failed.append(r)
         log.info("%s: %s on %d rank(s) done in %.3f s%s", self.name, type(msg).__name__,
                  len(ranks), time.monotonic() - t0, f" with errors: {errors}" if errors else "")
         return not errors, "; ".join(errors)

@@ -129,6 +129,30 @@ def savers_for(layout: Layout, states: Mapping[int, RankState], step: int) -> Li
     return sorted(chosen)
 
 
+def replacement_savers(layout: Layout, states: Mapping[int, RankState], step: int,
+                       savers: Sequence[int], failed: Set[int],
+                       alive: Set[int]) -> Optional[List[int]]:
+    """The savers of a new attempt at `step` after the ranks in `failed` failed their save (or
+    missed its deadline): each shard keeps its saver unless that one failed; a failed saver's
+    shard goes to another holder clean at `step` that has not failed; with none, to the same
+    saver again if it is still alive (its failure may have been another's: a rank waiting for a
+    dead writer's flag fails too). None when some shard has nobody left, or when nothing would
+    change (the same ranks again: the same failure)."""
+    chosen: List[int] = []
+    for group in layout.groups:
+        for holders in layout.shards(group):
+            keep = [r for r in holders if r in savers and r not in failed]
+            spare = [r for r in holders if r not in failed and r in alive
+                     and r in states and states[r].clean_at() == step]
+            again = [r for r in holders if r in savers and r in alive]
+            pick = keep or spare or again
+            if not pick:
+                return None
+            chosen.append(pick[0])
+    chosen.sort()
+    return None if chosen == sorted(savers) else chosen
+
+
 def states_from(reports: Mapping[int, Tuple[Optional[int], bool]], known: Iterable[int],
                 notes: Optional[Dict[int, str]] = None) -> Dict[int, RankState]:
     """RankState for every known rank from collected (step, updating) reports."""

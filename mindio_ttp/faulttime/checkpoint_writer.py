@@ -67,16 +67,19 @@ def write_bytes(path: Path, data: bytes, sync_dir: bool = True) -> None:
         fsync_dir(path.parent)
 
 
-def write_torch(path: Path, obj: Any, midway: Optional[Callable[[], None]] = None) -> Written:
+def write_torch(path: Path, obj: Any, midway: Optional[Callable[[], None]] = None,
+                live_params: bool = False) -> Written:
     """torch.save `obj` to `path` (see the module docstring); `midway` runs after the first
-    write (fault injection: a rank that dies there leaves a torn `.part` file)."""
+    write (fault injection: a rank that dies there leaves a torn `.part` file); `live_params`:
+    `obj` holds the model's live params, so the device read also waits for the event of their
+    all-gather (`device_copy.GATHERED`)."""
     started = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     part = part_path(path)
     with open(part, "wb") as f:
         writer = HashingWriter(f, midway)
         try:
-            with _without_torch_crc32(), device_copy.reading():
+            with _without_torch_crc32(), device_copy.reading(live_params):
                 torch.save(obj, writer)
             f.flush()
             os.fsync(f.fileno())

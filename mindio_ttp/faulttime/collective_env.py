@@ -11,6 +11,10 @@ library does when that collective times out decides whether a dying checkpoint c
   an ERROR CQE, the error a dead peer's link gives (Ascend's torch_npu environment docs); 0 keeps
   the process, and the TTP heartbeat detects the fault instead.
 
+Either way the dying save aborts the communicators itself before it reads device memory
+(`abort.py`), after noting what the device had finished (`device_copy.prepare`): a watchdog
+abort that came first shows in the collective's result, which that note reads.
+
 ttprun sets these for its workers only where the user has not set them (their value wins and
 is logged). The process-group timeout is the other clock: a survivor's hung collective fails
 when it runs out (``mindio_ttp.launch.timeouts`` checks it against ``TTP_OT``).

@@ -1,61 +1,50 @@
-"""Reading device memory for the dying checkpoint without the training stream.
+"""Reading device memory for the dying checkpoint: stop the device's work, then read on a stream
+no collective shares, ordered after the state it reads.
 
-The problem: a survivor's main thread is usually stuck in a collective with the dead peer.
-On CUDA/NPU that means an NCCL/HCCL kernel that never finishes is in the device queue, and
-after ``work.wait()`` the training (default) stream waits for it. Any device-to-host copy the
-save handler enqueues on that stream (``tensor.cpu()`` does, in the thread's current stream)
-queues behind the hung kernel: the save never finishes and the dying checkpoint is lost.
+The problem: a survivor's main thread is usually stuck in a collective with the dead peer. On
+CUDA/NPU an NCCL/HCCL kernel that never finishes is in the device queue, and after
+``work.wait()`` the training (default) stream waits for it. A device-to-host copy on that
+stream (``tensor.cpu()`` copies on the thread's current stream) queues behind it forever.
 
-Two ways out, and the one chosen (facts from the research notes on accelerators and recovery):
+The design (docs/design.md, "Reading device memory after a fault", says why each step rests on
+documented behaviour only), in the order `prepare` runs it:
 
-1. **Abort the training process groups first** (what NVRx's in-process restart does: abort
-   every group in parallel threads, destroy them, pause the watchdog), which removes the hung
-   kernel, then read on any stream. Costs: several communicators must be aborted together in
-   one ``ncclGroupStart/End`` or one abort's device synchronisation blocks on another hung
-   communicator (pytorch #119797); plain ``ncclCommAbort`` can hang in NCCL's proxy thread in
-   some versions (nccl #1013, #1777; pytorch #119215), and a hang there is exactly the failure
-   we must not add; it needs a per-backend code path (HCCL has its own, MindSpeed uses
-   ``torch_npu.npu.stop_device``); and the groups are then gone, so the rank can never rejoin
-   in-process.
-2. **Copy on a private stream** ordered after an event recorded when the state was last
-   consistent. **Chosen**: it touches no communicator, so it cannot hang in an abort; it is
-   the same few calls on CUDA and NPU (``torch.cuda`` / ``torch.npu`` both have ``Stream``,
-   ``Event``, ``stream()``); the hung kernel runs on its own NCCL stream, and torch's pool
-   streams are created non-blocking, so the copy does not wait for it.
+1. **What the device finished, noted before anything is aborted.** `MARK` is an event recorded
+   on the training stream by ``ttp_end_updating_os`` after the optimizer update of the step;
+   `GATHERED` an event recorded by ``ReplicatedOptimizer.gather_model_params`` after its param
+   all-gather and the copies into the live params. Both are read *before* the abort: an abort
+   ends a hung collective early, the kernels queued behind it then run on torn data and their
+   events complete too, so a completion seen after an abort proves nothing. The update's event
+   is waited for (bounded, ``DEVICE_READY_TIMEOUT_S``: a device that is merely busy finishes it
+   in milliseconds; one that does not is hung before the update, and the save refuses instead
+   of writing a half-updated state). The gather's event is queried once: on NCCL the host
+   returns from the all-gather as soon as it is enqueued, so "the host call returned" says
+   nothing about the params; not done means the live params may still hold step t-1 (or a
+   torn mix), and the model file is rebuilt from the optimizer's fp32 main params instead.
+2. **Abort** every communicator (`abort.abort_all`: NCCL in parallel threads, torch_npu's
+   device stop/restart for HCCL, bounded by ``ABORT_TIMEOUT_S``; gloo: nothing). This removes
+   the hung kernel, the thing no stream trick is documented to get past
+   (``CUDA_DEVICE_MAX_CONNECTIONS=1`` folds all streams onto one hardware queue; torch_npu's
+   blocking copies drain the device's single task queue first).
+3. **Read on a private stream from outside torch's pool** (`device.private_stream`: a
+   cudart-made non-blocking stream wrapped by ``torch.cuda.ExternalStream``; torch_npu's
+   ``SyncLaunchStream``), ordered after `MARK` (and after `GATHERED` when the live params are
+   read). This is the fallback when an abort timed out or failed, and costs nothing when it
+   worked: the copy never waits for the training stream, only for the events it reads after.
 
-What the private stream does not do, and who does it instead:
+`reading()`: the context every checkpoint write runs in (`checkpoint_writer`): it waits
+(bounded, by polling) for the mark's event, orders the private stream after it and makes that
+stream current for the handler thread. torch.save moves each non-CPU storage to the host with
+``storage.cpu()`` on the current stream, one storage at a time, and writes it before the next:
+the host staging is bounded by one tensor, not by one file. `DeviceReader.to_host(tensor)`:
+the same ordering for one tensor, into one reused pinned staging buffer the size of the
+largest tensor read so far (torch's ``use_pinned_memory_for_d2h`` save option is not used: it
+is process-wide and allocates a pinned buffer per storage that the caching host allocator
+keeps: pinned host memory the size of the file).
 
-* The NCCL watchdog: with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at torch's default 3 (kill the
-  process without abort) the survivor is killed when the group's timeout
-  (``--distributed-timeout-minutes``) expires, private stream or not. The launcher sets the
-  NCCL/HCCL settings and warns when that timeout is shorter than ``TTP_OT``.
-* ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron sets it for sequence-parallel overlap) maps every
-  stream onto one hardware work queue, so independent streams can be serialised behind each
-  other (a false dependency). Whether a D2H copy on a private stream then still passes a
-  blocked kernel is not a documented fact: ``bench/gpu_check.py`` measures it with
-  ``torch.cuda._sleep`` blocking the default stream, with that setting and without. It has not
-  yet been run on a GPU; until it has, this path is unmeasured there.
-* A kernel *before* the event that never finishes (the update itself waits on a hung kernel)
-  leaves the state inconsistent anyway: `reading` waits at most ``DEVICE_READY_TIMEOUT_S`` for
-  the event and then raises a clear error instead of hanging the save.
-
-How it works:
-
-* `MARK` (one per process): ``ttp_end_updating_os`` records a device event on the training
-  stream *before* it publishes the step (hooks.py), so a save of that step, started by the
-  controller after reading the step, always finds the event of the update it saves. On a rank
-  without a device nothing is recorded (one attribute test per step).
-* `reading()`: the context every checkpoint write runs in
-  (`mindio_ttp.faulttime.checkpoint_writer`): it waits (bounded, by polling) for the event, orders a
-  private stream after it and makes that stream current for the handler thread. torch.save moves
-  each non-CPU storage to the host with ``storage.cpu()`` on the current stream, one storage at a
-  time, and writes it before the next: the host staging is bounded by one tensor, not by one file.
-* `DeviceReader.to_host(tensor)`: the same ordering for code that needs a host copy of one
-  tensor (e.g. for a gloo exchange), into one reused pinned staging buffer the size of the
-  largest tensor read so far. (torch's own ``use_pinned_memory_for_d2h`` save option is not
-  used: it is process-wide, and it allocates a fresh pinned buffer per storage through the
-  caching host allocator, which keeps every size it saw: pinned host memory the size of the
-  file.)
+Nothing of this is needed, or done, on a rank without a device (one attribute test per step).
+``bench/gpu_check.py`` reproduces the hazards on one NVIDIA GPU; it has not yet run on a GPU,
+and nothing here has run on an NPU.
 
 The runtime never imports torch: the device module is found in ``sys.modules`` (device.py).
 """
@@ -66,10 +55,12 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 from mindio_ttp import config
-from mindio_ttp.faulttime.device import DeviceBinding, _module
+from mindio_ttp.faulttime import abort
+from mindio_ttp.faulttime.device import NO_DEVICE, DeviceBinding, _module, private_stream
 
 log = logging.getLogger("mindio_ttp.processor")
 
@@ -84,6 +75,7 @@ class ReadyMark:
     def __init__(self) -> None:
         self.module: Optional[Any] = None  # torch.cuda / torch.npu, or None: no device
         self.index = -1
+        self.binding: DeviceBinding = NO_DEVICE
         self.event: Optional[Any] = None
         self.step: Optional[int] = None
 
@@ -93,6 +85,7 @@ class ReadyMark:
         that cannot make an event leaves the mark disarmed, with a warning, instead of failing
         the first training step."""
         self.module, self.index, self.event, self.step = None, binding.index, None, None
+        self.binding = binding
         module = module if module is not None else _module(binding.kind)
         if module is None:
             return
@@ -117,11 +110,112 @@ class ReadyMark:
             return
         self.step = step
 
+    def wait_done(self, timeout_s: float) -> None:
+        """Return once the recorded update finished on the device; DeviceNotReady after
+        `timeout_s` (polling: a blocking synchronize could hang for good)."""
+        event = self.event
+        if self.module is None or event is None or self.step is None:
+            return  # no device, or no update in this process: nothing in flight
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0005
+        while not event.query():
+            if time.monotonic() >= deadline:
+                raise DeviceNotReady(
+                    f"the optimizer update of step {self.step} did not finish on the device "
+                    f"within {timeout_s:g} s (a kernel before it hangs): not saving a state "
+                    "that may be half-updated")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
     def reset(self) -> None:
         self.__init__()
 
 
 MARK = ReadyMark()
+
+
+def _work_failed(work: Any) -> bool:
+    """True when a collective's result says it ended in error (a watchdog abort: its kernel
+    then ended early, so the copies behind it ran on torn data and the event after them still
+    completed). ``get_future_result`` is the non-deprecated status (NCCL); backends without it
+    leave the event as the whole answer."""
+    get = getattr(work, "get_future_result", None)
+    if get is None:
+        return False
+    try:
+        future = get()
+        return bool(future.done() and int(future.value()) != 0)  # WorkResult.SUCCESS == 0
+    except Exception:  # noqa: BLE001 - not supported by this backend (gloo)
+        return False
+
+
+class GatherMark:
+    """The device event recorded after the param all-gather of a step and its copies into the
+    live params (module doc, step 1): did the params of step t reach the model?"""
+
+    def __init__(self, mark: ReadyMark) -> None:
+        self._mark = mark  # its device module: the same device, armed at the same time
+        self.step: Optional[int] = None
+        self.event: Optional[Any] = None
+        self.works: Tuple[Any, ...] = ()
+        self._module: Optional[Any] = None  # the module `event` belongs to
+        self._exact = True  # False: a device is there but its event could not be recorded
+
+    def record(self, step: int, works: Iterable[Any] = ()) -> None:
+        """Hot path (every step, training's thread and stream), after the copy loop."""
+        module = self._mark.module
+        self.works, self._exact = tuple(works), True
+        if module is None:
+            self.event = None  # no device: the host call returned after the data arrived
+        else:
+            try:
+                if self.event is None or self._module is not module:
+                    self.event, self._module = module.Event(), module
+                self.event.record()  # on the training stream, behind the copies
+            except Exception as exc:  # noqa: BLE001 - never fail a training step for the mark
+                log.warning("cannot record the param all-gather event (%s): a dying checkpoint "
+                            "will rebuild the model file from the main params", exc)
+                self.event, self._exact = None, False
+        self.step = step
+
+    def done_at(self, step: int) -> bool:
+        """Whether the live params hold step `step` on the device, now (never waits)."""
+        if self.step != step or not self._exact:
+            return False
+        if self.event is None:
+            return True
+        try:
+            if not self.event.query():
+                return False
+        except Exception:  # noqa: BLE001 - a device that cannot answer: assume not
+            return False
+        return not any(_work_failed(w) for w in self.works)
+
+    def reset(self) -> None:
+        self.__init__(self._mark)
+
+
+GATHERED = GatherMark(MARK)
+
+
+@dataclass(frozen=True)
+class FaultRead:
+    """What `prepare` found and did before the dying checkpoint reads."""
+
+    gathered: bool  # the live params hold the step (GATHERED), noted before the abort
+    abort: abort.AbortReport
+
+
+def prepare(step: int, ready_timeout_s: float = config.DEVICE_READY_TIMEOUT_S,
+            abort_timeout_s: float = config.ABORT_TIMEOUT_S) -> FaultRead:
+    """Steps 1 and 2 of the module doc, in that order: wait (bounded) for the update of `step`
+    on the device, note whether its params reached the model, then abort every communicator.
+    Raises DeviceNotReady when the update never finishes; an abort that fails or times out is
+    logged and the read goes on, on the private stream (step 3)."""
+    MARK.wait_done(ready_timeout_s)
+    gathered = GATHERED.done_at(step)
+    report = abort.abort_all(abort_timeout_s, binding=MARK.binding)
+    return FaultRead(gathered, report)
 
 
 def _pinned(nbytes: int) -> Any:
@@ -148,30 +242,26 @@ class DeviceReader:
 
     def stream(self) -> Any:
         if self._stream is None:
-            self._stream = self._module.Stream(device=self._mark.index)
+            binding = self._mark.binding
+            if binding.kind == "none":  # armed by hand with a module (tests, tools)
+                binding = DeviceBinding("cuda", self._mark.index)
+            self._stream = private_stream(self._module, binding)
         return self._stream
 
-    def wait_ready(self) -> None:
-        """Order the private stream after the mark's event, after waiting (bounded) for it."""
-        event = self._mark.event
-        if event is None or self._mark.step is None:
-            return  # no update has run in this process: nothing in flight to wait for
-        deadline = time.monotonic() + self._timeout_s
-        pause = 0.0005
-        while not event.query():
-            if time.monotonic() >= deadline:
-                raise DeviceNotReady(
-                    f"the optimizer update of step {self._mark.step} did not finish on the "
-                    f"device within {self._timeout_s:g} s (a kernel before it hangs): not "
-                    "saving a state that may be half-updated")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        self.stream().wait_event(event)
+    def wait_ready(self, gather: Optional[GatherMark] = None) -> None:
+        """Order the private stream after the mark's event, after waiting (bounded) for it,
+        and after `gather`'s event too (the live params are read: GATHERED said done)."""
+        self._mark.wait_done(self._timeout_s)
+        if self._mark.event is not None and self._mark.step is not None:
+            self.stream().wait_event(self._mark.event)
+        if gather is not None and gather.event is not None:
+            self.stream().wait_event(gather.event)
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Any]:
-        """Make the private stream current for this thread, after the mark's event."""
-        self.wait_ready()
+    def reading(self, gather: Optional[GatherMark] = None) -> Iterator[Any]:
+        """Make the private stream current for this thread, after the mark's event (and
+        `gather`'s)."""
+        self.wait_ready(gather)
         stream = self.stream()
         with self._module.stream(stream):
             try:
@@ -196,12 +286,14 @@ class DeviceReader:
 _READERS = threading.local()
 
 
-def reading() -> contextlib.AbstractContextManager:
+def reading(live_params: bool = False) -> contextlib.AbstractContextManager:
     """The context a checkpoint write runs in: a private, ordered stream on a device; nothing
-    (a null context) on a rank without one. One reader (and stream) per handler thread."""
+    (a null context) on a rank without one. `live_params`: the write reads the model's live
+    params, so the stream also waits for the param all-gather's event. One reader (and
+    stream) per handler thread."""
     if MARK.module is None:
         return contextlib.nullcontext()
     reader = getattr(_READERS, "reader", None)
     if reader is None or reader._mark is not MARK or reader._module is not MARK.module:
         reader = _READERS.reader = DeviceReader(MARK)
-    return reader.reading()
+    return reader.reading(GATHERED if live_params else None)

@@ -141,13 +141,19 @@ def _setup_logging(rank: int) -> None:
 # Shards per DP group as the optimizer that holds them declared (ReplicatedOptimizer); None
 # without one. The `replica` the training code passes must agree: one source for the layout.
 _optimizer_shards: Optional[int] = None
+_optimizer_order: Optional[List[int]] = None
 
 
-def declare_optimizer_shards(shards: Optional[int]) -> None:
+def declare_optimizer_shards(shards: Optional[int],
+                             dp_order: Optional[Sequence[int]] = None) -> None:
     """Called by the optimizer that keeps the replicated shards, when it is built (before
-    train() initialises the runtime), so a `replica` argument that disagrees is refused."""
-    global _optimizer_shards
+    train() initialises the runtime), so a `replica` argument that disagrees is refused.
+    `dp_order`: this rank's DP group in the order whose place i holds shard i % replica, when
+    the optimizer pairs its holders otherwise than Megatron's DP order (partners on different
+    hosts: megatron_ttp/pairing.py); ttp_init_processor then reports that order."""
+    global _optimizer_shards, _optimizer_order
     _optimizer_shards = None if shards is None else _int("shards", shards, 1, MAX_WORLD)
+    _optimizer_order = None if dp_order is None else [int(r) for r in dp_order]
 
 
 def _check_shards(where: str, replica: int) -> None:
@@ -216,6 +222,8 @@ def ttp_init_processor(rank: int, dp_ranks: Sequence[int], dp_size: int, world_s
                    "no replica to save from, use DP >= 2)")
     _check_shards("ttp_init_processor", replica)
     _bool("enable_local_copy", enable_local_copy)
+    if _optimizer_order is not None and sorted(_optimizer_order) == sorted(ranks):
+        ranks = list(_optimizer_order)  # the optimizer's pairs: place i holds shard i % replica
     _processor_args = (rank, ranks, world_size, replica)
 
 

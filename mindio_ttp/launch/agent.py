@@ -60,7 +60,7 @@ from mindio_ttp.config import (
 )
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
-from mindio_ttp.launch import preflight
+from mindio_ttp.launch import gloo_iface, preflight
 from mindio_ttp.launch.procstate import read_proc_state
 
 logger = logging.getLogger("ttprun")
@@ -456,16 +456,17 @@ def outcome_lines(flow: Optional[FlowRecord], failures: dict,
 
 
 @contextlib.contextmanager
-def ttp_environment() -> Iterator[Path]:
+def ttp_environment(extra: Optional[dict] = None) -> Iterator[Path]:
     """Export a fresh TTP_RUN_DIR and, unless the user gave a key, a generated TTP_AUTH_KEY to
-    this node's workers (environment only: never the rendezvous store).
+    this node's workers (environment only: never the rendezvous store), and `extra`.
 
     When ``TTP_RUN_DIR`` is already set it is taken as the parent of the per-launch directory,
     which is then kept (so a caller can read ``flow-finished.json``); otherwise a temporary one is
     made and removed at exit.
     """
+    extra = extra or {}
     saved = {name: os.environ.get(name)
-             for name in (ENV_RUN_DIR, ENV_AUTH_KEY, *collective_env.NAMES)}
+             for name in (ENV_RUN_DIR, ENV_AUTH_KEY, *collective_env.NAMES, *extra)}
     parent = saved[ENV_RUN_DIR]
     if parent:
         Path(parent).mkdir(parents=True, exist_ok=True)
@@ -474,6 +475,7 @@ def ttp_environment() -> Iterator[Path]:
     if not saved[ENV_AUTH_KEY] and not os.environ.get(ENV_AUTH_KEY_FILE):
         os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)  # single node (preflight.check)
     collective_env.apply_defaults(os.environ)
+    os.environ.update(extra)
     try:
         yield run_dir
     finally:
@@ -533,7 +535,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ttprun: error: {preflight.refusal(problems)}", file=sys.stderr)
         return 2
     RDZV_WAIT_NOTICE_S = config.value(os.environ, config.ENV_RDZV_NOTICE)
-    with ttp_environment() as run_dir, _agent_installed():
+    ifname, note = gloo_iface.choose(os.environ, gloo_iface.rendezvous_host(args),
+                                     is_multi_node(args.nnodes))
+    if note:
+        print(f"ttprun: {note}", file=sys.stderr)
+    extra = {gloo_iface.NAME: ifname} if ifname else {}
+    with ttp_environment(extra) as run_dir, _agent_installed():
         logger.info("ttprun: TTP_RUN_DIR=%s", run_dir)
         try:
             run(args)

@@ -2,8 +2,9 @@
 
 A dying checkpoint is written while the job is failing; if the writers died too, or a file was
 damaged later, Megatron would crash in torch.load or (worse) `sys.exit()` with status 0. So the
-ranks first agree on the newest checkpoint that passes `manifest.verify` (each rank re-hashes a
-share of the files), then let Megatron load exactly that one.
+ranks first agree on the newest checkpoint that passes `manifest.verify` on every rank (each rank
+re-hashes a share of the files; the steps tried are agreed too, not read from each rank's own
+directory listing), then let Megatron load exactly that one.
 """
 
 from __future__ import annotations
@@ -51,38 +52,55 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
 
 
 def choose_checkpoint(load_dir: Path) -> Optional[int]:
-    """The newest usable iteration at or below the tracker's, agreed by all ranks; None when
-    there is no tracker (Megatron then starts from scratch, as it always did) or it says
-    `release`. A tracker that says anything else raises `manifest.TrackerError` on every rank
-    (they all read the same file), before Megatron's own reader would `sys.exit(0)`."""
+    """The newest usable checkpoint, agreed by all ranks; None when no rank has a tracker (or
+    every tracker says `release`): Megatron then does what it always did. A tracker that says
+    anything else raises `manifest.TrackerError` before Megatron's own reader would
+    `sys.exit(0)`.
+
+    Each rank sees the checkpoint directory through its own listing, and listings differ (a
+    shared filesystem's attribute cache, a node that lost its mount for a moment). So no rank
+    walks its own list: in each round every rank proposes the newest step of its list below
+    the last one tried, the ranks take the largest proposal (MAX), every rank checks that one
+    step (`manifest.verify`: files, sizes, its share of the sha256s), and the step is taken
+    only if every rank accepts it (MIN). All ranks try the same steps in the same order and
+    take the same one, or all raise."""
     newest, _reason = manifest.read_tracker(load_dir)
-    if newest is None:
-        return None
+    mine: List[int] = [] if newest is None else sorted(
+        {newest, *manifest.candidate_steps(load_dir, newest)}, reverse=True)
     par = parallel_layout()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     share = par.expected_files()[rank::world]
-    candidates: List[int] = [newest] + [
-        s for s in manifest.candidate_steps(load_dir, newest) if s != newest]
-    for step in candidates:
+    top = _agreed(newest if newest is not None else -1, torch.distributed.ReduceOp.MAX)
+    if top < 0:
+        return None
+    tried: Optional[int] = None
+    while True:
+        proposal = next((s for s in mine if tried is None or s < tried), -1)
+        step = _agreed(proposal, torch.distributed.ReduceOp.MAX)
+        if step < 0:
+            raise RuntimeError(f"mindio_ttp: no usable checkpoint in {load_dir} (newest tracker "
+                               f"says {top}); remove the tracker file to start from scratch")
         iter_dir = load_dir / manifest.iter_dir_name(step)
         reason = manifest.verify(iter_dir, par, hash_files=share)
-        # on the default group, so on the device Megatron's own collectives use (NCCL and HCCL
-        # take no CPU tensors): Megatron's idiom, torch.cuda.current_device() (the device
-        # adaptor maps it to the NPU, the CPU adaptor to the CPU)
-        ok = torch.tensor([0 if reason else 1], dtype=torch.int64,
-                          device=torch.cuda.current_device())
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
         if reason:
             print(f"mindio_ttp: rank {rank} refuses checkpoint {iter_dir}: {reason}", flush=True)
-        if ok.item() == 1:
-            if step != newest:
-                print_rank_0(f"mindio_ttp: {manifest.TRACKER} names iteration {newest}, which is "
+        if _agreed(0 if reason else 1, torch.distributed.ReduceOp.MIN) == 1:
+            if step != top:
+                print_rank_0(f"mindio_ttp: {manifest.TRACKER} names iteration {top}, which is "
                              f"not usable; loading the previous complete checkpoint, iteration "
                              f"{step}")
             return step
         print_rank_0(f"mindio_ttp: checkpoint {iter_dir} refused (see the rank messages above)")
-    raise RuntimeError(f"mindio_ttp: no usable checkpoint in {load_dir} (tracker says {newest}); "
-                       "remove the tracker file to start from scratch")
+        tried = step
+
+
+def _agreed(value: int, op) -> int:
+    """`value` reduced over every rank with `op`, on the default group and Megatron's device
+    (NCCL and HCCL take no CPU tensors): Megatron's idiom, torch.cuda.current_device(), which
+    the device adaptor maps to the NPU and the CPU adaptor to the CPU."""
+    t = torch.tensor([value], dtype=torch.int64, device=torch.cuda.current_device())
+    torch.distributed.all_reduce(t, op=op)
+    return int(t.item())
 
 
 @contextlib.contextmanager

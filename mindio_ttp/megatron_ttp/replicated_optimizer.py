@@ -2,10 +2,11 @@
 
 Layout (striped). With d DP positions and s = d/2, DP position p keeps two *stripes*: its own
 stock stripe p (exactly the range Megatron's `DistributedOptimizer` gives position p, built by
-the stock code) and its partner's stripe p' = (p + s) mod d. So shard k (the TTP runtime's
-unit: positions k and k + s hold the same shard) is the pair of stock stripes {k, k + s}, and
-each position holds, in its own memory, the exact state stock Megatron keeps at position p
-*and* at its partner. That is what makes checkpoints local:
+the stock code) and its partner's stripe p' (p' = (p + s) mod d, or, when those pairs would
+share a host, any pairing that puts partners on different hosts: pairing.py). So shard k (the
+TTP runtime's unit: the two positions of pair k hold the same shard) is the pair of stock
+stripes {p, p'}, and each position holds, in its own memory, the exact state stock Megatron
+keeps at position p *and* at its partner. That is what makes checkpoints local:
 
 - `state_dict()` returns the own stripe's stock state (references, like stock): no collective,
   no copy; stock Megatron loads it and we load stock files.
@@ -19,7 +20,8 @@ Per-step communication, on Megatron's groups and the job's backend only (NCCL, H
 no explicit backend anywhere here): stock reduce-scatter of grads over the DP group, then each
 rank swaps its reduced stripe with its partner (`batch_isend_irecv` on a 2-rank group per pair,
 created once at start-up with the default backend), then the stock param all-gather of own
-stripes. Bytes per rank per step: stock's 2(d-1)/d N plus N/d, i.e. 1 + 1/(2(d-1)) times stock.
+stripes. Bytes per rank per step (fp32): stock's 2(d-1)/d N plus N/d, i.e. 1 + 1/(2(d-1))
+times stock; with bf16 params and fp32 grads, 1 + 2/(3(d-1)) (bench/bench_optimizer.py).
 
 The TTP contract forbids collectives between `ttp_start_updating_os` and `ttp_end_updating_os`:
 a rank killed there must not leave survivors blocked half-updated. So every collective of the
@@ -34,10 +36,9 @@ bit-identical (the optimizer update is elementwise).
 
 from __future__ import annotations
 
-import copy
+import inspect
 import os
 import socket
-from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,8 @@ from megatron.optimizer.optimizer import _zero_grad_group_helper
 
 from mindio_ttp import config as ttp_config
 from mindio_ttp import framework_ttp
+from mindio_ttp.faulttime import device_copy
+from mindio_ttp.megatron_ttp import pairing
 from mindio_ttp.megatron_ttp.step_record import StepRecord
 
 REPLICAS = 2  # the striped layout keeps every stripe on exactly two ranks
@@ -179,17 +182,24 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
             )
         self.replica_count = REPLICAS
         self.num_shards = dp // REPLICAS
-        # One source for the layout: the runtime refuses a `replica` that disagrees.
-        framework_ttp.declare_optimizer_shards(self.num_shards)
         self.dp_size = dp
         self.dp_position = mpu.get_data_parallel_rank()
-        self.partner_position = (self.dp_position + self.num_shards) % dp
-        self.shard_index = self.dp_position % self.num_shards
-        self.replica_index = self.dp_position // self.num_shards
         self.dp_ranks: List[int] = list(
             torch.distributed.get_process_group_ranks(mpu.get_data_parallel_group())
         )
+        # partners on different hosts (pairing.py): every DP group's pairs, from every host
+        self.pairings = self._choose_pairings()
+        self.pairs = self.pairings[tuple(self.dp_ranks)]
+        self._partner_of = pairing.partner_map(self.pairs)
+        self.partner_position = self._partner_of[self.dp_position]
+        self.shard_index = next(k for k, pair in enumerate(self.pairs)
+                                if self.dp_position in pair)
+        self.replica_index = self.pairs[self.shard_index].index(self.dp_position)
         self.partner_rank = self.dp_ranks[self.partner_position]
+        # One source for the layout: the runtime refuses a `replica` that disagrees, and
+        # counts shards in this order (pair k at DP places k and k + DP/2).
+        framework_ttp.declare_optimizer_shards(
+            self.num_shards, pairing.runtime_order(self.dp_ranks, self.pairs))
         # the stock constructor rewrites the groups' params in place: keep the originals
         orig_groups = [dict(g) for g in optimizer.param_groups]
         super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, params_have_main_grad,
@@ -203,45 +213,56 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         self.partner = self._build_stripe(self.partner_position, orig_groups)
         self.pair_group = self._build_pair_groups()
         self._pending: Optional[Tuple[bool, Optional[float], Optional[float]]] = None
-        self._gathered_step = -1  # last step whose param all-gather finished on this rank
         self._init_step_record()
 
     # ---- layout -------------------------------------------------------------------------
 
+    def _choose_pairings(self) -> Dict[Tuple[int, ...], List[pairing.Pair]]:
+        """The pairs of every DP group, from every rank's DP group and host name (one
+        all_gather_object on the default group, at start-up); the same on every rank. Warns
+        (or, with TTP_REQUIRE_CROSS_HOST_REPLICAS=1, refuses) when some pair must share a
+        host (a host holds more than half of a DP group)."""
+        world = torch.distributed.get_world_size()
+        everyone: List[Optional[Tuple[List[int], str]]] = [None] * world
+        torch.distributed.all_gather_object(everyone, (self.dp_ranks, _hostname()))
+        hosts = {r: h for r, (_, h) in enumerate(everyone)}  # type: ignore[misc]
+        groups = sorted({tuple(d) for d, _ in everyone})  # type: ignore[misc]
+        pairings = {g: pairing.choose_pairs([hosts[r] for r in g]) for g in groups}
+        check_partner_hosts(pairings, hosts)
+        return pairings
+
     def _build_stripe(self, position: int, orig_groups: List[dict]) -> Stripe:
         """The partner's stripe, built by the stock class methods, with its own inner
-        optimizer: a shallow copy of ours (same class and constructor options, e.g. apex
-        FusedAdam's) with fresh state and groups."""
+        optimizer: a new instance of our optimizer's class with the same options
+        (`fresh_like`), never a copy: torch's Optimizer.__getstate__ keeps only defaults,
+        state and groups, so a copy loses what the constructor set (apex FusedAdam's
+        `adam_w_mode`), and fused optimizers keep per-instance buffers (torch_npu's
+        NpuFusedOptimizerBase fills lists made in __init__ with combined param and grad
+        buffers) that the two stripes must not share."""
         ranges = [{dtype: stock_gbuf_range(model, dtype, position, self.dp_size)
                    for dtype in model._grad_buffers} for model in self.models]
         pmap = self.build_model_param_gbuf_map(ranges)
         groups = [dict(g) for g in orig_groups]
         opt_ranges = self.build_optimizer_group_ranges(groups, ranges)
         built = self.build_model_and_main_param_groups(ranges, pmap, opt_ranges)
-        inner = copy.copy(self.optimizer)
-        inner.state = defaultdict(dict)
-        inner.param_groups = [g["orig_group"] for g in opt_ranges]
-        inner.load_state_dict(inner.state_dict())
+        inner = fresh_like(self.optimizer, [g["orig_group"] for g in opt_ranges])
         return Stripe(position, ranges, pmap, opt_ranges, *built, inner)
 
     def _build_pair_groups(self):
         """One 2-rank group per pair of partners, on the job's default backend (NCCL, HCCL,
-        gloo); every rank must create every group, in the same order. Also checks, once, that
-        partners sit on different hosts (a host loss must not take both copies)."""
-        world = torch.distributed.get_world_size()
-        everyone: List[Optional[Tuple[List[int], str]]] = [None] * world
-        torch.distributed.all_gather_object(everyone, (self.dp_ranks, _hostname()))
-        hosts = {r: h for r, (_, h) in enumerate(everyone)}  # type: ignore[misc]
-        check_partner_hosts({tuple(d) for d, _ in everyone}, hosts)  # type: ignore[misc]
+        gloo); every rank creates every group, in the same order."""
         mine = None
-        for ranks in sorted({tuple(d) for d, _ in everyone}):  # type: ignore[misc]
-            s = len(ranks) // 2
-            for k in range(s):
-                pair = [ranks[k], ranks[k + s]]
+        for ranks, pairs in sorted(self.pairings.items()):
+            for a, b in pairs:
+                pair = sorted([ranks[a], ranks[b]])
                 group = torch.distributed.new_group(pair)
                 if torch.distributed.get_rank() in pair:
                     mine = group
         return mine
+
+    def partner_of(self, position: int) -> int:
+        """The DP position that holds the same shard as `position`, in my DP group."""
+        return self._partner_of[position]
 
     def stripes(self) -> Tuple[Stripe, Stripe]:
         return self.own, self.partner
@@ -351,17 +372,29 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         return True, grad_norm, num_zeros
 
     def gather_model_params(self, args, timers):
-        """Stock all-gather of the own stripes over the DP group."""
-        DistributedOptimizer.gather_model_params(self, args, timers)
-        self._gathered_step = self.current_step
+        """Stock's all-gather of the own stripes over the DP group and its copies into the
+        params, then the device event that says they are done (`device_copy.GATHERED`): on
+        NCCL/HCCL the host returns as soon as the all-gather is enqueued, so only the device
+        can say whether the live params hold this step (a dying checkpoint reads them only
+        then)."""
+        timers('params-all-gather', log_level=1).start(barrier=args.barrier_with_L1_time)
+        position, group = mpu.get_data_parallel_rank(), mpu.get_data_parallel_group()
+        works = [torch.distributed._all_gather_base(pbuf, views[position], group=group,
+                                                    async_op=True)
+                 for _model, _dtype, pbuf, views in self.get_model_param_buffer_dp_views()]
+        for work in works:
+            work.wait()  # as the stock call: the current stream waits (NCCL), the host (gloo)
+        for model_id, model in enumerate(self.models):
+            for dtype, param_map in model._grad_buffer_param_index_map.items():
+                param_buf = self.param_buffers[model_id][dtype]
+                for param, (start, end) in param_map.items():
+                    param.view(-1).detach().copy_(param_buf[start:end])
+        device_copy.GATHERED.record(self.current_step, works)
+        timers('params-all-gather').stop()
 
     def record_loaded_step(self, iteration: int, scheduler) -> None:
         super().record_loaded_step(iteration, scheduler)
-        self._gathered_step = iteration  # the loaded model weights are that step's
-
-    def params_gathered_at(self, step: int) -> bool:
-        """True when the live model params hold step `step` (its all-gather finished here)."""
-        return self._gathered_step == step
+        device_copy.GATHERED.record(iteration)  # the loaded model weights are that step's
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -401,20 +434,20 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
     def save_plan(self, save_ranks: Sequence[int]) -> Tuple[List[int], bool]:
         """What this chosen rank writes in a dying checkpoint: its own stock file, the
         partner's too when the partner is not saving, and whether it writes the model file
-        (the chosen holder of stripe 0 with the lowest position)."""
+        (the chosen rank of the DP group with the lowest DP position)."""
         chosen = {self.dp_ranks.index(r) for r in save_ranks if r in self.dp_ranks}
-        for k in range(self.num_shards):
-            if not chosen & {k, k + self.num_shards}:
+        for k, (a, b) in enumerate(self.pairs):
+            if not chosen & {a, b}:
                 raise RuntimeError(
                     f"save ranks {sorted(save_ranks)} hold no copy of shard {k} of DP group "
-                    f"{self.dp_ranks} (positions {k} and {k + self.num_shards})")
+                    f"{self.dp_ranks} (positions {a} and {b})")
         if self.dp_position not in chosen:
             raise RuntimeError(f"rank {torch.distributed.get_rank()} is not among the save "
                                f"ranks {sorted(save_ranks)}")
         positions = [self.dp_position]
         if self.partner_position not in chosen:
             positions.append(self.partner_position)
-        return sorted(positions), min(chosen & {0, self.num_shards}) == self.dp_position
+        return sorted(positions), min(chosen) == self.dp_position
 
     # ---- TTP hooks (see StepRecord) ---------------------------------------------------
 
@@ -443,38 +476,75 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
 
 
 def _hostname() -> str:
-    """This rank's host name. TTP_TEST_HOSTNAME (test-only: lets one machine play a multi-host
-    job for the partner-placement check) is a comma-separated list, entry r for global rank r."""
-    fake = os.environ.get(ttp_config.ENV_TEST_HOSTNAME)
-    if fake:
-        return fake.split(",")[torch.distributed.get_rank()]
+    """This rank's host name, as the partner check compares them."""
     return socket.gethostname()
 
 
-def check_partner_hosts(dp_groups, hosts: Dict[int, str]) -> None:
-    """Warn (or refuse, with TTP_REQUIRE_CROSS_HOST_REPLICAS=1) when the job spans hosts but
-    both holders of some shard share one: losing that host loses the shard."""
+def fresh_like(optimizer: torch.optim.Optimizer, param_groups: List[dict]):
+    """A new optimizer of `optimizer`'s class over `param_groups`, built with the same
+    constructor options: each constructor argument is taken from the optimizer's `defaults`
+    (where torch.optim keeps them), else from an attribute of that name (apex FusedAdam keeps
+    `adam_w_mode` and `set_grad_none` there), else its constructor default.
+
+    The constructor gets one empty placeholder per group, and the groups are then set the
+    way stock DistributedOptimizer sets its own optimizer's: their params are views into the
+    model's params (fp32) or main params, which a constructor refuses ("can't optimize a
+    non-leaf Tensor")."""
+    cls = type(optimizer)
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, params
+    kwargs: Dict[str, Any] = {}
+    for p in params:
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if p.name in optimizer.defaults:
+            kwargs[p.name] = optimizer.defaults[p.name]
+        elif hasattr(optimizer, p.name):
+            kwargs[p.name] = getattr(optimizer, p.name)
+        elif p.default is inspect.Parameter.empty:
+            raise TypeError(f"cannot build a second {cls.__name__} for the partner stripe: its "
+                            f"constructor argument {p.name!r} is neither in its defaults nor an "
+                            "attribute")
+    device = next((p.device for g in param_groups for p in g["params"]), None)
+    inner = cls([{**g, "params": [torch.empty(0, device=device)]} for g in param_groups],
+                **kwargs)
+    inner.param_groups = param_groups
+    return inner
+
+
+def check_partner_hosts(pairings: Dict[Tuple[int, ...], List[pairing.Pair]],
+                        hosts: Dict[int, str]) -> None:
+    """Say when partners had to leave the natural p + DP/2 pairing to sit on two hosts, and
+    warn (or refuse, with TTP_REQUIRE_CROSS_HOST_REPLICAS=1) when some shard has both copies
+    on one host anyway: a host holds more than half of a DP group, so no pairing can avoid it,
+    and losing that host loses the shard."""
     if len(set(hosts.values())) < 2:
         return
-    same = []
-    for ranks in sorted(dp_groups):
-        s = len(ranks) // 2
-        same += [(ranks[k], ranks[k + s]) for k in range(s)
-                 if hosts[ranks[k]] == hosts[ranks[k + s]]]
+    moved, same, crowded = [], [], []
+    for ranks, pairs in sorted(pairings.items()):
+        group_hosts = [hosts[r] for r in ranks]
+        if pairs != pairing.natural_pairs(len(ranks)):
+            moved.append(", ".join(f"{ranks[a]}+{ranks[b]}" for a, b in pairs))
+        bad = pairing.same_host_pairs(pairs, group_hosts)
+        if bad:
+            same += [(ranks[a], ranks[b], group_hosts[a]) for a, b in bad]
+            host, n = pairing.crowded_host(group_hosts)
+            crowded.append(f"{host} holds {n} of the {len(ranks)} ranks of DP group "
+                           f"{list(ranks)[:8]}{' ...' if len(ranks) > 8 else ''}")
+    if moved:
+        print_rank_0("mindio_ttp: optimizer partners paired across hosts (ranks r+q hold one "
+                     "shard together): " + "; ".join(moved[:4])
+                     + (f"; and {len(moved) - 4} more DP groups" if len(moved) > 4 else ""))
     if not same:
         return
-    head = ", ".join(f"ranks {a} and {b} on {hosts[a]}" for a, b in same[:4])
+    total = sum(len(ranks) // 2 for ranks in pairings)
+    head = ", ".join(f"ranks {a} and {b} on {h}" for a, b, h in same[:4])
     more = f" and {len(same) - 4} more" if len(same) > 4 else ""
-    total = sum(len(ranks) // 2 for ranks in dp_groups)
-    gap = same[0][1] - same[0][0]
-    per_host = max(sum(1 for h in hosts.values() if h == host) for host in set(hosts.values()))
     msg = (f"mindio_ttp: {len(same)} optimizer shard(s) of {total} have both copies on one "
            f"host ({head}{more}): losing that host loses the shard and the dying checkpoint. "
-           f"DP position p is paired with position p + DP/2, here {gap} global ranks apart, "
-           f"and a host holds up to {per_host} ranks. Fix the rank order so that ranks r and "
-           f"r + {gap} never share a host: hosts holding consecutive blocks of at most {gap} "
-           f"ranks (torchrun --node-rank in host order, at most {gap} ranks per host), or "
-           f"rank r on host (r // {gap}) % (number of hosts)")
+           f"No pairing can avoid it: {'; '.join(crowded[:2])}, more than half. Place the "
+           "ranks so that no host holds more than half of any DP group (with Megatron's rank "
+           "order a DP group is the ranks r, r + TP, r + 2 TP, ... of one pipeline stage: spread "
+           "every stage over at least two hosts)")
     if os.environ.get(ttp_config.ENV_REQUIRE_CROSS_HOST_REPLICAS, "") == "1":
         raise RuntimeError(msg + f"; refusing to start because "
                            f"{ttp_config.ENV_REQUIRE_CROSS_HOST_REPLICAS}=1")

@@ -6,13 +6,16 @@ collective with a dead rank, so nothing here touches Megatron's process groups.
 Exchange-free: every DP position holds its own stock stripe and its partner's
 (replicated_optimizer.py), so each chosen rank writes Megatron's own optimizer file of its
 position from its own memory, and the partner's file too when the partner is not among the
-savers (dead, or not chosen). Ranks write in parallel, each its own files. The model file
-(one per TP/PP rank) needs every weight: when the fault came after this step's param
-all-gather on every chosen rank (the common case: a fault in forward/backward), the live
-weights are the step's and nothing moves. Only when some chosen rank is behind (killed between
-the update and the end of the all-gather) do the chosen ranks of a DP group swap their fp32
-main params over a private gloo group with CPU tensors, built on the store the save order names
-(the ordering controller hosts it: see exchange.py). Optimizer state never moves.
+savers (dead, or not chosen). Ranks write in parallel, each its own files. Before any read,
+`device_copy.prepare` notes what the device finished and stops its work (faulttime/abort.py).
+
+The model file (one per TP/PP rank, written by the chosen rank of the DP group with the lowest
+DP position) needs every weight of the step: when the device says this step's param all-gather
+and its copies finished on the writer (the common case: a fault in forward/backward), the live
+weights are the step's and nothing moves. Otherwise (a fault between the update and the end of
+the all-gather, or an all-gather hung on a dead peer) the other chosen ranks of the DP group send
+their fp32 main params to the writer alone, over 2-rank gloo groups with CPU tensors built on
+the store the save order names (exchange.py). Optimizer state never moves.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import copy
 import shutil
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from megatron import get_args
@@ -58,15 +61,15 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     meta = optimizer.step_meta(step)
     positions, writes_model = optimizer.save_plan(save_ranks)
     tag = exchange.attempt_tag(step, save_ranks)
-    me = torch.distributed.get_rank()
 
     root = manifest.tmp_root(args.save, step, _order_tag(step))
-    # this order's own directory: nothing to clear, and another flow's is never touched. The
-    # one fault-time collective every save has: all chosen ranks are here, and do their live
-    # model params hold step `step` (its param all-gather finished)? Then no rank exchanges.
-    gathered = exchange.all_true(exchange.gloo_group(save_ranks, me, f"{tag}/all/"),
-                                 optimizer.params_gathered_at(step))
-    full = None if gathered else _exchange_main_params(optimizer, save_ranks, tag)
+    # this order's own directory: nothing to clear, and another flow's is never touched.
+    # Before any device read: what the device finished (noted first), then stop its work.
+    ready = device_copy.prepare(step)
+    # The model file of this DP group needs every weight of `step`: its writer's live params
+    # when their all-gather finished on the device, else the fp32 main params of the chosen
+    # ranks, gathered to the writer alone. The writer decides, the others follow.
+    full = _main_params_if_needed(optimizer, save_ranks, tag, writes_model, ready.gathered)
 
     par = parallel_layout()
     iter_dir = root / manifest.iter_dir_name(step)
@@ -77,7 +80,7 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     if writes_model:
         state = _model_state(step, model, optimizer, full, meta, args)
         rel = par.model_file(tp_rank, pp_rank)
-        written[rel] = _save(iter_dir, rel, state)
+        written[rel] = _save(iter_dir, rel, state, live_params=full is None)
     sched = dict(scheduler.state_dict())
     sched["num_steps"] = meta["scheduler_num_steps"]  # the live one may be one step ahead
     lr, wd = _hyperparams_at(scheduler, meta["scheduler_num_steps"])
@@ -104,6 +107,10 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     # directory is refused
     manifest.write_tracker(save_dir, step)
     shutil.rmtree(root, ignore_errors=True)
+    # earlier attempts of this save (a failed saver was replaced: each attempt stages in its
+    # own directory), never visible to a loader, now only debris
+    for earlier in save_dir.glob(manifest.tmp_root("", step, "*").name):
+        shutil.rmtree(earlier, ignore_errors=True)
     print(f"ttp: dying checkpoint of iteration {step} is in {final}", flush=True)
 
 
@@ -162,30 +169,49 @@ def _stripe_chunks(optimizer: ReplicatedOptimizer) -> Dict[int, List[torch.Tenso
     return out
 
 
-def _exchange_main_params(optimizer: ReplicatedOptimizer, save_ranks: Sequence[int],
-                          tag: str) -> Dict[tuple, torch.Tensor]:
-    """Full fp32 main params of every grad buffer of my DP group, from the chosen holders'
-    stripes, over a private gloo group (CPU tensors). Needed only when some chosen rank's
-    live model params are behind step `step` (the fault hit before its param all-gather)."""
+def _main_params_if_needed(optimizer: ReplicatedOptimizer, save_ranks: Sequence[int], tag: str,
+                           writes_model: bool,
+                           gathered: bool) -> Optional[Dict[tuple, torch.Tensor]]:
+    """The full fp32 main params of every grad buffer of my DP group, on the model-file writer
+    when its live params are not those of the step (None elsewhere, and when they are).
+
+    One flag decides: the writer's ("did my params of this step reach the model", from the
+    device), set on the save order's store and read by the other chosen ranks of the DP group:
+    one store operation per rank, whatever the DP size, and no process group. Only when the
+    writer needs them does each other chosen rank send its two stripes to the writer, over a
+    2-rank gloo group of its own (CPU tensors, read on the private stream): the writer holds
+    one DP group's fp32 weights, the others only their own stripes."""
+    me = torch.distributed.get_rank()
     chosen = sorted(r for r in save_ranks if r in optimizer.dp_ranks)
+    writer = min(chosen, key=optimizer.dp_ranks.index)
+    prefix = f"{tag}/dp-{'-'.join(map(str, chosen))}/"
+    store, timeout = exchange.order_store()
+    senders = [r for r in chosen if r != writer]
+    if writes_model:
+        if senders:
+            exchange.share_flag(store, prefix + "rebuild", not gathered)
+        if gathered:
+            return None
+    elif not exchange.read_flag(store, prefix + "rebuild", timeout):
+        return None
     with device_copy.reading():  # device -> host on the private stream, not the training one
         mine = _stripe_chunks(optimizer)
-    own, partner = optimizer.dp_position, optimizer.partner_position
-    packed = torch.cat(mine[own] + mine[partner])
-    group = exchange.gloo_group(chosen, torch.distributed.get_rank(),
-                                f"{tag}/dp-{'-'.join(map(str, chosen))}/")
-    parts = exchange.allgather(group, packed, len(chosen))  # in global-rank order
+    packed = torch.cat([c for position in sorted(mine) for c in mine[position]])
+    if not writes_model:
+        exchange.send_to(store, prefix, me, packed, timeout)
+        return None
+    parts = {me: packed}
+    parts.update(exchange.receive_from(store, prefix, senders, packed.numel(), timeout))
     keys = [(mi, dtype) for mi, model in enumerate(optimizer.models)
             for dtype in model._grad_buffers]
-    sizes = [c.numel() for c in mine[own]]
-    full: Dict[tuple, torch.Tensor] = {}
-    for (mi, dtype), size in zip(keys, sizes):
-        full[(mi, dtype)] = torch.zeros(size * optimizer.dp_size, dtype=torch.float32)
-    for rank, part in zip(chosen, parts):
+    sizes = [c.numel() for c in mine[optimizer.dp_position]]
+    full: Dict[tuple, torch.Tensor] = {
+        key: torch.zeros(size * optimizer.dp_size, dtype=torch.float32)
+        for key, size in zip(keys, sizes)}
+    for rank, part in parts.items():
         pos = optimizer.dp_ranks.index(rank)
-        halves = [pos, (pos + optimizer.num_shards) % optimizer.dp_size]
         offset = 0
-        for position in halves:
+        for position in sorted({pos, optimizer.partner_of(pos)}):
             for key, size in zip(keys, sizes):
                 full[key][position * size:(position + 1) * size] = part[offset:offset + size]
                 offset += size
@@ -233,7 +259,7 @@ def _replace_tensors(tree, rebuilt):
     return tree
 
 
-def _save(iter_dir: Path, rel: str, state) -> Dict[str, object]:
+def _save(iter_dir: Path, rel: str, state, live_params: bool = False) -> Dict[str, object]:
     """Stream `state` into `iter_dir/rel` (checkpoint_writer: hashed while written, no copy of
     the file in memory, device tensors read on a private stream); its manifest entry."""
-    return checkpoint_writer.write_torch(iter_dir / rel, state).entry()
+    return checkpoint_writer.write_torch(iter_dir / rel, state, live_params=live_params).entry()

@@ -13,6 +13,8 @@ REPO = HERE.parents[1]
 FAULT_HOOK_DIR = HERE / "fault_hook"
 DIST_AUDIT_DIR = HERE / "dist_audit"
 RSS_HOOK_DIR = HERE / "rss_hook"
+FAKE_DEVICE_DIR = HERE / "fake_device"
+HOSTNAME_HOOK_DIR = HERE / "hostname_hook"
 PATCHER_HOOK_DIR = HERE / "patcher_hook"
 OPTIM_MEMORY_DIR = HERE / "optim_memory"
 

@@ -51,3 +51,19 @@ def unpatched_megatron_tree(megatron_tree_factory: TreeFactory) -> Path:
 def patched_megatron_tree(megatron_tree_factory: TreeFactory) -> Path:
     """A copy after ``ttp-patch apply --device cpu``, shared by tests that only run it."""
     return megatron_tree_factory(patched=True)
+
+
+@pytest.fixture(scope="session")
+def saved_every_iteration(patched_megatron_tree: Path, tiny_dataset: TinyDataset,
+                          tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted tiny-GPT run (DP4, 10 iterations) with Megatron's own save after every
+    iteration: the oracle a dying checkpoint of any step is compared with, tensor for tensor."""
+    from megatron_e2e import N_ITERS, run_job
+
+    work = tmp_path_factory.mktemp("every_iteration")
+    ckpt = work / "ref_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "ref.log", ckpt,
+                     save_interval=1)
+    assert result.returncode == 0, result.tail()
+    assert sorted(result.losses) == list(range(1, N_ITERS + 1)), result.tail()
+    return ckpt

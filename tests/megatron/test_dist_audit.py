@@ -115,5 +115,11 @@ def test_fault_time_exchange_uses_only_its_gloo_groups_with_cpu_tensors(audited)
         r for r in fault if r["group"] != "fault-gloo"][:4]
     assert all(set(r["devices"]) <= {"cpu"} for r in fault)
     ops = Counter(r["op"] for r in fault)
-    # the agreement on the weights, then the main-param swap (rank 1 died before its gather)
-    assert ops["pg.allreduce"] and ops["pg.allgather"], ops
+    # rank 1 died before its gather: the writer's params are behind, so the other saver sends
+    # its main params to the writer alone (a 2-rank group each), and the decision took no
+    # collective at all (one flag on the save order's store)
+    assert ops["pg.send"] and ops["pg.recv"], ops
+    assert not ops["pg.allreduce"] and not ops["pg.allgather"], ops
+    receivers = {r["rank"] for r in fault if r["op"] == "pg.recv"}
+    senders = {r["rank"] for r in fault if r["op"] == "pg.send"}
+    assert len(receivers) == 1 and not receivers & senders, (receivers, senders)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from megatron_e2e import N_ITERS, run_job, tracker_step
+from megatron_e2e import run_job, tracker_step
 
 from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
 from mindio_ttp.megatron_ttp import manifest
@@ -39,19 +39,8 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("random_instant")
 
 
-@pytest.fixture(scope="module")
-def every_iteration(patched_megatron_tree, tiny_dataset, work) -> Path:
-    """The uninterrupted run, with Megatron's own save after every iteration."""
-    ckpt = work / "ref_ckpt"
-    result = run_job(patched_megatron_tree, tiny_dataset, work / "ref.log", ckpt,
-                     save_interval=1)
-    assert result.returncode == 0, result.tail()
-    assert sorted(result.losses) == list(range(1, N_ITERS + 1)), result.tail()
-    return ckpt
-
-
 def test_single_kills_at_random_instants_are_all_saved_bit_exact(
-        patched_megatron_tree, tiny_dataset, work, every_iteration) -> None:
+        patched_megatron_tree, tiny_dataset, work, saved_every_iteration) -> None:
     seed = int(os.environ.get("TTP_CHAOS_SEED", time.time_ns() % 1_000_000))
     kills = int(os.environ.get("TTP_RANDOM_KILLS", "3"))
     rng = random.Random(seed)
@@ -73,7 +62,7 @@ def test_single_kills_at_random_instants_are_all_saved_bit_exact(
             f"{printed} or {printed + 1} (last printed {printed})\n{result.tail()}")
         problem = manifest.verify(ckpt / manifest.iter_dir_name(saved), DP4)
         assert problem is None, f"{what}: {problem}"
-        comparison = compare_checkpoints(ckpt, every_iteration, saved)
+        comparison = compare_checkpoints(ckpt, saved_every_iteration, saved)
         assert comparison.bit_exact, f"{what}: {comparison.summary()}"
         outcomes.append((rank, step, printed, saved))
     print(f"seed {seed}: (rank, iteration, last printed, saved) = {outcomes}")

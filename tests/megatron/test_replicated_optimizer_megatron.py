@@ -1,9 +1,9 @@
 """ReplicatedOptimizer against Megatron-LM 285068c's own DistributedOptimizer, on real Megatron
 (4 CPU ranks, gloo): same losses up to fp32 reduction order, on each rank the optimizer memory of
 stock's two DP positions it holds (measured in both runs by the same outside walk of what each
-optimizer allocated: testkit/hooks/optim_memory), checkpoints interchangeable both ways, and a
-plain error where the optimizer is built without --use-distributed-optimizer. Needs
-TTP_MEGATRON_DIR."""
+optimizer allocated: testkit/hooks/optim_memory), checkpoints interchangeable both ways, a
+plain error where the optimizer is built without --use-distributed-optimizer, and a fused
+optimizer with per-instance buffers that trains as under stock. Needs TTP_MEGATRON_DIR."""
 
 from __future__ import annotations
 
@@ -143,3 +143,26 @@ def test_without_distributed_optimizer_fails_at_optimizer_build(patched_megatron
     assert not result.losses, "no training step may run"
     assert not list((work / "no_distopt_ckpt").glob("iter_*")), "nothing may be saved"
     assert result.wall_s < FAST_FAIL_S, f"took {result.wall_s:.1f} s"
+
+
+FUSED_DOUBLE = Path(__file__).resolve().parent / "fused_double"
+
+
+def test_a_fused_optimizer_with_per_instance_buffers_trains_as_under_stock(
+        unpatched_megatron_tree, patched_megatron_tree, tiny_dataset, work):
+    """The partner stripe's inner optimizer is a new instance of the same class (not a copy):
+    with an optimizer that keeps per-instance buffer lists like torch_npu's fused ones
+    (tests/megatron/fused_double), both stripes step their own params, and the losses are
+    those of stock DistributedOptimizer with the same optimizer."""
+    env = {"PYTHONPATH": pythonpath(FUSED_DOUBLE), "TTP_TEST_FUSED_DOUBLE": "1"}
+    stock = run_job(unpatched_megatron_tree, tiny_dataset, work / "fused_stock.log",
+                    work / "fused_stock_ckpt", iters=ITERS, launcher=Launcher.TORCHRUN,
+                    inject_adaptor=True, env_extra=env)
+    assert stock.returncode == 0, stock.tail()
+    replicated = run_job(patched_megatron_tree, tiny_dataset, work / "fused_replicated.log",
+                         work / "fused_replicated_ckpt", iters=ITERS, env_extra=env)
+    assert replicated.returncode == 0, replicated.tail()
+    print(loss_table({"DistributedOptimizer": stock.losses, "ReplicatedOptimizer":
+                      replicated.losses}))
+    assert sorted(replicated.losses) == list(range(1, ITERS + 1))
+    assert_close_losses(replicated.losses, stock.losses)

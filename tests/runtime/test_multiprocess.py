@@ -100,8 +100,10 @@ def test_both_holders_of_a_shard_dead_refuses(tmp_path):
 
 
 def test_save_failure_leaves_nothing_marked_latest(tmp_path):
-    res = run_job(tmp_path, {"faults": [fault("kill", 1, "inside")], "save_fail_rank": 0})
+    # rank 0's save fails; the save is ordered again with shard 0 on rank 2, which fails too
+    res = run_job(tmp_path, {"faults": [fault("kill", 1, "inside")], "save_fail_rank": [0, 2]})
     assert [res.codes[r] for r in (0, 2, 3)] == [SAVE_FAILED] * 3, res.all_logs()
+    assert "ordering it again, from rank(s) [2, 3]" in res.all_logs()
     assert res.flow["outcome"] == "save_failed" and "disk full" in res.flow["reason"]
     assert res.latest is None and not (res.out / "iter_5").exists()
     assert "running the rename handler" not in res.all_logs()

@@ -96,10 +96,25 @@ def test_saver_runs_handlers_off_the_main_thread_and_exits_with_the_order(job, t
         hooks.start_updating_os(-1)
 
 
-def test_save_over_its_time_limit_fails_the_flow(job):
+def test_save_over_its_time_limit_is_ordered_again_from_the_other_holder(job):
+    """Rank 0 (shard 0) misses its deadline: rank 2, the other clean holder, saves shard 0."""
     release = threading.Event()
     train_to(3)
     ctl, proc, codes, fakes = job(save=lambda s, r, a: release.wait(10), rename=None)
+    fakes[1].close()
+    try:
+        assert proc.exited.wait(10)
+        assert codes == [83]
+        assert ctl.decision.ranks == [2, 3]
+    finally:
+        release.set()
+
+
+def test_save_over_its_time_limit_with_no_other_holder_fails_the_flow(job):
+    release = threading.Event()
+    train_to(3)
+    ctl, proc, codes, fakes = job(save=lambda s, r, a: release.wait(10), rename=None)
+    fakes[2].step = 2  # shard 0's other holder is behind: nobody can replace rank 0
     fakes[1].close()
     try:
         assert proc.exited.wait(10)
@@ -112,6 +127,7 @@ def test_save_over_its_time_limit_fails_the_flow(job):
 def test_missing_handler_is_reported_not_hung(job):
     train_to(3)
     ctl, proc, codes, fakes = job(save=None)
+    fakes[2].step = 2  # no other clean holder of rank 0's shard to order the save from
     fakes[1].close()
     assert proc.exited.wait(10) and codes == [85]
     assert "no save handler registered on rank 0" in ctl.decision.reason

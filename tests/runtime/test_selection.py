@@ -1,4 +1,5 @@
-"""choose_step / savers_for: the consistency rule, checked against a brute-force oracle."""
+"""choose_step / savers_for: the consistency rule, checked against a brute-force oracle; and
+replacement_savers: who saves a shard again when its saver failed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from mindio_ttp.control.selection import (
     Layout,
     RankState,
     choose_step,
+    replacement_savers,
     savers_for,
     states_from,
 )
@@ -141,3 +143,53 @@ def test_states_from_marks_missing_ranks_with_their_note():
     states = states_from({0: (3, False)}, range(2), {1: "hung (no heartbeat)"})
     assert states[0] == RankState(True, 3, False)
     assert not states[1].alive and states[1].note == "hung (no heartbeat)"
+
+
+# -- replacement of failed savers -------------------------------------------------------------
+
+DP4 = Layout.build([[0, 1, 2, 3]], 2)  # shard 0: ranks 0, 2; shard 1: ranks 1, 3
+ALL_CLEAN = {r: CLEAN for r in range(4)}
+
+
+def test_a_failed_savers_shard_goes_to_its_other_clean_holder():
+    assert replacement_savers(DP4, ALL_CLEAN, 5, [0, 1], {1}, {0, 2, 3}) == [0, 3]
+
+
+def test_savers_that_failed_because_of_another_are_replaced_or_kept_alive():
+    # both failed (0 waited for 1, which died): shard 0 moves to 2, shard 1 to 3
+    assert replacement_savers(DP4, ALL_CLEAN, 5, [0, 1], {0, 1}, {0, 2, 3}) == [2, 3]
+    # 2 is not clean at 5: 0, still alive, saves shard 0 again
+    states = {**ALL_CLEAN, 2: RankState(True, 4, False)}
+    assert replacement_savers(DP4, states, 5, [0, 1], {0, 1}, {0, 2, 3}) == [0, 3]
+
+
+def test_no_replacement_when_a_shard_has_nobody_left_or_nothing_would_change():
+    # shard 1: 1 failed and dead, 3 dead
+    assert replacement_savers(DP4, ALL_CLEAN, 5, [0, 1], {1}, {0, 2}) is None
+    # 1 failed but alive, 3 not clean: the same ranks again would fail the same way
+    states = {**ALL_CLEAN, 3: RankState(False, None, False, "dead")}
+    assert replacement_savers(DP4, states, 5, [0, 1], {1}, {0, 1, 2}) is None
+
+
+@given(jobs(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_replacements_cover_every_shard_with_a_holder_that_can_still_save(job, data):
+    layout, states, world = job
+    step, _ = choose_step(layout, states, world)
+    if step is None:
+        return
+    savers = savers_for(layout, states, step)
+    failed = set(data.draw(st.lists(st.sampled_from(savers), unique=True)))
+    alive = {r for r in layout.ranks if data.draw(st.booleans()) or r not in failed}
+    nxt = replacement_savers(layout, states, step, savers, failed, alive)
+    if nxt is None:
+        return
+    assert nxt != sorted(savers)
+    for group in layout.groups:
+        for holders in layout.shards(group):
+            mine = [r for r in nxt if r in holders]
+            assert len(mine) == 1
+            r = mine[0]
+            assert r in alive or r not in failed
+            assert r not in failed or r in savers  # a failed rank only saves its own shard again
+            assert r in savers or states[r].clean_at() == step

@@ -85,7 +85,8 @@ def probe_listeners(path: str) -> None:
 def save(step: int, save_ranks: list, args: tuple) -> None:
     if PLAN.get("probe_listeners_rank") == RANK:
         probe_listeners(os.path.join(OUT, f"probe-{RANK}.json"))
-    if PLAN.get("save_fail_rank") == RANK:
+    failing = PLAN.get("save_fail_rank")
+    if RANK in (failing if isinstance(failing, list) else [failing]):
         raise OSError("injected: disk full")
     if PLAN.get("save_kill_rank") == RANK:
         os.kill(os.getpid(), signal.SIGKILL)

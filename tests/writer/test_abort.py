@@ -6,7 +6,6 @@ destroy their groups and build working new ones (what the recovery needs)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 import threading
@@ -20,6 +19,7 @@ import torch
 
 from mindio_ttp.faulttime import abort
 from mindio_ttp.faulttime.device import DeviceBinding
+from testkit.procs import run_together
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -160,18 +160,10 @@ def test_gloo_processes_abort_destroy_and_build_working_groups_again(tmp_path: P
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     first, second = str(tmp_path / "store1"), str(tmp_path / "store2")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), first, second],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=REPO) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (stdout, stderr) in zip(procs, outs):
-        assert p.returncode == 0, stderr[-3000:]
+    results = run_together([[sys.executable, str(script), str(r), first, second]
+                            for r in range(2)], timeout=120, cwd=REPO)
+    for returncode, stdout, stderr in results:
+        assert returncode == 0, stderr[-3000:]
         got = json.loads(stdout.strip().splitlines()[-1])
         assert got["before"] == 2.0 and got["after"] == 3.0, got
         assert got["outcomes"] == [abort.SKIPPED] and got["groups"] == 2  # world + pair: gloo

@@ -1,10 +1,13 @@
 """device_copy on CPU: the no-device path is a no-op, and the device path's ordering (event at
-the end of the update, private stream after it, copies inside, staging reused) is checked
-against a recording fake of the ``torch.cuda`` / ``torch.npu`` stream API."""
+the end of the update, private stream after it, copies inside, staging reused; the param
+all-gather's event, noted before the abort and never after) is checked against a recording fake
+of the ``torch.cuda`` / ``torch.npu`` stream API whose events complete when the test says."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from pathlib import Path
 from typing import Iterator, List
 
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from mindio_ttp.control import hooks
-from mindio_ttp.faulttime import checkpoint_writer, device_copy
+from mindio_ttp.faulttime import abort, checkpoint_writer, device, device_copy
 from mindio_ttp.faulttime.device import NO_DEVICE, DeviceBinding
 
 
@@ -171,3 +174,120 @@ def test_a_device_module_without_working_events_leaves_training_untouched(caplog
     finally:
         device_copy.MARK.reset()
         hooks.STATE.reset()
+
+
+# -- the param all-gather's event, and what prepare() does before any read ---------------------
+
+class FakeFuture:
+    def __init__(self, value: int) -> None:
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def value(self) -> int:
+        return self._value
+
+
+class FakeWork:
+    def __init__(self, result: int) -> None:
+        self.result = result
+
+    def get_future_result(self) -> FakeFuture:
+        return FakeFuture(self.result)
+
+
+@pytest.fixture
+def gathered() -> Iterator[device_copy.GatherMark]:
+    device_copy.GATHERED.reset()
+    try:
+        yield device_copy.GATHERED
+    finally:
+        device_copy.GATHERED.reset()
+
+
+def test_without_a_device_the_params_of_the_last_gathered_step_count(gathered) -> None:
+    device_copy.MARK.install(NO_DEVICE)
+    gathered.record(4)
+    assert gathered.done_at(4) and not gathered.done_at(5)
+
+
+def test_on_a_device_the_params_count_only_once_their_event_completed(fake, gathered) -> None:
+    gathered.record(4, [FakeWork(0)])
+    event = gathered.event
+    assert event is not None and "record(step published=None)" in fake.log
+    event.ready_after = 10**9  # the all-gather (and the copies behind it) still runs
+    assert not gathered.done_at(4)
+    event.ready_after = 0
+    assert gathered.done_at(4) and not gathered.done_at(3)
+
+
+def test_a_gather_that_ended_in_error_never_counts_even_with_its_event_complete(
+        fake, gathered) -> None:
+    """A watchdog abort ends the all-gather early: the copies behind it run on torn data and
+    the event after them completes; the work's result says what happened."""
+    gathered.record(6, [FakeWork(0), FakeWork(2)])  # WorkResult.COMM_ERROR
+    gathered.event.ready_after = 0
+    assert not gathered.done_at(6)
+
+
+def test_prepare_notes_what_the_device_finished_before_it_aborts(fake, gathered,
+                                                                  monkeypatch) -> None:
+    hooks.end_updating_os(5)
+    gathered.record(5)
+    gathered.event.ready_after = 10**9  # hung behind a dead peer's all-gather
+    seen = []
+
+    def abort_all(timeout_s, binding):
+        seen.append(("abort", binding, gathered.event.queries))
+        gathered.event.ready_after = 0  # the abort ends the hung kernel: everything completes
+        return abort.AbortReport((), "", False, 0.0)
+
+    monkeypatch.setattr(abort, "abort_all", abort_all)
+    ready = device_copy.prepare(5, ready_timeout_s=2.0)
+    assert seen and seen[0][1] == DeviceBinding("cuda", 3) and seen[0][2] >= 1
+    assert ready.gathered is False  # noted before the abort, never after
+    assert gathered.done_at(5)  # what a check after the abort would (wrongly) have said
+
+
+def test_prepare_refuses_an_update_that_never_finishes_before_aborting(fake, monkeypatch) -> None:
+    fake.events[0].ready_after = 10**9
+    hooks.end_updating_os(5)
+    monkeypatch.setattr(abort, "abort_all", lambda *a, **k: pytest.fail("aborted anyway"))
+    with pytest.raises(device_copy.DeviceNotReady, match="step 5 did not finish"):
+        device_copy.prepare(5, ready_timeout_s=0.2)
+
+
+def test_reading_the_live_params_also_waits_for_their_gather(fake, gathered,
+                                                              tmp_path: Path) -> None:
+    hooks.end_updating_os(2)
+    gathered.record(2)
+    checkpoint_writer.write_torch(tmp_path / "m.pt", {"w": torch.ones(2)}, live_params=True)
+    assert fake.log.count("private.wait_event") == 2  # the update's event and the gather's
+    checkpoint_writer.write_torch(tmp_path / "o.pt", {"w": torch.ones(2)})
+    assert fake.log.count("private.wait_event") == 3  # optimizer state: the update's only
+
+
+def test_the_private_stream_is_torch_npus_sync_launch_stream_on_npu(monkeypatch) -> None:
+    made = []
+    npu = types.SimpleNamespace(SyncLaunchStream=lambda i: made.append(i) or f"sync-{i}")
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
+    module = FakeDeviceModule()
+    assert device.private_stream(module, DeviceBinding("npu", 2)) == "sync-2"
+    assert made == [2] and "Stream(device=2)" not in module.log
+
+
+def test_a_cuda_stream_outside_the_pool_falls_back_to_the_pool_with_a_warning(caplog) -> None:
+    class WithExternal(FakeDeviceModule):
+        def ExternalStream(self, ptr, device):  # noqa: N802
+            raise AssertionError("no CUDA runtime here: never reached")
+
+        @contextlib.contextmanager
+        def device(self, index):
+            raise RuntimeError("no CUDA device")
+            yield
+
+    module = WithExternal()
+    stream = device.private_stream(module, DeviceBinding("cuda", 1))
+    assert isinstance(stream, FakeStream) and module.log == ["Stream(device=1)"]
+    assert "outside torch's pool" in caplog.text

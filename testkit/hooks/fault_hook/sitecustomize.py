@@ -14,6 +14,8 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
 * ``anytime``: a timer armed when iteration k starts fires after a random delay, uniform in
   [0, the wall time of iteration k-1) (``TTP_FAULT_SEED`` seeds it), wherever the rank then is:
   in a collective, the update window, the logging, or already in iteration k+1.
+* ``save``: inside the dying checkpoint of step k, after the first write of the rank's first
+  file (``checkpoint_writer.write_torch``): the rank dies (or throws) half-way through a file.
 
 ``TTP_FAULT_RECORD_DIR`` (optional) is where the plan records the fault time and coordinates
 ranks killed together.
@@ -120,6 +122,28 @@ def _install() -> None:
         module.train_step = _wrap_train_step(module.train_step, module.get_args, plan, record_dir)
 
     after_import(TARGET, wrap)
+    after_import("mindio_ttp.faulttime.checkpoint_writer",
+                 lambda module: _wrap_writer(module, plan, record_dir))
+
+
+def _wrap_writer(module, plan, record_dir) -> None:
+    """The ``save`` phase: the dying checkpoint's writer runs the plan after its first write."""
+    from mindio_ttp.demo.faults import Phase
+    from mindio_ttp.faulttime import save_session
+
+    real = module.write_torch
+
+    def write_torch(path, obj, midway=None, **kwargs):
+        import torch
+
+        session = save_session.current()
+        if midway is None and session is not None and torch.distributed.is_initialized():
+            rank, step = torch.distributed.get_rank(), session.step
+            if plan.has(rank, step, Phase.SAVE):
+                midway = lambda: plan.check(rank, step, Phase.SAVE, record_dir)  # noqa: E731
+        return real(path, obj, midway, **kwargs)
+
+    module.write_torch = write_torch
 
 
 _install()
