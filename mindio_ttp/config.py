@@ -77,6 +77,26 @@ DEFAULTS: dict[str, float] = {
     ENV_HANDSHAKE_TIMEOUT: 10.0,
 }
 
+# Defaults that grow with the job (docs/design.md, "How the control plane scales"). The
+# controller spends ~10-20 us of one core per heartbeat and ack and ~60-100 us per registration
+# handshake; these keep its steady load under about a tenth of a core and let every rank of a
+# start-up or failover storm finish its handshake, at any world size. A value set in the
+# environment always wins.
+HEARTBEATS_PER_S = 8192.0  # the controller's heartbeat budget: interval >= world_size / this
+REGISTRATIONS_PER_S = 4096.0  # handshake timeout >= world_size / this
+
+
+def scaled_default(name: str, world_size: Optional[int]) -> float:
+    """The default of `name` for a job of `world_size` ranks (the fixed default when unknown)."""
+    base = DEFAULTS[name]
+    if not world_size:
+        return base
+    if name == ENV_HEARTBEAT_INTERVAL:
+        return max(base, world_size / HEARTBEATS_PER_S)
+    if name == ENV_HANDSHAKE_TIMEOUT:
+        return max(base, world_size / REGISTRATIONS_PER_S)
+    return base
+
 
 class ExitCode(enum.IntEnum):
     """Exit status of every process after a dying-checkpoint flow (all non-zero: the job failed
@@ -101,10 +121,10 @@ class Outcome(str, enum.Enum):
         return int(ExitCode[self.name])
 
 
-def _float_env(env: Mapping[str, str], name: str) -> float:
+def _float_env(env: Mapping[str, str], name: str, default: Optional[float] = None) -> float:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
-        return DEFAULTS[name]
+        return DEFAULTS[name] if default is None else default
     try:
         value = float(raw)
     except ValueError:
@@ -209,12 +229,20 @@ class TTPConfig:
     handshake_timeout: float = DEFAULTS[ENV_HANDSHAKE_TIMEOUT]
 
     @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> TTPConfig:
+    def from_env(cls, env: Optional[Mapping[str, str]] = None,
+                 world_size: Optional[int] = None) -> TTPConfig:
+        """The settings of this process. `world_size`: the job's, so that the heartbeat
+        interval (and the timeouts that follow it) default to what the controller can serve
+        for that many ranks; the controller and every processor pass the same one."""
         env = os.environ if env is None else env
+        interval = _float_env(env, ENV_HEARTBEAT_INTERVAL,
+                              scaled_default(ENV_HEARTBEAT_INTERVAL, world_size))
         cfg = cls(
             ot=_float_env(env, ENV_OT),
-            heartbeat_interval=_float_env(env, ENV_HEARTBEAT_INTERVAL),
-            heartbeat_timeout=_float_env(env, ENV_HEARTBEAT_TIMEOUT),
+            heartbeat_interval=interval,
+            # unset: three intervals, and never under the fixed default
+            heartbeat_timeout=_float_env(env, ENV_HEARTBEAT_TIMEOUT,
+                                         max(DEFAULTS[ENV_HEARTBEAT_TIMEOUT], 3 * interval)),
             save_time_limit=_float_env(env, ENV_SAVE_TIME_LIMIT),
             rename_time_limit=_float_env(env, ENV_RENAME_TIME_LIMIT),
             collect_timeout=_float_env(env, ENV_COLLECT_TIMEOUT),
@@ -224,7 +252,8 @@ class TTPConfig:
             run_dir=env.get(ENV_RUN_DIR) or None,
             auth_key=auth_key_from_env(env),
             step_timeout=_optional_float_env(env, ENV_STEP_TIMEOUT),
-            handshake_timeout=_float_env(env, ENV_HANDSHAKE_TIMEOUT),
+            handshake_timeout=_float_env(env, ENV_HANDSHAKE_TIMEOUT,
+                                         scaled_default(ENV_HANDSHAKE_TIMEOUT, world_size)),
         )
         if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
             raise ValueError(

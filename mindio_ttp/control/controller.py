@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import resource
 import selectors
 import socket
 import threading
@@ -28,6 +29,7 @@ from mindio_ttp.config import PRE_AUTH_BUFFER_BUDGET, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.flow import Decision, Flow
 from mindio_ttp.control.hooks import TTPError
+from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.roster import RankInfo, Roster
 from mindio_ttp.control.session import ListenerHandshake
 from mindio_ttp.control.state import ControllerState as S
@@ -37,6 +39,11 @@ from mindio_ttp.faulttime import claim as C
 from mindio_ttp.faulttime import save_session
 
 log = logging.getLogger("mindio_ttp.controller")
+
+# During a registration storm the listener's accept queue (net.core.somaxconn) overflows if the
+# loop only accepts once per turn: a turn of handshakes takes ~100 us each, and a dropped SYN
+# costs the rank a 1 s retransmission. So the loop accepts again after this many events.
+ACCEPT_EVERY = 256
 
 
 class MailOutbox:
@@ -94,7 +101,10 @@ class Controller:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._backups: List[List[object]] = []
+        self._backups_sent: List[List[object]] = []  # what the last Backups broadcast said
         self._progress_at: Optional[float] = None  # last heartbeat showing a step change
+        # silences are measured on the time this loop was running (liveness.py)
+        self._clock = LookingClock()
         # the save store is hosted on our listening address, known once listen() ran
         self.flow = Flow(cfg, world_size, replica, host_rank, self.name, self.sm, self._cond,
                          self._ranks, self._outbox, self._listen_host, claims)
@@ -133,10 +143,12 @@ class Controller:
         except OSError as exc:
             sock.close()
             raise TTPError(listen_error(ip, port, exc, self.standby)) from None
-        sock.listen(4096)
+        # the kernel caps the backlog at net.core.somaxconn; ask for a whole start-up storm
+        sock.listen(min(self.world_size + 64, 65535))
         sock.setblocking(False)
         self._listener = sock
         self.address = sock.getsockname()[:2]
+        raise_fd_limit(self.world_size + 256, self.name)
         return self.address
 
     def start(self) -> None:
@@ -180,6 +192,10 @@ class Controller:
         return self._outbox.flush(timeout)
 
     @property
+    def flow_running(self) -> bool:
+        return self.sm.is_in(S.COLLECTING, S.SAVING, S.RENAMING)
+
+    @property
     def registered(self) -> List[int]:
         with self._cond:
             return sorted(self._ranks.alive())
@@ -188,17 +204,23 @@ class Controller:
     def _loop(self) -> None:
         tick = min(self.cfg.heartbeat_interval / 2, self.cfg.heartbeat_timeout / 4)
         next_check = time.monotonic() + tick
+        next_backups = 0.0
         while not self._stop.is_set():
             try:
-                events = self._sel.select(max(0.0, next_check - time.monotonic()))
+                events = self._sel.select(self._clock.waiting(
+                    max(0.0, next_check - time.monotonic())))
             except OSError:
                 if self._stop.is_set():
                     break
                 raise
-            for key, mask in events:
+            if any(key.data == "listen" for key, _ in events):
+                self._accept()  # first: a storm's SYNs must not wait behind its handshakes
+            for i, (key, mask) in enumerate(events):
                 if key.data == "listen":
+                    continue
+                if i % ACCEPT_EVERY == ACCEPT_EVERY - 1:
                     self._accept()
-                elif key.data == "wake":
+                if key.data == "wake":
                     self._on_mail()
                 else:
                     conn: Conn = key.data
@@ -206,10 +228,17 @@ class Controller:
                         self._on_readable(conn)
                     if mask & selectors.EVENT_WRITE and not conn.closed:
                         self._flush(conn)
+            self._clock.tick()
             now = time.monotonic()
             if now >= next_check:
                 self._check_silence(now)
                 next_check = now + tick
+            if self._backups != self._backups_sent and now >= next_backups:
+                # coalesced: the best two change ~ln(N) times during a start-up storm, and
+                # each broadcast is N frames; registering ranks get the list in their ack
+                self._backups_sent = list(self._backups)
+                self._send_alive_now(P.Backups(self._backups_sent))
+                next_backups = now + self.cfg.heartbeat_interval
             if self._flush_waiters and all(not c.out for c in self._conns.values()):
                 for ev in self._flush_waiters:
                     ev.set()
@@ -352,6 +381,8 @@ class Controller:
         self._cond.notify_all()
 
     def _check_silence(self, now: float) -> None:
+        """Close handshakes past their time (`now`: monotonic) and declare ranks silent for
+        TTP_HEARTBEAT_TIMEOUT of this loop's looking time (liveness.py) hung."""
         for conn, since in list(self._pending.items()):
             if now - since > self.cfg.handshake_timeout:
                 log.warning("%s: %s did not complete the handshake within "
@@ -360,18 +391,24 @@ class Controller:
                 self._drop(conn, "no registration")
         if not self.sm.is_in(S.SERVING, S.COLLECTING, S.SAVING, S.RENAMING):
             return
+        seen = self._clock.now()
         stall = self.cfg.step_timeout
-        if stall and self._progress_at is not None and now - self._progress_at > stall \
+        if stall and self._progress_at is not None and seen - self._progress_at > stall \
                 and self.sm.is_in(S.SERVING):
             with self._cond:  # every rank alive yet none advanced: a job-wide stall
-                self.flow.fault(f"no training progress for {now - self._progress_at:.1f} s "
+                self.flow.fault(f"no training progress for {seen - self._progress_at:.1f} s "
                             f"(TTP_STEP_TIMEOUT={stall:g}) while every processor heartbeats")
         limit = self.cfg.heartbeat_timeout
         for info in self._ranks.values():
-            if info.status == "alive" and now - info.last_seen > limit:
+            if info.status == "alive" and seen - info.last_seen > limit:
+                if info.conn is not None and not info.conn.closed:
+                    self._on_readable(info.conn)  # a heartbeat may wait unread: read it first
+                    if info.status != "alive" or self._clock.now() - info.last_seen <= limit:
+                        continue
+                seen = self._clock.now()
                 with self._cond:
                     self._set_status(info, "hung",
-                                     f"hung (no heartbeat for {now - info.last_seen:.1f} s)")
+                                     f"hung (no heartbeat for {seen - info.last_seen:.1f} s)")
                     self.flow.fault(f"rank {info.rank} {info.note}")
                 if info.conn is not None:
                     conn, info.conn = info.conn, None
@@ -389,7 +426,7 @@ class Controller:
                         type(msg).__name__, conn.peer)
             self._drop(conn, "not registered")
             return
-        info.last_seen = time.monotonic()
+        info.last_seen = self._clock.now()
         if isinstance(msg, P.Heartbeat):
             if msg.step != info.step or msg.updating != info.updating:
                 self._progress_at = info.last_seen  # armed by the first change seen
@@ -434,7 +471,7 @@ class Controller:
                                 f"{m.replica} do not match (controller replica {self.replica})")
         if self.sm.is_in(S.EXITING, S.STOPPED):
             return self._refuse(conn, "controller is exiting")
-        now = time.monotonic()
+        now = self._clock.now()
         with self._cond:
             old = self._ranks.get(m.rank)
             if old is not None and old.status in ("dead", "hung"):
@@ -485,10 +522,7 @@ class Controller:
             return (b[1] == my_host, int(b[0]))  # type: ignore[arg-type]
 
         cands = [b for b in self._backups if b[0] != rank] + [[rank, host, port]]
-        new = sorted(cands, key=key)[:2]
-        if new != self._backups:
-            self._backups = new
-            self._send_alive_now(P.Backups(new))
+        self._backups = sorted(cands, key=key)[:2]  # broadcast by the loop, coalesced
 
     def _send_alive(self, msg: P.Message, exclude: Optional[int] = None) -> None:
         self._outbox.broadcast(msg, exclude)
@@ -504,6 +538,26 @@ class Controller:
         except (OSError, RuntimeError):
             pass
         self._mail.close()
+
+
+def raise_fd_limit(need: int, who: str) -> None:
+    """One socket per rank: lift this process's soft RLIMIT_NOFILE to what the job needs (up to
+    the hard limit), and say what to do when the hard limit is too low. Only logged: a job
+    whose ranks do not all connect still gets its dying checkpoint from those that did."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("%s: cannot raise the open-file limit to %d: %s", who, target, exc)
+        target = soft
+    if target < need:
+        log.error("%s: serving all ranks needs %d open files, but the hard limit (`ulimit -Hn`) "
+                  "is %d: raise it on this node (e.g. `ulimit -n %d` in the job script, or the "
+                  "container's nofile limit), or ranks past the limit cannot register",
+                  who, need, hard, need)
 
 
 def listen_error(ip: str, port: int, exc: OSError, standby: bool) -> str:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set,
 
 from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control import ranksets
 from mindio_ttp.control.roster import Roster
 from mindio_ttp.control.selection import Layout, choose_step, savers_for, states_from
 from mindio_ttp.control.state import ControllerState as S
@@ -218,7 +219,7 @@ class Flow:
             notes = {i.rank: i.note for i in self._ranks.values()}
             for r in range(self.world_size):
                 notes.setdefault(r, "did not register with this controller (dead or hung)")
-            groups = {i.dp_ranks for i in self._ranks.values()}
+            groups = self._ranks.groups()
         log.info("%s: limit step %d; collected %d state report(s): %s", self.name, limit,
                  len(reports), _summary(reports))
         try:
@@ -236,7 +237,8 @@ class Flow:
         if not settled:
             log.error("%s: not saving step %d: %s", self.name, step, why)
             return Outcome.NOT_CLAIMED, None, [], why
-        log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why, savers)
+        log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why,
+                 ranksets.describe(savers))
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
         # the chosen ranks rendezvous on a store this controller hosts for this order alone
         self._save_store, port = save_session.host_store(self._store_host(), cfg.save_time_limit)
@@ -250,13 +252,14 @@ class Flow:
                     f"save of step {step} failed: {why}; rename not run, nothing marked latest")
         self.sm.transition_to(S.RENAMING, f"rename on rank {savers[0]}")
         if self._claim is not None:  # durably, before the order: the claim is final from here
-            self._claim.update(C.RENAMING, step=step, savers=savers)
+            self._claim.update(C.RENAMING, step=step, savers=ranksets.encode(savers))
         ok, why = self._order(savers[:1], P.RenameOrder(fid, step, cfg.rename_time_limit),
                               cfg.rename_time_limit)
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
                     f"rename of step {step} failed: {why}; nothing marked latest")
-        return Outcome.SAVED, step, savers, f"dying checkpoint of step {step} saved by {savers}"
+        return (Outcome.SAVED, step, savers,
+                f"dying checkpoint of step {step} saved by {ranksets.describe(savers)}")
 
     def _settle(self, fid: int, step: int, members: List[int]) -> Tuple[bool, str]:
         """May this flow order a save? With a claim directory, only if it wins this fault's

@@ -1,7 +1,11 @@
 """The control-plane wire format: the only code in the runtime that turns bytes into messages.
 
 Frame = header (magic b"TP", version u8, type u8, sequence number u64, payload length u32, big
-endian) + JSON payload + HMAC-SHA256(key, header + payload). Every message type is a named
+endian) + payload + HMAC-SHA256(key, header + payload). The payload is JSON, except for the
+messages every rank sends or gets at a steady rate or in every flow (heartbeats and their acks,
+lock, advance, state reports): those are fixed binary structs, so the controller's per-frame
+cost is one struct, one MAC and the two system calls. Lists of ranks travel as arithmetic
+blocks (ranksets.py), so no order grows with the job. Every message type is a named
 dataclass whose field types are checked on decode, so a peer with the wrong key, another version,
 a truncated or garbled stream is rejected with `ProtocolError` before any field reaches
 controller logic. The key is the job key for the two handshake frames and a per-connection,
@@ -19,8 +23,11 @@ import struct
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type
 
+from mindio_ttp.control import ranksets
+
 MAGIC = b"TP"
-VERSION = 2  # 2: challenge-response handshake, session keys, sequence numbers
+VERSION = 3  # 2: challenge-response handshake, session keys, sequence numbers; 3: binary
+# heartbeats / lock / advance / state reports, rank lists as blocks
 HEADER = struct.Struct("!2sBBQI")
 _PREFIX = struct.Struct("!2sB")  # magic and version: checked before the rest of a header
 MAC_LEN = 32
@@ -29,9 +36,10 @@ MAX_PAYLOAD = 16 * 1024 * 1024
 
 def pre_auth_max_payload(world_size: int) -> int:
     """The frame cap until a connection has registered: a Register frame carries the rank's DP
-    group (at most 8 bytes a rank in JSON), so this fits the largest legal one, and an
-    unauthenticated peer cannot make the listener buffer more per connection."""
-    return 4096 + 8 * world_size
+    group as blocks (one for a regular group, at most ~24 bytes a rank for a group with no
+    structure at all), so this fits the largest legal one, and an unauthenticated peer cannot
+    make the listener buffer more per connection."""
+    return 4096 + 24 * world_size
 
 
 class ProtocolError(ValueError):
@@ -69,10 +77,16 @@ def _backups(v: Any) -> bool:
         and 0 <= b[2] <= 65535 for b in v)
 
 
+Ranks = List[int]  # a field of this type travels as ranksets blocks
+
+
 _CHECKERS: Dict[str, Callable[[Any], bool]] = {
     "int": _int, "Optional[int]": _opt_int, "float": _float, "bool": _bool, "str": _str,
-    "List[int]": _int_list, "List[List[Any]]": _backups,
+    "List[int]": _int_list, "List[List[Any]]": _backups, "Ranks": ranksets.valid_wire,
 }
+# binary fields: struct code; None travels as the one int64 no step or id can be
+_BINARY_CODES = {"int": "q", "Optional[int]": "q", "bool": "B", "float": "d"}
+_NONE = -(2**63)
 
 
 @dataclass
@@ -82,16 +96,66 @@ class Message:
 
 _REGISTRY: Dict[int, Type[Message]] = {}
 _SCHEMA: Dict[Type[Message], Tuple[Tuple[str, Callable[[Any], bool]], ...]] = {}
+_RANKS: Dict[Type[Message], Tuple[str, ...]] = {}  # fields sent as blocks
 
 
-def _message(code: int) -> Callable[[Type[Message]], Type[Message]]:
+class _Binary:
+    """A message as one fixed struct: ints are int64 (the struct bounds them), None is the one
+    int64 a step or id never is, bools are 0/1, floats must be finite."""
+
+    def __init__(self, cls: Type[Message]) -> None:
+        kinds = [str(f.type) for f in fields(cls)]
+        self.cls, self.names = cls, [f.name for f in fields(cls)]
+        self.struct = struct.Struct("!" + "".join(_BINARY_CODES[k] for k in kinds))
+        self.optional = [i for i, k in enumerate(kinds) if k == "Optional[int]"]
+        self.bools = [i for i, k in enumerate(kinds) if k == "bool"]
+        self.floats = [i for i, k in enumerate(kinds) if k == "float"]
+
+    def pack(self, msg: Message) -> bytes:
+        values = [getattr(msg, n) for n in self.names]
+        for i in self.optional:
+            if values[i] is None:
+                values[i] = _NONE
+            elif values[i] == _NONE:
+                raise ProtocolError(f"{_NONE} is not representable (it stands for None)")
+        try:
+            return self.struct.pack(*values)
+        except struct.error as exc:
+            raise ProtocolError(f"{self.cls.__name__}: {exc}") from None
+
+    def unpack(self, payload: bytes) -> Message:
+        name = self.cls.__name__
+        if len(payload) != self.struct.size:
+            raise ProtocolError(f"{name}: payload is {len(payload)} bytes, not "
+                                f"{self.struct.size}")
+        values = list(self.struct.unpack(payload))
+        for i in self.optional:
+            if values[i] == _NONE:
+                values[i] = None
+        for i in self.bools:
+            if values[i] > 1:
+                raise ProtocolError(f"{name}.{self.names[i]}: bad value {values[i]}")
+            values[i] = bool(values[i])
+        for i in self.floats:
+            if not math.isfinite(values[i]):
+                raise ProtocolError(f"{name}.{self.names[i]}: bad value {values[i]}")
+        return self.cls(*values)
+
+
+_BINARY: Dict[Type[Message], _Binary] = {}
+
+
+def _message(code: int, binary: bool = False) -> Callable[[Type[Message]], Type[Message]]:
     def deco(cls: Type[Message]) -> Type[Message]:
         cls.TYPE = code
         assert code not in _REGISTRY, code
         for f in fields(cls):
-            assert f.type in _CHECKERS, (cls.__name__, f.name, f.type)
+            assert f.type in (_BINARY_CODES if binary else _CHECKERS), (cls.__name__, f.name)
         _REGISTRY[code] = cls
         _SCHEMA[cls] = tuple((f.name, _CHECKERS[f.type]) for f in fields(cls))
+        _RANKS[cls] = tuple(f.name for f in fields(cls) if f.type == "Ranks")
+        if binary:
+            _BINARY[cls] = _Binary(cls)
         return cls
     return deco
 
@@ -102,7 +166,7 @@ class Register(Message):
     """Processor → controller, first frame on every connection (also after a failover)."""
     rank: int
     world_size: int
-    dp_ranks: List[int]
+    dp_ranks: Ranks
     replica: int
     host: str
     standby_port: int
@@ -136,7 +200,7 @@ class Reject(Message):
     reason: str
 
 
-@_message(4)
+@_message(4, binary=True)
 @dataclass
 class Heartbeat(Message):
     rank: int
@@ -145,7 +209,7 @@ class Heartbeat(Message):
     updating: bool
 
 
-@_message(5)
+@_message(5, binary=True)
 @dataclass
 class HeartbeatAck(Message):
     seq: int
@@ -166,7 +230,7 @@ class FaultReport(Message):
     detail: str
 
 
-@_message(8)
+@_message(8, binary=True)
 @dataclass
 class Lock(Message):
     """Fault: start no new optimizer update (ttp_start_updating_os blocks) and report
@@ -174,7 +238,7 @@ class Lock(Message):
     flow_id: int
 
 
-@_message(17)
+@_message(17, binary=True)
 @dataclass
 class AdvanceTo(Message):
     """Phase 2: a rank below `limit` may finish updates up to step `limit` (its partners are
@@ -185,7 +249,7 @@ class AdvanceTo(Message):
     grace: float
 
 
-@_message(9)
+@_message(9, binary=True)
 @dataclass
 class StateReport(Message):
     flow_id: int
@@ -204,7 +268,7 @@ class SaveOrder(Message):
     this flow's own staging directory."""
     flow_id: int
     step: int
-    save_ranks: List[int]
+    save_ranks: Ranks
     time_limit: float
     store: str
     tag: str
@@ -244,7 +308,7 @@ class ExitOrder(Message):
     flow_id: int
     outcome: str
     step: Optional[int]
-    ranks: List[int]
+    ranks: Ranks
     exit_code: int
     reason: str
 
@@ -265,8 +329,14 @@ class Closing(Message):
 
 # -- codec ---------------------------------------------------------------------------------------
 def encode_payload(msg: Message) -> bytes:
-    """The JSON body alone, so one message sent to many connections is serialised once."""
-    body = {name: getattr(msg, name) for name, _ in _SCHEMA[type(msg)]}
+    """The body alone, so one message sent to many connections is serialised once."""
+    cls = type(msg)
+    binary = _BINARY.get(cls)
+    if binary is not None:
+        return binary.pack(msg)
+    body = {name: getattr(msg, name) for name, _ in _SCHEMA[cls]}
+    for name in _RANKS[cls]:
+        body[name] = ranksets.encode(body[name])
     payload = json.dumps(body, separators=(",", ":")).encode()
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError(f"{type(msg).__name__} payload is {len(payload)} bytes, over "
@@ -288,6 +358,9 @@ def _decode_payload(code: int, payload: bytes) -> Message:
     cls = _REGISTRY.get(code)
     if cls is None:
         raise ProtocolError(f"unknown message type {code}")
+    binary = _BINARY.get(cls)
+    if binary is not None:
+        return binary.unpack(payload)
     try:
         obj = json.loads(payload)
     except (ValueError, RecursionError) as exc:
@@ -301,6 +374,8 @@ def _decode_payload(code: int, payload: bytes) -> Message:
     for name, check in schema:
         if not check(obj[name]):
             raise ProtocolError(f"{cls.__name__}.{name}: bad value {obj[name]!r:.80}")
+    for name in _RANKS[cls]:
+        obj[name] = ranksets.decode(obj[name])
     return cls(**obj)
 
 

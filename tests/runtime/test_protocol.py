@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control import ranksets
 
 KEY = bytes(range(32))
-INT = st.integers(-(2**63), 2**63 - 1)
+INT = st.integers(-(2**63) + 1, 2**63 - 1)  # -(2**63) stands for None in binary frames
 FIELD = {
     "int": INT,
     "Optional[int]": st.none() | INT,
@@ -26,6 +27,7 @@ FIELD = {
     "List[int]": st.lists(INT, max_size=20),
     "List[List[Any]]": st.lists(st.tuples(INT, st.text(max_size=20), st.integers(0, 65535))
                                 .map(list), max_size=3),
+    "Ranks": st.lists(st.integers(0, ranksets.MAX_RANKS - 1), max_size=20),
 }
 
 
@@ -113,8 +115,10 @@ def test_wrong_key_is_rejected():
 
 
 def test_other_version_is_rejected():
-    with pytest.raises(P.ProtocolError, match="version 3, this runtime speaks 2: run the same"):
-        P.FrameDecoder(KEY).feed(frame(15, b'{"rank":1}', version=3))
+    other = P.VERSION + 1
+    with pytest.raises(P.ProtocolError,
+                       match=f"version {other}, this runtime speaks {P.VERSION}: run the same"):
+        P.FrameDecoder(KEY).feed(frame(15, b'{"rank":1}', version=other))
 
 
 def test_a_version_1_frame_is_named_as_such():
@@ -164,8 +168,34 @@ def test_oversize_length_is_rejected_before_buffering():
 
 def test_field_types_are_checked():
     with pytest.raises(P.ProtocolError, match="Heartbeat.updating"):
-        P.FrameDecoder(KEY).feed(frame(4, b'{"rank":1,"seq":1,"step":2,"updating":1}'))
+        P.FrameDecoder(KEY).feed(frame(4, struct.pack("!qqqB", 1, 1, 2, 7)))
     with pytest.raises(P.ProtocolError, match="fields"):
         P.FrameDecoder(KEY).feed(frame(15, b'{"rank":1,"extra":2}'))
     with pytest.raises(P.ProtocolError, match="Goodbye.rank"):
         P.FrameDecoder(KEY).feed(frame(15, b'{"rank":true}'))
+
+
+def test_binary_frames_have_exactly_their_size():
+    good = struct.pack("!qqqB", 1, 1, 2, 0)
+    assert P.FrameDecoder(KEY).feed(frame(4, good)) == [P.Heartbeat(1, 1, 2, False)]
+    for bad in (good[:-1], good + b"\0"):
+        with pytest.raises(P.ProtocolError, match="Heartbeat: payload is"):
+            P.FrameDecoder(KEY).feed(frame(4, bad))
+    assert P.FrameDecoder(KEY).feed(frame(4, struct.pack("!qqqB", 1, 1, -(2**63), 1))) == \
+        [P.Heartbeat(1, 1, None, True)]
+    with pytest.raises(P.ProtocolError, match="stands for None"):
+        P.encode(P.Heartbeat(1, 1, -(2**63), False), KEY)
+
+
+def test_rank_lists_travel_as_blocks_of_constant_size():
+    """A save order for half of 100,000 ranks (the first half of each pipeline stage) is as
+    small as one for 8, and an encoding that would expand past MAX_RANKS is refused unread."""
+    savers = [r for stage in range(16) for r in range(stage * 6250, stage * 6250 + 3125)]
+    big = P.encode(P.SaveOrder(1, 5, savers, 60.0, "h:1", "ab" * 16), KEY)
+    small = P.encode(P.SaveOrder(1, 5, list(range(4)), 60.0, "h:1", "ab" * 16), KEY)
+    assert len(big) - len(small) < 16
+    assert P.decode_one(big, KEY).save_ranks == savers
+    huge = json.dumps({"flow_id": 1, "step": 5, "save_ranks": [[0, 1, 1000, 1, 1000]],
+                       "time_limit": 1.0, "store": "h:1", "tag": "ab" * 16}).encode()
+    with pytest.raises(P.ProtocolError, match="SaveOrder.save_ranks: bad value"):
+        P.FrameDecoder(KEY).feed(frame(P.SaveOrder.TYPE, huge))
