@@ -287,6 +287,8 @@ class SimWorker:
             return r.rec.aborted_at
         if cmd == "report":
             return [r.rec for r in self.ranks.values()]
+        if cmd == "backups":
+            return self.backups
         if cmd == "reset":  # forget everything: a fresh job on the same ranks
             for r in self.ranks.values():
                 self._close(r)
@@ -412,3 +414,78 @@ class SimGroup:
                 p.join(5)
         for pipe in self.pipes:
             pipe.close()
+
+
+# -- one real rank ---------------------------------------------------------------------------
+def _real_rank_main(conn: Any, env: Dict[str, str], rank: int, dp: List[int], world: int,
+                    replica: int, addr: Tuple[str, int], step: int, cpus: Optional[set]) -> None:
+    """A real Processor (hence a real standby controller) at `step`, in this process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    os.environ.update(env)
+    from mindio_ttp.config import TTPConfig
+    from mindio_ttp.control import hooks
+    from mindio_ttp.control.handlers import HANDLERS
+    from mindio_ttp.control.processor import Processor
+
+    hooks.STATE.reset()
+    hooks.start_updating_os(-1)
+    hooks.end_updating_os(step)
+    calls: List[Tuple[Any, ...]] = []
+    HANDLERS["save"] = lambda s, ranks, args: calls.append(("save", s, tuple(ranks)))
+    HANDLERS["rename"] = lambda s, args: calls.append(("rename", s))
+    proc = Processor(TTPConfig.from_env(world_size=world), rank, dp, world, replica)
+    exited: List[int] = []
+    proc.exit_fn = exited.append
+    proc.start(*addr)
+    conn.send(proc.standby.address)
+    while True:
+        try:
+            cmd = conn.recv()
+        except EOFError:
+            return
+        if cmd == "report":
+            sb = proc.standby
+            d = sb.decision
+            conn.send({"exit": exited[:1], "calls": calls, "timeline": dict(sb.timeline),
+                       "standby_outcome": d.outcome.value if d else None,
+                       "standby_state": sb.sm.state.value, "faults": sb.faults[:20]})
+        elif cmd == "stop":
+            conn.send(True)
+            return
+
+
+class RealRank:
+    """A real processor of rank `rank` (and the standby controller it hosts) in a forked
+    process; `report()` says how it exited, which handlers ran, and what its standby did."""
+
+    def __init__(self, env: Dict[str, str], rank: int, dp: List[int], world: int, replica: int,
+                 addr: Tuple[str, int], step: int = 10, cpus: Optional[set] = None) -> None:
+        ctx = mp.get_context("fork")
+        self._pipe, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_real_rank_main, daemon=True, args=(
+            theirs, env, rank, dp, world, replica, addr, step, cpus))
+        self.proc.start()
+        theirs.close()
+        if not self._pipe.poll(120):
+            self.close()
+            raise TimeoutError(f"real rank {rank} did not register within 120 s")
+        self.standby_address = self._pipe.recv()
+
+    def report(self) -> Dict[str, Any]:
+        self._pipe.send("report")
+        if not self._pipe.poll(30):
+            raise TimeoutError("real rank: no report")
+        return self._pipe.recv()
+
+    def close(self) -> None:
+        try:
+            self._pipe.send("stop")
+            self._pipe.poll(5)
+        except OSError:
+            pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)

@@ -40,10 +40,17 @@ from mindio_ttp.faulttime import save_session
 
 log = logging.getLogger("mindio_ttp.controller")
 
-# During a registration storm the listener's accept queue (net.core.somaxconn) overflows if the
-# loop only accepts once per turn: a turn of handshakes takes ~100 us each, and a dropped SYN
-# costs the rank a 1 s retransmission. So the loop accepts again after this many events.
-ACCEPT_EVERY = 256
+# A registration storm (every rank connecting at once, at start-up or on a failover) must not
+# starve the ranks already registered: a handshake costs ~100 us of this thread, so a turn that
+# took all of them would leave heartbeats unacknowledged for seconds at 10k+ ranks, and ranks
+# would take the controller for lost. Each turn therefore serves registered connections first,
+# then handshakes for at most HANDSHAKE_BUDGET_S, and accepts at most ACCEPT_PER_TURN new
+# connections, and none while PENDING_CAP wait for their handshake; the rest stay ready
+# (level-triggered) for the next turn, or in the kernel's accept queue, where no timer of ours
+# runs (a rank's connect just takes longer; it retries for TTP_CONNECT_TIMEOUT).
+HANDSHAKE_BUDGET_S = 0.05
+ACCEPT_PER_TURN = 256
+PENDING_CAP = 512
 
 
 class MailOutbox:
@@ -102,6 +109,9 @@ class Controller:
         self._thread: Optional[threading.Thread] = None
         self._backups: List[List[object]] = []
         self._backups_sent: List[List[object]] = []  # what the last Backups broadcast said
+        # the running flow's phase orders (lock, advance) as this thread broadcast them: a rank
+        # registering mid-flow gets exactly these, and the broadcast it missed, never twice
+        self._phase_msgs: List[P.Message] = []
         self._progress_at: Optional[float] = None  # last heartbeat showing a step change
         # silences are measured on the time this loop was running (liveness.py)
         self._clock = LookingClock()
@@ -202,6 +212,7 @@ class Controller:
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        self._clock = LookingClock()  # from the first turn: starting up is not a stall
         tick = min(self.cfg.heartbeat_interval / 2, self.cfg.heartbeat_timeout / 4)
         next_check = time.monotonic() + tick
         next_backups = 0.0
@@ -213,22 +224,29 @@ class Controller:
                 if self._stop.is_set():
                     break
                 raise
-            if any(key.data == "listen" for key, _ in events):
-                self._accept()  # first: a storm's SYNs must not wait behind its handshakes
-            for i, (key, mask) in enumerate(events):
+            handshakes: List[Tuple[Conn, int]] = []
+            accept = False
+            for key, mask in events:
                 if key.data == "listen":
-                    continue
-                if i % ACCEPT_EVERY == ACCEPT_EVERY - 1:
-                    self._accept()
-                if key.data == "wake":
+                    accept = True
+                elif key.data == "wake":
                     self._on_mail()
+                elif key.data.rank is None:
+                    handshakes.append((key.data, mask))
                 else:
-                    conn: Conn = key.data
-                    if mask & selectors.EVENT_READ:
-                        self._on_readable(conn)
-                    if mask & selectors.EVENT_WRITE and not conn.closed:
-                        self._flush(conn)
-            self._clock.tick()
+                    self._on_event(key.data, mask)
+            budget = time.monotonic() + HANDSHAKE_BUDGET_S
+            for conn, mask in handshakes:
+                if time.monotonic() > budget:
+                    break
+                self._on_event(conn, mask)
+            if accept:
+                self._accept(min(ACCEPT_PER_TURN, PENDING_CAP - len(self._pending)))
+            stall = self._clock.tick()
+            if stall > 1.0:
+                log.warning("%s: this loop did not run for %.1f s (busy, or short of CPU on "
+                            "this node); that time does not count against any rank's heartbeat",
+                            self.name, stall)
             now = time.monotonic()
             if now >= next_check:
                 self._check_silence(now)
@@ -244,9 +262,15 @@ class Controller:
                     ev.set()
                 self._flush_waiters.clear()
 
-    def _accept(self) -> None:
+    def _on_event(self, conn: Conn, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            self._on_readable(conn)
+        if mask & selectors.EVENT_WRITE and not conn.closed:
+            self._flush(conn)
+
+    def _accept(self, limit: int) -> None:
         assert self._listener is not None
-        while True:
+        for _ in range(limit):
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -294,6 +318,10 @@ class Controller:
                 self._flush_waiters.append(item[1])
 
     def _send_alive_now(self, msg: P.Message, exclude: Optional[int] = None) -> None:
+        if isinstance(msg, P.Lock):
+            self._phase_msgs = [msg]
+        elif isinstance(msg, P.AdvanceTo):
+            self._phase_msgs.append(msg)
         payload = None
         for info in self._ranks.values():
             if info.status == "alive" and info.conn is not None and info.rank != exclude:
@@ -385,6 +413,8 @@ class Controller:
         TTP_HEARTBEAT_TIMEOUT of this loop's looking time (liveness.py) hung."""
         for conn, since in list(self._pending.items()):
             if now - since > self.cfg.handshake_timeout:
+                if _unread(conn.sock):
+                    continue  # its Register waits for a turn with time for it: not idle
                 log.warning("%s: %s did not complete the handshake within "
                             "TTP_HANDSHAKE_TIMEOUT=%g s; closing", self.name, conn.peer,
                             self.cfg.handshake_timeout)
@@ -496,8 +526,8 @@ class Controller:
             self._cond.notify_all()
         conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
                                  self._backups))
-        for lock_msg in self.flow.lock_msgs:
-            conn.queue(lock_msg)
+        for phase_msg in self._phase_msgs:
+            conn.queue(phase_msg)
         self._flush(conn)
         if m.failover or m.locked:
             log.info("%s: rank %d registered (failover=%s)", self.name, m.rank, m.failover)
@@ -538,6 +568,14 @@ class Controller:
         except (OSError, RuntimeError):
             pass
         self._mail.close()
+
+
+def _unread(sock: socket.socket) -> bool:
+    """Whether the peer sent bytes this loop has not read yet."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing yet, or the peer is gone
+        return False
 
 
 def raise_fd_limit(need: int, who: str) -> None:

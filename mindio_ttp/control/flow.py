@@ -80,7 +80,6 @@ class Flow:
         self._thread: Optional[threading.Thread] = None
         self._promoted = False
         self._flow_id = 0
-        self._lock_msgs: List[P.Message] = []  # also sent to ranks registering mid-flow
         self._reports: Dict[int, Dict[int, Tuple[Optional[int], bool]]] = {1: {}, 2: {}}
         self._results: Dict[int, P.Message] = {}
         self._awaiting: Set[int] = set()  # ranks the flow still waits for (see _await)
@@ -108,7 +107,8 @@ class Flow:
         self._thread.start()
 
     def joined(self, rank: int) -> None:
-        """A rank registered (again) mid-flow: it gets `lock_msgs` and is awaited for them."""
+        """A rank registered (again) mid-flow: the I/O thread sends it the phase orders it
+        broadcast so far, and the flow awaits its report."""
         kind, phase = self._await_kind
         if kind == "report" and rank not in self._reports.get(phase, {}):
             self._awaiting.add(rank)
@@ -128,11 +128,6 @@ class Flow:
         if flow_id == self._flow_id:
             self._results[rank] = msg
             self._arrived(("result", 0), rank)
-
-    @property
-    def lock_msgs(self) -> List[P.Message]:
-        """The lock orders of the running flow, for a rank that registers mid-flow."""
-        return list(self._lock_msgs)
 
     # -- the flow thread -----------------------------------------------------------------------
     def _flow(self) -> None:
@@ -196,10 +191,9 @@ class Flow:
             self._flow_id += 1
             fid = self._flow_id
             self._reports = {1: {}, 2: {}}
-            self._lock_msgs = [P.Lock(fid)]
         # phase 1: freeze (no new update may start) and learn who is where
         self._expect(("report", 1), self._alive())
-        self._out.broadcast(self._lock_msgs[0])
+        self._out.broadcast(P.Lock(fid))
         self._await(cfg.collect_timeout)
         self.timeline["locked"] = time.monotonic()
         with self._cond:
@@ -207,9 +201,7 @@ class Flow:
         limit = max([(s or 0) + (1 if u else 0) for s, u in first.values()] or [0])
         # phase 2: ranks one update behind their partners may catch up to `limit`, then stop
         advance = P.AdvanceTo(fid, limit, cfg.update_grace)
-        with self._cond:
-            self._lock_msgs.append(advance)
-            self._expect(("report", 2), self._alive())
+        self._expect(("report", 2), self._alive())
         self._out.broadcast(advance)
         silent = self._await(cfg.update_grace + cfg.heartbeat_interval + 1.0)
         with self._cond:

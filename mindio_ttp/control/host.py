@@ -44,7 +44,7 @@ from mindio_ttp.faulttime import claim as C
 
 log = logging.getLogger("mindio_ttp.controller")
 
-START_TIMEOUT_S = 60.0  # interpreter start and imports of a loaded node, then the bind
+START_TIMEOUT_S = 120.0  # interpreter start, imports (torch.distributed: seconds) on a loaded node
 STOP_GRACE_S = 10.0  # past the goodbye wait, before rank 0 kills a controller that hangs
 POLL_S = 0.2
 
