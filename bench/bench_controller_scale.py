@@ -231,12 +231,14 @@ def run_one(n: int, layout_name: str, window: float, out: Dict[str, Any]) -> Non
         sims.pin(rank0_cpu)  # rank 0 stops training at the fault: its CPU goes to the ranks
         sims.ask("mark")
         victim = victim_of(n)
+        c0 = cpu_s(ctl_pid)
         t_fault = sims.ask_rank(victim, "abort", victim)
         if layout_name == "process":
             flow = host.flow_report(300)
             if flow is None:
                 raise RuntimeError(f"no verdict within 300 s: {host.status()}")
             tl, outcome = flow["timeline"], flow["outcome"]
+            out["flow_ctl_cpu_s"] = flow["cpu_s"] - c0
         else:
             if not ctl.decided.wait(300):
                 raise RuntimeError("no verdict within 300 s")
@@ -458,6 +460,7 @@ def row(r: Dict[str, Any]) -> str:
         fmt(r.get("step_ms_with"), ".1f"),
         f"ratio {r['ratio']:.3f}" if r.get("ratio") else "-",
         fmt(r.get("ctl_cpu_pct"), ".1f"), fmt(r.get("ctl_rss_mib")),
+        fmt(r.get("flow_ctl_cpu_s"), ".2f"),
         fmt(r.get("detect_ms"), ".1f"), fmt(r.get("all_locked_ms")),
         fmt(r.get("all_saves_ms")), fmt(r.get("verdict_ms")), fmt(r.get("all_exits_ms")),
         f"{fmt(r.get('bytes'))} ({fmt(r.get('bytes_per_rank'))})",
@@ -470,7 +473,8 @@ def row(r: Dict[str, Any]) -> str:
 
 
 HEAD = ("N", "layout", "heartbeat s", "storm s", "storm ctl CPU s", "rank-0 step ms without",
-        "with", "ratio", "ctl CPU %", "ctl RSS MiB", "detect ms", "all locked ms",
+        "with", "ratio", "ctl CPU %", "ctl RSS MiB", "flow ctl CPU s", "detect ms",
+        "all locked ms",
         "all save orders ms", "verdict ms", "all exit orders ms", "bytes per flow (per rank)",
         "takeover ms: promoted / all moved / verdict", "outcome")
 

@@ -13,9 +13,12 @@ a test can check that every rank got exactly the orders it should, and a bench c
 last rank to get each. Bytes sent and received are counted per rank from `mark()` on.
 
 A `SimGroup` runs the processes (fork) and talks to each over a pipe; `SimGroup.close` ends
-them all, also when a test fails. Connections come from several loopback source addresses
-(127.0.0.2, .3, ...; IP_BIND_ADDRESS_NO_PORT), so more than the ~28,000 ephemeral ports one
-source has towards one listener can connect.
+them all, also when a test fails. A process keeps at most `INFLIGHT` of its ranks between
+connect and registered: a real rank answers its challenge from its own CPU at once, a few
+thousand simulated ones share one, and answered all at once they would answer late (past the
+listener's handshake timeout) and fail, which real ranks would not. Connections come from
+several loopback source addresses (127.0.0.2, .3, ...; IP_BIND_ADDRESS_NO_PORT), so more than
+the ~28,000 ephemeral ports one source has towards one listener can connect.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from mindio_ttp.control import protocol as P
 from mindio_ttp.control.session import RankHandshake
 
 IP_BIND_ADDRESS_NO_PORT = 24  # linux/in.h
+INFLIGHT = 256
 RANKS_PER_SOURCE = 20000  # well under the ~28,000 ephemeral ports of one source address
 ORDERS = (P.Lock, P.AdvanceTo, P.SaveOrder, P.RenameOrder, P.ExitOrder)
 
@@ -66,7 +70,7 @@ class RankRecord:
 
 class _Rank:
     __slots__ = ("rank", "dp", "sock", "hs", "tx", "dec", "rec", "live", "out", "failover",
-                 "backup_idx", "done", "source", "writing", "gen", "attempts")
+                 "backup_idx", "done", "source", "writing", "gen", "attempts", "paced")
 
     def __init__(self, rank: int, dp: List[int], source: str) -> None:
         self.rank, self.dp, self.source = rank, dp, source
@@ -83,6 +87,7 @@ class _Rank:
         self.writing = False  # registered for EVENT_WRITE
         self.gen = 0  # registrations so far: a heartbeat slot of an older one is dropped
         self.attempts = 0  # failover connection attempts
+        self.paced = False  # counted in the worker's in-flight connects
 
 
 class SimWorker:
@@ -103,6 +108,8 @@ class SimWorker:
         self.retry: Deque[Tuple[float, _Rank]] = collections.deque()
         self.counting = False
         self.fd_of: Dict[int, _Rank] = {}
+        self.queued: Deque[_Rank] = collections.deque()  # to connect, at most INFLIGHT at once
+        self.inflight = 0
 
     # -- connections ------------------------------------------------------------------------
     def _connect(self, r: _Rank, addr: Tuple[str, int]) -> None:
@@ -141,6 +148,7 @@ class SimWorker:
         """The controller went away: fail over to the backups in order, as processors do
         (a round over all of them, then 0.2 s, then the next round)."""
         self._close(r)
+        self._unpace(r)
         if r.done or not self.backups or r.attempts >= 200:
             r.done = True
             return
@@ -214,6 +222,7 @@ class SimWorker:
             return
         if isinstance(m, P.RegisterAck):
             r.live = True
+            self._unpace(r)
             if r.failover:
                 r.rec.failed_over_at = now
             else:
@@ -225,6 +234,7 @@ class SimWorker:
             self.wheel.append((now + random.random() * self.interval, r, r.gen))
             return
         if isinstance(m, P.Reject):
+            self._unpace(r)
             r.rec.orders.append(Order("Reject", now, -1, outcome=m.reason))
             self._close(r)
             r.done = True
@@ -252,6 +262,19 @@ class SimWorker:
             self._close(r)
 
     # -- the loop ---------------------------------------------------------------------------
+    def _start_queued(self) -> None:
+        while self.queued and self.inflight < INFLIGHT:
+            r = self.queued.popleft()
+            self.inflight += 1
+            r.paced = True
+            self._connect(r, self.target)  # type: ignore[arg-type]
+
+    def _unpace(self, r: _Rank) -> None:
+        if r.paced:
+            r.paced = False
+            self.inflight -= 1
+            self._start_queued()
+
     def _beat(self, now: float) -> None:
         wheel = self.wheel
         while wheel and wheel[0][0] <= now:
@@ -268,8 +291,8 @@ class SimWorker:
     def _command(self, cmd: str, arg: Any) -> Any:
         if cmd == "connect":
             self.target = tuple(arg)
-            for r in self.ranks.values():
-                self._connect(r, self.target)  # type: ignore[arg-type]
+            self.queued.extend(self.ranks.values())
+            self._start_queued()
             return len(self.ranks)
         if cmd == "registered":
             return sum(1 for r in self.ranks.values()
@@ -296,6 +319,10 @@ class SimWorker:
             self.backups, self.counting = [], False
             self.wheel.clear()
             self.retry.clear()
+            self.queued.clear()
+            self.inflight = 0
+            for r in self.ranks.values():
+                r.paced = False
             return True
         raise ValueError(f"unknown command {cmd!r}")
 
@@ -304,7 +331,9 @@ class SimWorker:
         while True:
             timeout = max(0.0, min(0.05, self.wheel[0][0] - time.monotonic())) \
                 if self.wheel else 0.05
-            for key, mask in self.sel.select(timeout):
+            for i, (key, mask) in enumerate(self.sel.select(timeout)):
+                if i % 128 == 127:  # a long batch must not make this process's ranks late
+                    self._beat(time.monotonic())
                 if key.data == "pipe":
                     try:
                         cmd, arg = self.pipe.recv()

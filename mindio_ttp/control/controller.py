@@ -358,6 +358,13 @@ class Controller:
                     self._dispatch(conn, msg)
                 # frames that came behind the Register wait in the decoder for the session key
                 msgs = conn.dec.feed(b"") if conn.dec.pending and not conn.closed else []
+            if conn.ack_due is not None and not conn.closed:
+                # one ack for all the heartbeats of this read: a loop that fell behind reads
+                # several per rank, and acking each would keep it behind (the processor needs
+                # to hear from us, not one answer per beat)
+                conn.queue(P.HeartbeatAck(conn.ack_due))
+                conn.ack_due = None
+                self._flush(conn)
         except ConnClosed as exc:
             self._drop(conn, f"connection dropped: {exc}")
         except P.ProtocolError as exc:
@@ -461,8 +468,7 @@ class Controller:
             if msg.step != info.step or msg.updating != info.updating:
                 self._progress_at = info.last_seen  # armed by the first change seen
             info.step, info.updating = msg.step, msg.updating
-            conn.queue(P.HeartbeatAck(msg.seq))
-            self._flush(conn)
+            conn.ack_due = msg.seq
         elif isinstance(msg, P.FaultReport):
             with self._cond:
                 self.flow.fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}")

@@ -27,6 +27,7 @@ child reads TTP_AUTH_KEY(_FILE) from the environment it inherits, like any rank.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -224,6 +225,13 @@ def serve(fd: int) -> int:
 def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
     parent_gone: Optional[float] = None
     while True:
+        # What this process holds lives as long as it does: torch's modules, and a connection,
+        # a decoder and a rank record per rank. A full collection walks every tracked object
+        # while holding the GIL (seconds at 10k+ ranks on a busy node: acks stop, ranks take
+        # the controller for lost), and the storm of registrations triggers one after another.
+        # Freezing moves what exists into the permanent generation every turn, so collections
+        # walk only what the last POLL_S made; frozen objects are still freed by refcount.
+        gc.freeze()
         if parent_gone is None:
             msgs = chan.recv(POLL_S)
         else:
@@ -248,7 +256,7 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
             d = ctl.decision
             chan.send(flow={"outcome": d.outcome.value, "step": d.step, "savers": len(d.ranks),
                             "reason": d.reason[:500], "timeline": ctl.timeline,
-                            "faults": ctl.faults[:100]})
+                            "faults": ctl.faults[:100], "cpu_s": time.process_time()})
             ctl.stop()
             return 0
         if parent_gone is not None and not ctl.flow_running and (

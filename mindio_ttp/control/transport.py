@@ -26,7 +26,7 @@ class ConnClosed(Exception):
 
 class Conn:
     __slots__ = ("sock", "tx", "dec", "out", "peer", "rank", "last_rx", "closed", "data",
-                 "writing", "handshake", "clock")
+                 "writing", "handshake", "clock", "ack_due")
 
     def __init__(self, sock: socket.socket, tx: Sealer, dec: FrameDecoder,
                  peer: str = "", clock: Callable[[], float] = time.monotonic) -> None:
@@ -47,6 +47,7 @@ class Conn:
         self.closed = False
         self.data: Any = None
         self.writing = False  # registered for EVENT_WRITE in the owner's selector
+        self.ack_due: Optional[int] = None  # a heartbeat read, its ack not queued yet
 
     def read(self) -> List[Message]:
         """Drain what the socket has; raises ConnClosed on EOF/reset, ProtocolError on a bad
