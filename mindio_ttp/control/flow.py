@@ -1,9 +1,14 @@
 """The dying-checkpoint flow: what a controller does about a fault, in its own thread.
 
 lock (phase 1) -> advance to the newest step (phase 2) -> choose_step -> claim the fault ->
-save orders (each with its own store) -> rename on one rank -> exit orders. Every wait is
-bounded and O(1) per answer: the controller's I/O thread tells the flow of each answer (or
-death) and the flow wakes only when nobody it waits for is left.
+save orders (each with its own namespace of the controller's authenticated store, closed when
+the flow ends) -> rename on one rank -> exit orders. Every wait is bounded and O(1) per answer:
+the controller's I/O thread tells the flow of each answer (or death) and the flow wakes only
+when nobody it waits for is left.
+
+A report is a rank's word, and one rank holding the key (a bug, a compromised host) must not
+set what every other rank does: a step reported beyond the agreed step + 1 (`bound_reports`)
+is refused, and that rank's state is not used.
 
 A `Flow` is owned by one controller and is given exactly what it uses, so it can run (and be
 tested) without one: the controller's condition (`lock`, which guards the roster and the flow's
@@ -18,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
 from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
@@ -62,15 +67,15 @@ class Outbox(Protocol):
 class Flow:
     def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int, name: str,
                  sm: StateMachine, lock: threading.Condition, roster: Roster, outbox: Outbox,
-                 store_host: Callable[[], str],
-                 claims: Callable[[], Optional[C.ClaimSpace]] = C.registered) -> None:
+                 close_store: Callable[[str], None],
+                 claims: Callable[[], Optional[C.ClaimSpace]] = lambda: None) -> None:
         self.cfg, self.world_size, self.replica = cfg, world_size, replica
         self.host_rank, self.name = host_rank, name
         self.sm = sm
         self._cond = lock
         self._ranks = roster
         self._out = outbox
-        self._store_host = store_host  # the controller's address: known once it listens
+        self._close_store = close_store  # drops a namespace of the controller's store
         self._claims = claims  # where faults are claimed (read at the fault: set after start)
         self.decision: Optional[Decision] = None
         self.decided = threading.Event()
@@ -85,7 +90,8 @@ class Flow:
         self._awaiting: Set[int] = set()  # ranks the flow still waits for (see _await)
         self._await_kind: Tuple[str, int] = ("", 0)
         self._claim: Optional[C.Claim] = None
-        self._save_store: Any = None  # the TCPStore of the current save order
+        self._save_ns: Optional[str] = None  # the store namespace of the current save order
+        self._faulty: Dict[int, str] = {}  # ranks whose reports are refused, and why
 
     # -- called by the controller's I/O thread, holding `lock` ----------------------------------
     def fault(self, desc: str, promoted: bool = False) -> None:
@@ -120,7 +126,8 @@ class Flow:
     def report(self, flow_id: int, phase: int, rank: int, step: Optional[int],
                updating: bool) -> None:
         if flow_id == self._flow_id and phase in self._reports:
-            self._reports[phase][rank] = (step, updating)
+            if rank not in self._faulty:
+                self._reports[phase][rank] = (step, updating)
             self._arrived(("report", phase), rank)
 
     def result(self, flow_id: int, rank: int, msg: P.Message) -> None:
@@ -191,12 +198,14 @@ class Flow:
             self._flow_id += 1
             fid = self._flow_id
             self._reports = {1: {}, 2: {}}
+            self._faulty = {}
         # phase 1: freeze (no new update may start) and learn who is where
         self._expect(("report", 1), self._alive())
         self._out.broadcast(P.Lock(fid))
         self._await(cfg.collect_timeout)
         self.timeline["locked"] = time.monotonic()
         with self._cond:
+            agreed = self._refuse_beyond(1, None)
             first = dict(self._reports[1])
         limit = max([(s or 0) + (1 if u else 0) for s, u in first.values()] or [0])
         # phase 2: ranks one update behind their partners may catch up to `limit`, then stop
@@ -207,6 +216,7 @@ class Flow:
         with self._cond:
             for r in silent:
                 self._ranks[r].note = "did not answer the collect in time"
+            self._refuse_beyond(2, agreed)
             reports = dict(self._reports[2])
             notes = {i.rank: i.note for i in self._ranks.values()}
             for r in range(self.world_size):
@@ -232,12 +242,13 @@ class Flow:
         log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why,
                  ranksets.describe(savers))
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
-        # the chosen ranks rendezvous on a store this controller hosts for this order alone
-        self._save_store, port = save_session.host_store(self._store_host(), cfg.save_time_limit)
-        order = P.SaveOrder(fid, step, savers, cfg.save_time_limit,
-                            save_session.format_address(self._store_host(), port),
-                            save_session.new_tag())
+        # the chosen ranks rendezvous in a namespace of this controller's authenticated store,
+        # for this order alone; it is dropped as soon as the order is answered
+        tag = save_session.new_tag()
+        self._save_ns = save_session.namespace_of(tag)
+        order = P.SaveOrder(fid, step, savers, cfg.save_time_limit, self._save_ns, tag)
         ok, why = self._order(savers, order, cfg.save_time_limit)
+        self._end_save_store("the save order was answered")
         self.timeline["saved"] = time.monotonic()
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
@@ -253,12 +264,41 @@ class Flow:
         return (Outcome.SAVED, step, savers,
                 f"dying checkpoint of step {step} saved by {ranksets.describe(savers)}")
 
+    def _refuse_beyond(self, phase: int, agreed: Optional[int]) -> int:
+        """Drop the reports of `phase` that claim a step beyond the agreed step + 1 (caller
+        holds the lock); those ranks are faulty for the rest of the flow. Returns the agreed
+        step (computed from phase 1's reports when `agreed` is None)."""
+        reports = self._reports[phase]
+        if agreed is None:
+            agreed, beyond = bound_reports(reports)
+        else:
+            beyond = [r for r, (s, u) in reports.items() if (s or 0) + u > agreed + 1]
+        for r in beyond:
+            step, updating = reports.pop(r)
+            why = (f"reported step {step}{' (updating)' if updating else ''} in phase {phase}, "
+                   f"beyond the agreed step {agreed} + 1: a faulty rank, its state is not used")
+            self._faulty[r] = why
+            log.error("%s: rank %d %s", self.name, r, why)
+            info = self._ranks.get(r)
+            if info is not None:
+                info.note = why
+        return agreed
+
+    def _end_save_store(self, why: str) -> None:
+        if self._save_ns is not None:
+            self._close_store(self._save_ns)
+            log.info("%s: store namespace %s closed: %s", self.name, self._save_ns, why)
+            self._save_ns = None
+
     def _settle(self, fid: int, step: int, members: List[int]) -> Tuple[bool, str]:
         """May this flow order a save? With a claim directory, only if it wins this fault's
         claim (whatever its size: a split job's halves cannot count each other, the claim file
         is the one decision both see). Without one, only with a strict majority of the world
         answering: two disjoint parts cannot both have one."""
-        space = self._claims()
+        try:
+            space = self._claims()
+        except ValueError as exc:  # a claim directory, but no valid fault id to claim under
+            return False, f"cannot claim the fault: {exc}; this part of the job saves nothing"
         if space is None:
             if 2 * len(members) > self.world_size:
                 return True, f"{len(members)} of {self.world_size} ranks answered (a majority)"
@@ -306,14 +346,31 @@ class Flow:
                                    outcome=outcome.value, reason=reason[:500])
             except OSError as exc:  # the outcome is recorded for people only
                 log.warning("%s: cannot record the outcome in the claim: %s", self.name, exc)
-        self._save_store = None  # the save is over: stop its store
-        order = P.ExitOrder(self._flow_id, outcome.value, step, ranks, outcome.exit_code, reason)
+        self._end_save_store("the flow ended")
+        order = P.ExitOrder(self._flow_id, outcome.value, step, ranks, outcome.exit_code,
+                            reason[:P.MAX_TEXT])
         # our own process exits on its order: every other rank must have its order first
         self._out.broadcast(order, exclude=self.host_rank)
         self._out.flush(2.0)
         self.timeline["exit_sent"] = time.monotonic()
         self.decided.set()
         self._out.send(self.host_rank, order)
+
+
+def bound_reports(reports: Dict[int, Tuple[Optional[int], bool]]) -> Tuple[int, List[int]]:
+    """(agreed step, ranks whose report goes beyond it + 1).
+
+    The agreed step is the newest step that at least half of the answering ranks completed (the
+    lower median of their reports). With the guide's barrier before every update, no rank can
+    be in the update of step k + 1, or past it, before every rank has completed k, so an honest
+    report never exceeds the smallest completed step + 1; the median is at least that smallest
+    step while faulty ranks are fewer than half, so no honest rank is refused, and one rank that
+    reports 10^15 no longer sets every rank's AdvanceTo limit to 10^15 + 1."""
+    done = sorted((s or 0) for s, _ in reports.values())
+    if not done:
+        return 0, []
+    agreed = done[(len(done) - 1) // 2]
+    return agreed, sorted(r for r, (s, u) in reports.items() if (s or 0) + u > agreed + 1)
 
 
 def _summary(reports: Dict[int, Tuple[Optional[int], bool]]) -> str:

@@ -45,7 +45,7 @@ from mindio_ttp.faulttime import claim as C
 
 log = logging.getLogger("mindio_ttp.controller")
 
-START_TIMEOUT_S = 120.0  # interpreter start, imports (torch.distributed: seconds) on a loaded node
+START_TIMEOUT_S = 60.0  # interpreter start and imports on a busy node, then the bind
 STOP_GRACE_S = 10.0  # past the goodbye wait, before rank 0 kills a controller that hangs
 POLL_S = 0.2
 
@@ -94,9 +94,10 @@ class ControllerProcess:
     def pid(self) -> Optional[int]:
         return self.proc.pid if self.proc is not None else None
 
-    def start(self, ip: str, port: int, claims: Optional[C.ClaimSpace] = None) -> Tuple[str, int]:
+    def start(self, ip: str, port: int, claims: Optional[Path] = None) -> Tuple[str, int]:
         """Start the child and return once it listens on ip:port; TTPError (the child's own
-        message, e.g. the port is taken) when it cannot."""
+        message, e.g. the port is taken) when it cannot. `claims`: the checkpoint directory
+        faults are claimed in (ttp_set_checkpoint_dir), if already known."""
         mine, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # so the child imports this very tree
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -110,7 +111,7 @@ class ControllerProcess:
         self._chan = _Channel(mine)
         self._chan.send(world_size=self.world_size, replica=self.replica,
                         host_rank=self.host_rank, ip=ip, port=port,
-                        claims=_claims_arg(claims))
+                        claims=None if claims is None else str(claims))
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             msgs = self._chan.recv(max(0.05, deadline - time.monotonic()))
@@ -154,10 +155,10 @@ class ControllerProcess:
         across processes on one machine), once it has: None if not within `timeout`."""
         return self._wait_for("flow", timeout)
 
-    def set_claims(self, space: C.ClaimSpace) -> None:
+    def set_claims(self, directory: Path) -> None:
         """ttp_set_checkpoint_dir ran after the start: the controller claims faults there."""
         if self._chan is not None:
-            self._chan.send(claims=_claims_arg(space))
+            self._chan.send(claims=str(directory))
 
     def stop(self, wait_goodbyes: float = 0.0) -> None:
         """Normal end of training: the controller waits (bounded) for every rank's goodbye,
@@ -188,10 +189,6 @@ class ControllerProcess:
             self._chan = None
 
 
-def _claims_arg(space: Optional[C.ClaimSpace]) -> Optional[List[str]]:
-    return None if space is None else [str(space.directory.parent), space.fault_id]
-
-
 # -- the child ------------------------------------------------------------------------------------
 def serve(fd: int) -> int:
     from mindio_ttp.control.controller import Controller
@@ -208,15 +205,12 @@ def serve(fd: int) -> int:
         _setup_logging(p["host_rank"])
         cfg = TTPConfig.from_env(world_size=p["world_size"])
         if p.get("claims"):
-            C.register(*p["claims"])
+            C.register(p["claims"])
         ctl = Controller(cfg, p["world_size"], p["replica"], p["host_rank"])
         address = ctl.listen(p["ip"], p["port"])
     except (TTPError, ValueError) as exc:
         chan.send(error=str(exc))
         return 2
-    # serving starts after the imports the flow needs (torch.distributed for the per-save
-    # store: seconds, and its GIL-holding stretches would starve the I/O thread of a serving
-    # controller); ranks connecting meanwhile wait in the listen backlog for their challenge
     ctl.start()
     chan.send(listening=list(address), pid=os.getpid())
     return _run(ctl, chan, cfg)
@@ -225,8 +219,8 @@ def serve(fd: int) -> int:
 def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
     parent_gone: Optional[float] = None
     while True:
-        # What this process holds lives as long as it does: torch's modules, and a connection,
-        # a decoder and a rank record per rank. A full collection walks every tracked object
+        # What this process holds lives as long as it does: its modules, and a connection, a
+        # decoder and a rank record per rank. A full collection walks every tracked object
         # while holding the GIL (seconds at 10k+ ranks on a busy node: acks stop, ranks take
         # the controller for lost), and the storm of registrations triggers one after another.
         # Freezing moves what exists into the permanent generation every turn, so collections
@@ -244,7 +238,7 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
             msgs = []
         for m in msgs:
             if "claims" in m and m["claims"]:
-                C.register(*m["claims"])
+                C.register(m["claims"])
             if "status" in m:
                 chan.send(status={"state": ctl.sm.state.value, "registered": len(ctl.registered),
                                   "faults": ctl.faults[:100], "n_faults": len(ctl.faults)})

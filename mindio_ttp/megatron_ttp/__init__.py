@@ -1,9 +1,10 @@
 """Megatron-LM 285068c glue for the dying checkpoint: the names the patched tree uses.
 
-`import mindio_ttp.megatron_ttp as mega` happens at the top of megatron/training.py, before
-megatron.optimizer exists, and megatron/optimizer/__init__.py imports ReplicatedOptimizer from
-here while it is itself half-imported. So nothing is imported eagerly: each name loads its
-module on first use (PEP 562 module __getattr__).
+`import mindio_ttp.megatron_ttp as mega` happens at the top of megatron/training.py (and of
+megatron/initialize.py, edit 6.1, for `process_group_timeout`), before megatron.optimizer
+exists, and megatron/optimizer/__init__.py imports ReplicatedOptimizer from here while it is
+itself half-imported. So nothing is imported eagerly: each name loads its module on first use
+(PEP 562 module __getattr__).
 
 A run without --use-distributed-optimizer is stopped where the optimizer is built
 (`check_args`, called by ttp-patch's edit 3.3). For a tree patched by hand with only the guide's
@@ -21,6 +22,7 @@ __all__ = [
     "load_checkpoint",
     "ttp_save_checkpoint",
     "rename_save_result",
+    "process_group_timeout",
 ]
 
 
@@ -46,6 +48,10 @@ def __getattr__(name: str) -> Any:
         from mindio_ttp.megatron_ttp.save import rename_save_result
 
         return rename_save_result
+    if name == "process_group_timeout":
+        from mindio_ttp.megatron_ttp.timeout import process_group_timeout
+
+        return process_group_timeout
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
