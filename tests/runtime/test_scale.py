@@ -82,6 +82,21 @@ def job(monkeypatch):
         ctl.stop()
 
 
+def records_once_all_exited(sims: SimGroup, dead: Set[int],
+                            timeout: float = 60) -> Dict[int, RankRecord]:
+    """Every simulated rank's record, once every live one has its exit order (the last are
+    still in flight when the controller reports its verdict)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = sims.records()
+        if all(any(o.kind == "ExitOrder" for o in r.orders)
+               for rank, r in records.items() if rank not in dead):
+            return records
+        if time.monotonic() > deadline:
+            return records  # check_orders says which
+        time.sleep(0.2)
+
+
 def check_orders(records: Dict[int, RankRecord], savers: List[int], dead: Set[int]) -> None:
     """Each live simulated rank: lock, advance, its save order iff it saves (naming every
     saver), the rename iff it is the first saver, the exit order (saved, step 10); nothing
@@ -115,8 +130,7 @@ def test_a_dead_saver_at_2048_ranks_every_rank_gets_exactly_its_orders(job):
     assert flow["faults"][0].startswith(f"rank {victim} dead")
     savers = expected_savers({victim})
     assert flow["savers"] == len(savers) == N // 2
-    time.sleep(0.5)  # the last exit orders in flight
-    records = sims.records()
+    records = records_once_all_exited(sims, {victim})
     check_orders(records, savers, {victim})
     rep = real.report()
     assert rep["exit"] == [83] and rep["calls"] == [("save", STEP, tuple(savers))], rep
@@ -139,7 +153,6 @@ def test_primary_lost_at_2048_ranks_the_real_standby_takes_over(job):
     assert rep["standby_outcome"] == "saved", rep
     savers = expected_savers(set())
     assert rep["calls"] == [("save", STEP, tuple(savers))], rep
-    time.sleep(0.5)
-    records = sims.records()
+    records = records_once_all_exited(sims, set())
     assert all(r.failed_over_at is not None for r in records.values())
     check_orders(records, savers, set())
