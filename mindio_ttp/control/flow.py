@@ -37,6 +37,8 @@ from mindio_ttp.faulttime import save_session
 
 log = logging.getLogger("mindio_ttp.controller")
 
+FAILOVER_QUIET_S = 1.0  # see Flow._wait_for_failovers
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -146,15 +148,23 @@ class Flow:
                                             f"controller error: {exc!r}")
         self._finish(outcome, step, ranks, reason)
 
-    def _wait_until(self, done: Callable[[], bool], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+    def _wait_for_failovers(self) -> None:
+        """A promoted standby waits for the rest of the job to fail over to it: until all but
+        one rank are here, or for at least 2 heartbeat intervals (+0.5 s) and then until
+        registrations have stopped coming for FAILOVER_QUIET_S: the whole job re-registering
+        takes world_size handshakes, seconds at 10k+ ranks, and a rank frozen out of the flow
+        counts as dead (both holders of a shard among them: nothing is saved). Bounded by
+        TTP_HANDSHAKE_TIMEOUT (scaled with the job) past the floor."""
+        floor = 2 * self.cfg.heartbeat_interval + 0.5
+        t0 = time.monotonic()
+        deadline = t0 + floor + self.cfg.handshake_timeout
         with self._cond:
-            while not done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            while self._ranks.n_alive < self.world_size - 1:
+                now = time.monotonic()
+                if now >= deadline or (now - t0 >= floor and
+                                       now - self._ranks.changed_at >= FAILOVER_QUIET_S):
+                    return
+                self._cond.wait(min(deadline - now, 0.25))
 
     def _await(self, timeout: float) -> List[int]:
         """Block until every rank named by the last `_expect` answered (or died), or timeout;
@@ -192,8 +202,7 @@ class Flow:
     def _run_flow(self) -> Tuple[Outcome, Optional[int], List[int], str]:
         cfg = self.cfg
         if self._promoted:  # let slower processors fail over before freezing the membership
-            self._wait_until(lambda: self._ranks.n_alive >= self.world_size - 1,
-                             2 * cfg.heartbeat_interval + 0.5)
+            self._wait_for_failovers()
         with self._cond:
             self._flow_id += 1
             fid = self._flow_id

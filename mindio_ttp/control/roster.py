@@ -11,6 +11,7 @@ group of 1,000 would be 10^8 entries, and the flow would hash every copy to find
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -38,6 +39,7 @@ class Roster:
         self._by_rank: Dict[int, RankInfo] = {}
         self._groups: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
         self.n_alive = 0
+        self.changed_at = time.monotonic()  # the last registration
 
     def get(self, rank: int) -> Optional[RankInfo]:
         return self._by_rank.get(rank)
@@ -57,6 +59,7 @@ class Roster:
         old = self._by_rank.get(info.rank)
         if old is None or old.status != "alive":
             self.n_alive += 1
+        self.changed_at = time.monotonic()
         info.dp_ranks = self._groups.setdefault(info.dp_ranks, info.dp_ranks)
         self._by_rank[info.rank] = info
 
