@@ -234,6 +234,7 @@ def run_one(n: int, layout_name: str, window: float, out: Dict[str, Any]) -> Non
         out["ctl_cpu_pct"] = (cpu_s(ctl_pid) - c0) / (time.monotonic() - t0) * 100
         out["ctl_rss_mib"] = rss_mib(ctl_pid)
         out["hb_per_s"] = n / cfg.heartbeat_interval
+        out["ctl_us_per_hb"] = out["ctl_cpu_pct"] * 1e4 / out["hb_per_s"]
 
         phase("fault flow")
         sims.pin(rank0_cpu)  # rank 0 stops training at the fault: its CPU goes to the ranks
@@ -469,7 +470,8 @@ def row(r: Dict[str, Any]) -> str:
         fmt(r.get("step_ms_with"), ".1f"),
         f"ratio {r['ratio']:.3f} (median {r['ratio_median']:.3f}, B2/B1 {r['ab_noise']:.3f})"
         if r.get("ratio") else "-",
-        fmt(r.get("ctl_cpu_pct"), ".1f"), fmt(r.get("ctl_rss_mib")),
+        f"{fmt(r.get('ctl_cpu_pct'), '.1f')} ({fmt(r.get('ctl_us_per_hb'))} us/hb)",
+        fmt(r.get("ctl_rss_mib")),
         fmt(r.get("flow_ctl_cpu_s"), ".2f"),
         fmt(r.get("detect_ms"), ".1f"), fmt(r.get("all_locked_ms")),
         fmt(r.get("all_saves_ms")), fmt(r.get("verdict_ms")), fmt(r.get("all_exits_ms")),
@@ -483,7 +485,7 @@ def row(r: Dict[str, Any]) -> str:
 
 
 HEAD = ("N", "layout", "heartbeat s", "storm s", "storm ctl CPU s", "rank-0 step ms without",
-        "with", "ratio", "ctl CPU %", "ctl RSS MiB", "flow ctl CPU s", "detect ms",
+        "with", "ratio", "ctl CPU % (per heartbeat)", "ctl RSS MiB", "flow ctl CPU s", "detect ms",
         "all locked ms",
         "all save orders ms", "verdict ms", "all exit orders ms", "bytes per flow (per rank)",
         "takeover ms: promoted / all moved / verdict", "outcome")

@@ -71,8 +71,9 @@ def describe(ranks: Sequence[int], limit: int = 8) -> str:
     return f"[{', '.join(map(str, ranks[:limit]))}, ... ({len(ranks)} ranks)]"
 
 
-def valid_wire(value: Any) -> bool:
-    """The shape and bounds of an encoded list, checked before anything is expanded."""
+def valid_wire(value: Any, limit: int = MAX_RANKS) -> bool:
+    """The shape and bounds of an encoded list, checked before anything is expanded: at most
+    `limit` ranks, each in 0..limit-1 (so the expanded list needs no check of its own)."""
     if not isinstance(value, list):
         return False
     total = 0
@@ -84,20 +85,20 @@ def valid_wire(value: Any) -> bool:
         if count < 1 or ocount < 1:
             return False
         total += count * ocount
-        if total > MAX_RANKS:
+        if total > limit:
             return False
         last_inner, last_outer = (count - 1) * step, (ocount - 1) * ostep
         corners = (start, start + last_inner, start + last_outer, start + last_inner + last_outer)
-        if min(corners) < 0 or max(corners) >= MAX_RANKS:
+        if min(corners) < 0 or max(corners) >= limit:
             return False
     return True
 
 
-def decode(blocks: List[List[int]]) -> List[int]:
+def decode(blocks: List[List[int]], limit: int = MAX_RANKS) -> List[int]:
     """The list `blocks` stands for; ValueError when it is not a valid encoding."""
-    if not valid_wire(blocks):
-        raise ValueError(f"not a rank list encoding (or more than {MAX_RANKS} ranks, or a rank "
-                         f"outside 0..{MAX_RANKS - 1}): {str(blocks)[:80]}")
+    if not valid_wire(blocks, limit):
+        raise ValueError(f"not a rank list encoding (or more than {limit} ranks, or a rank "
+                         f"outside 0..{limit - 1}): {str(blocks)[:80]}")
     out: List[int] = []
     for start, step, count, ostep, ocount in blocks:
         for i in range(ocount):
