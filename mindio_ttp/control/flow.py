@@ -360,7 +360,9 @@ class Flow:
                             reason[:P.MAX_TEXT])
         # our own process exits on its order: every other rank must have its order first
         self._out.broadcast(order, exclude=self.host_rank)
-        self._out.flush(2.0)
+        # every other rank's order written before our own process may exit on its own: at
+        # 100k ranks that is seconds, so as long as a storm's handshakes may take (scaled)
+        self._out.flush(max(2.0, self.cfg.handshake_timeout))
         self.timeline["exit_sent"] = time.monotonic()
         self.decided.set()
         self._out.send(self.host_rank, order)

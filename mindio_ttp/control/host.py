@@ -246,11 +246,16 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
                 ctl.stop(wait_goodbyes=float(m["stop"]))
                 return 0
         if ctl.decided.is_set():
-            ctl.flush(2.0)
             d = ctl.decision
             chan.send(flow={"outcome": d.outcome.value, "step": d.step, "savers": len(d.ranks),
                             "reason": d.reason[:500], "timeline": ctl.timeline,
                             "faults": ctl.faults[:100], "cpu_s": time.process_time()})
+            # serve on until every rank has its exit order (each closes its connection when it
+            # exits on it): frames still queued when this process exits would be lost, and
+            # their ranks would wait out TTP_OT for a verdict
+            deadline = time.monotonic() + max(10.0, cfg.handshake_timeout)
+            while ctl.registered and time.monotonic() < deadline:
+                time.sleep(POLL_S)
             ctl.stop()
             return 0
         if parent_gone is not None and not ctl.flow_running and (
