@@ -251,10 +251,15 @@ SETTINGS: Tuple[Setting, ...] = (
             "each rank listens on one port of this range on its own address, for a standby "
             "controller; give at least as many ports as ranks per node, and open them between "
             "nodes"),
-    Setting(ENV_HEARTBEAT_INTERVAL, "seconds", "2", "(0, 604800]",
-            "between a rank's heartbeats and the controller's acks", seconds, 2.0),
-    Setting(ENV_HEARTBEAT_TIMEOUT, "seconds", "6", f"> {ENV_HEARTBEAT_INTERVAL}",
-            "silence after which a rank is hung (or the controller lost)", seconds, 6.0),
+    Setting(ENV_HEARTBEAT_INTERVAL, "seconds", "2, or world size / 8192 when larger",
+            "(0, 604800]", "between a rank's heartbeats and the controller's acks", seconds, 2.0,
+            "the default keeps the controller under ~8,000 heartbeats a second: 2 s up to "
+            "16,384 ranks, 12.2 s at 100,000 (docs/design.md, how the control plane scales)"),
+    Setting(ENV_HEARTBEAT_TIMEOUT, "seconds", f"6, or 3 x {ENV_HEARTBEAT_INTERVAL} when larger",
+            f"> {ENV_HEARTBEAT_INTERVAL}",
+            "silence after which a rank is hung (or the controller lost)", seconds, 6.0,
+            "also the longest pause (GC, a GIL-holding call) a rank may take without being "
+            "declared hung"),
     Setting(ENV_STEP_TIMEOUT, "seconds", "0 (off)", "0 or (0, 604800]",
             "a job-wide stall this long is a fault", seconds_or_off, 0.0,
             "every rank heartbeats but no rank's step changed for this long; set it above your "
@@ -277,8 +282,10 @@ SETTINGS: Tuple[Setting, ...] = (
     # ack) within this; a rank gives up on a listener that has not. Long enough for every rank
     # of a large job connecting at once, short enough that a port held by another program ends
     # every rank within seconds instead of after TTP_CONNECT_TIMEOUT.
-    Setting(ENV_HANDSHAKE_TIMEOUT, "seconds", "10", "(0, 604800]",
-            "a connection must finish its handshake within this", seconds, 10.0),
+    Setting(ENV_HANDSHAKE_TIMEOUT, "seconds", "10, or world size / 4096 when larger",
+            "(0, 604800]", "a connection must finish its handshake within this", seconds, 10.0,
+            "long enough for the controller (or a standby, on a failover) to register every "
+            "rank of a storm"),
     Setting(ENV_REQUIRE_CROSS_HOST_REPLICAS, "0/1", "0", "0 or 1",
             "1: refuse to start when both copies of a shard share a host", flag, False,
             "0 warns instead"),
@@ -302,6 +309,26 @@ DEFAULTS: Dict[str, float] = {s.name: s.value for s in SETTINGS
                               if s.parse in (seconds, seconds_or_off) and s.value is not None}
 
 
+# Defaults that grow with the job (docs/design.md, "How the control plane scales"). The
+# controller spends tens of microseconds of one core per heartbeat and ack, and about a hundred
+# per registration handshake: these keep its steady load at a fraction of a core and give every
+# rank of a start-up or failover storm time to finish its handshake, at any world size. A
+# value set in the environment always wins.
+HEARTBEATS_PER_S = 8192.0  # the controller's heartbeat budget: interval >= world_size / this
+REGISTRATIONS_PER_S = 4096.0  # handshake timeout >= world_size / this
+
+
+def scaled_defaults(world_size: Optional[int]) -> Dict[str, float]:
+    """The defaults of the settings that depend on the job's size."""
+    interval = max(BY_NAME[ENV_HEARTBEAT_INTERVAL].value, (world_size or 0) / HEARTBEATS_PER_S)
+    return {
+        ENV_HEARTBEAT_INTERVAL: interval,
+        ENV_HEARTBEAT_TIMEOUT: max(BY_NAME[ENV_HEARTBEAT_TIMEOUT].value, 3 * interval),
+        ENV_HANDSHAKE_TIMEOUT: max(BY_NAME[ENV_HANDSHAKE_TIMEOUT].value,
+                                   (world_size or 0) / REGISTRATIONS_PER_S),
+    }
+
+
 class SettingsError(ValueError):
     """Every bad setting at once: one message, one line per problem."""
 
@@ -319,13 +346,19 @@ def _raw(env: Mapping[str, str], name: str) -> Optional[str]:
     return None if raw is None or raw.strip() == "" else raw
 
 
-def _parse_all(env: Mapping[str, str]) -> Tuple[Dict[str, Any], List[str]]:
+def _parse_all(env: Mapping[str, str],
+               world_size: Optional[int] = None) -> Tuple[Dict[str, Any], List[str]]:
     values: Dict[str, Any] = {}
     problems: List[str] = []
+    scaled = scaled_defaults(world_size)
     for s in SETTINGS:
         raw = _raw(env, s.name)
         if raw is None:
             values[s.name] = s.value
+            if s.name == ENV_HEARTBEAT_TIMEOUT and values.get(ENV_HEARTBEAT_INTERVAL):
+                values[s.name] = max(s.value, 3 * values[ENV_HEARTBEAT_INTERVAL])
+            elif s.name in scaled:
+                values[s.name] = scaled[s.name]
             continue
         try:
             values[s.name] = s.parse(raw)
@@ -499,11 +532,14 @@ class TTPConfig:
     listen_ports: Optional[Tuple[int, int]] = field(default=None)
 
     @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> TTPConfig:
+    def from_env(cls, env: Optional[Mapping[str, str]] = None,
+                 world_size: Optional[int] = None) -> TTPConfig:
         """The settings of this rank, checked by the same table as ttprun's check (a
-        SettingsError lists every bad value at once)."""
+        SettingsError lists every bad value at once). `world_size`: the job's, so that the
+        heartbeat interval and the timeouts that follow it default to what the controller can
+        serve for that many ranks; the controller and every processor pass the same one."""
         env = os.environ if env is None else env
-        values, found = _parse_all(env)
+        values, found = _parse_all(env, world_size)
         found += _cross_checks(env, values)
         key: Optional[bytes] = None
         if not any(p.startswith((ENV_AUTH_KEY, ENV_INSECURE)) for p in found):

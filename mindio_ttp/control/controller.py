@@ -17,7 +17,13 @@ those, its condition and its state machine; the flow reports back through its ow
 What a peer can do to the I/O thread is bounded (docs/security.md): a peer that has not
 registered is read no further than the frame it is sending and the pre-authentication budget,
 and only `PRE_AUTH_EVENTS_PER_LOOP` of them (and as many new connections) are served per loop
-turn, after every registered rank, so a flood cannot delay a heartbeat. Warnings an outsider
+turn, for at most `PRE_AUTH_BUDGET_S`, after every registered rank, so neither a flood nor a
+registration storm of the whole job can delay a heartbeat. New connections are accepted only
+while fewer than `PENDING_CAP` wait for their handshake: the rest wait in the kernel's accept
+queue, where no timer of ours runs (a rank's connect just takes longer; it retries for
+TTP_CONNECT_TIMEOUT), instead of timing out half-served. Silences are measured on the time
+this loop was running (liveness.py), and a rank is declared hung only once its socket is read
+dry. Warnings an outsider
 can cause are rate-limited (`LogLimit`). An unexpected error while serving one connection
 closes that connection, is logged with its peer, and the loop goes on.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import resource
 import selectors
 import socket
 import threading
@@ -37,6 +44,7 @@ from mindio_ttp.control import protocol as P
 from mindio_ttp.control.flow import Decision, Flow
 from mindio_ttp.control.hooks import TTPError
 from mindio_ttp.control.keyspace import KeySpace
+from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.roster import RankInfo, Roster
 from mindio_ttp.control.session import ListenerHandshake
 from mindio_ttp.control.state import ControllerState as S
@@ -49,6 +57,8 @@ log = logging.getLogger("mindio_ttp.controller")
 # Work per loop turn for peers that have not registered (new connections, and readable ones):
 # bounded, and done after every registered rank's frames, so no flood delays a heartbeat.
 PRE_AUTH_EVENTS_PER_LOOP = 256
+PRE_AUTH_BUDGET_S = 0.05  # a handshake costs ~100 us of this thread: a storm waits its turn
+PENDING_CAP = 512  # connections accepted and not registered, at most (see the docstring)
 # Before registration a read takes the rest of the frame being sent (or this much, so a short
 # junk line is read whole and the peer sees a clean close, not a reset), never more.
 PRE_AUTH_READ = 4096
@@ -151,7 +161,12 @@ class Controller:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._backups: List[List[object]] = []
+        self._backups_sent: List[List[object]] = []  # what the last Backups broadcast said
+        # the running flow's phase orders (lock, advance) as this thread broadcast them: a rank
+        # registering mid-flow gets exactly these, and the broadcast it missed, never twice
+        self._phase_msgs: List[P.Message] = []
         self._progress_at: Optional[float] = None  # last heartbeat showing a step change
+        self._clock = LookingClock()  # silences count only while the I/O loop runs
         self.store = KeySpace()  # the authenticated store; only the I/O thread touches it
         self.flow = Flow(cfg, world_size, replica, host_rank, self.name, self.sm, self._cond,
                          self._ranks, self._outbox, self.close_store,
@@ -202,10 +217,12 @@ class Controller:
             raise TTPError(f"TTP standby controller cannot listen on {ip}: every port of "
                            f"TTP_LISTEN_PORTS={ports[0]}-{ports[1]} is in use; give a range "
                            "with at least as many free ports as ranks on this host")
-        sock.listen(4096)
+        # the kernel caps the backlog at net.core.somaxconn; ask for a whole start-up storm
+        sock.listen(min(self.world_size + 64, 65535))
         sock.setblocking(False)
         self._listener = sock
         self.address = sock.getsockname()[:2]
+        raise_fd_limit(self.world_size + 256, self.name)
         return self.address
 
     def start(self) -> None:
@@ -253,17 +270,24 @@ class Controller:
         self._mail.put("store_close", namespace, why)
 
     @property
+    def flow_running(self) -> bool:
+        return self.sm.is_in(S.COLLECTING, S.SAVING, S.RENAMING)
+
+    @property
     def registered(self) -> List[int]:
         with self._cond:
             return sorted(self._ranks.alive())
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        self._clock = LookingClock()  # from the first turn: starting up is not a stall
         tick = min(self.cfg.heartbeat_interval / 2, self.cfg.heartbeat_timeout / 4)
         next_check = time.monotonic() + tick
+        next_backups = 0.0
         while not self._stop.is_set():
             try:
-                events = self._sel.select(max(0.0, next_check - time.monotonic()))
+                events = self._sel.select(self._clock.waiting(
+                    max(0.0, next_check - time.monotonic())))
             except OSError:
                 if self._stop.is_set():
                     break
@@ -279,16 +303,30 @@ class Controller:
                     pre_auth.append((key, mask))
                 else:
                     self._on_event(key.data, mask)
+            budget = time.monotonic() + PRE_AUTH_BUDGET_S
             for key, mask in pre_auth[:PRE_AUTH_EVENTS_PER_LOOP]:  # the rest: next turn
+                if time.monotonic() > budget:
+                    break
                 if key.data == "listen":
-                    self._guarded(None, self._accept)
+                    self._guarded(None, self._accept, PENDING_CAP - len(self._pending))
                 else:
                     self._on_event(key.data, mask)
+            stall = self._clock.tick()
+            if stall > 1.0:
+                log.warning("%s: this loop did not run for %.1f s (busy, or short of CPU on "
+                            "this node); that time does not count against any rank's heartbeat",
+                            self.name, stall)
             now = time.monotonic()
             if now >= next_check:
                 self._guarded(None, self._check_silence, now)
                 self.checked_at = now
                 next_check = now + tick
+            if self._backups != self._backups_sent and now >= next_backups:
+                # coalesced: the best two change ~ln(N) times during a start-up storm, and
+                # each broadcast is N frames; registering ranks get the list in their ack
+                self._backups_sent = list(self._backups)
+                self._send_alive_now(P.Backups(self._backups_sent))
+                next_backups = now + self.cfg.heartbeat_interval
             if self._flush_waiters and all(not c.out for c in self._conns.values()):
                 for ev in self._flush_waiters:
                     ev.set()
@@ -320,9 +358,9 @@ class Controller:
                 log.exception("%s: error while closing %s", self.name, conn.peer)
                 conn.close()
 
-    def _accept(self) -> None:
+    def _accept(self, limit: int = PRE_AUTH_EVENTS_PER_LOOP) -> None:
         assert self._listener is not None
-        for _ in range(PRE_AUTH_EVENTS_PER_LOOP):  # the rest wait for the next turn
+        for _ in range(min(limit, PRE_AUTH_EVENTS_PER_LOOP)):  # the rest wait for the next turn
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -371,6 +409,10 @@ class Controller:
                 log.info("%s: store namespace %s closed (%d key(s))", self.name, item[1], n)
 
     def _send_alive_now(self, msg: P.Message, exclude: Optional[int] = None) -> None:
+        if isinstance(msg, P.Lock):
+            self._phase_msgs = [msg]
+        elif isinstance(msg, P.AdvanceTo):
+            self._phase_msgs.append(msg)
         payload = None
         for info in self._ranks.values():
             if info.status == "alive" and info.conn is not None and info.rank != exclude:
@@ -415,6 +457,13 @@ class Controller:
                     self._dispatch(conn, msg)
                 # frames that came behind the Register wait in the decoder for the session key
                 msgs = conn.dec.feed(b"") if conn.dec.pending and not conn.closed else []
+            if conn.ack_due is not None and not conn.closed:
+                # one ack for all the heartbeats of this read: a loop that fell behind reads
+                # several per rank, and acking each would keep it behind (the processor needs
+                # to hear from us, not one answer per beat)
+                conn.queue(P.HeartbeatAck(conn.ack_due))
+                conn.ack_due = None
+                self._flush(conn)
         except ConnClosed as exc:
             self._drop(conn, f"connection dropped: {exc}")
         except P.ProtocolError as exc:
@@ -471,29 +520,39 @@ class Controller:
         self._cond.notify_all()
 
     def _check_silence(self, now: float) -> None:
+        """Close handshakes past their time (`now`: monotonic) and declare ranks silent for
+        TTP_HEARTBEAT_TIMEOUT of this loop's looking time (liveness.py) hung."""
         self.store.expire(now)
         self._warn_refused.flush(now)
         self._warn_pre_auth.flush(now)
         for conn, since in list(self._pending.items()):
             if now - since > self.cfg.handshake_timeout:
+                if _unread(conn.sock):
+                    continue  # its Register waits for a turn with time for it: not idle
                 self._warn_pre_auth.warning(
                     "%s: %s did not complete the handshake within TTP_HANDSHAKE_TIMEOUT=%g s; "
                     "closing", self.name, conn.peer, self.cfg.handshake_timeout)
                 self._drop(conn, "no registration")
         if not self.sm.is_in(S.SERVING, S.COLLECTING, S.SAVING, S.RENAMING):
             return
+        seen = self._clock.now()
         stall = self.cfg.step_timeout
-        if stall and self._progress_at is not None and now - self._progress_at > stall \
+        if stall and self._progress_at is not None and seen - self._progress_at > stall \
                 and self.sm.is_in(S.SERVING):
             with self._cond:  # every rank alive yet none advanced: a job-wide stall
-                self.flow.fault(f"no training progress for {now - self._progress_at:.1f} s "
+                self.flow.fault(f"no training progress for {seen - self._progress_at:.1f} s "
                             f"(TTP_STEP_TIMEOUT={stall:g}) while every processor heartbeats")
         limit = self.cfg.heartbeat_timeout
         for info in self._ranks.values():
-            if info.status == "alive" and now - info.last_seen > limit:
+            if info.status == "alive" and seen - info.last_seen > limit:
+                if info.conn is not None and not info.conn.closed:
+                    self._on_readable(info.conn)  # a heartbeat may wait unread: read it first
+                    if info.status != "alive" or self._clock.now() - info.last_seen <= limit:
+                        continue
+                seen = self._clock.now()
                 with self._cond:
                     self._set_status(info, "hung",
-                                     f"hung (no heartbeat for {now - info.last_seen:.1f} s)")
+                                     f"hung (no heartbeat for {seen - info.last_seen:.1f} s)")
                     self.flow.fault(f"rank {info.rank} {info.note}")
                 if info.conn is not None:
                     conn, info.conn = info.conn, None
@@ -511,13 +570,12 @@ class Controller:
                                         type(msg).__name__, conn.peer)
             self._drop(conn, "not registered")
             return
-        info.last_seen = time.monotonic()
+        info.last_seen = self._clock.now()
         if isinstance(msg, P.Heartbeat):
             if msg.step != info.step or msg.updating != info.updating:
                 self._progress_at = info.last_seen  # armed by the first change seen
             info.step, info.updating = msg.step, msg.updating
-            conn.queue(P.HeartbeatAck(msg.seq))
-            self._flush(conn)
+            conn.ack_due = msg.seq  # acked once the read is done (_on_readable)
         elif isinstance(msg, P.FaultReport):
             with self._cond:
                 self.flow.fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}")
@@ -563,7 +621,7 @@ class Controller:
                                 f"{m.replica} do not match (controller replica {self.replica})")
         if self.sm.is_in(S.EXITING, S.STOPPED):
             return self._refuse(conn, "controller is exiting")
-        now = time.monotonic()
+        now = self._clock.now()
         with self._cond:
             old = self._ranks.get(m.rank)
             if old is not None and old.status in ("dead", "hung"):
@@ -584,12 +642,12 @@ class Controller:
             conn.rank = m.rank
             self._ranks.register(RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port,
                                           conn, now, m.step, m.updating))
-            self.flow.joined(m.rank)  # if mid-flow: it gets the lock orders below
+            self.flow.joined(m.rank)  # if mid-flow: it gets the phase orders below
             self._cond.notify_all()
         conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
                                  self._backups, self.fault_id or ""))
-        for lock_msg in self.flow.lock_msgs:
-            conn.queue(lock_msg)
+        for phase_msg in self._phase_msgs:
+            conn.queue(phase_msg)
         self._flush(conn)
         if m.failover or m.locked:
             log.info("%s: rank %d registered (failover=%s)", self.name, m.rank, m.failover)
@@ -614,10 +672,7 @@ class Controller:
             return (b[1] == my_host, int(b[0]))  # type: ignore[arg-type]
 
         cands = [b for b in self._backups if b[0] != rank] + [[rank, host, port]]
-        new = sorted(cands, key=key)[:2]
-        if new != self._backups:
-            self._backups = new
-            self._send_alive_now(P.Backups(new))
+        self._backups = sorted(cands, key=key)[:2]  # broadcast by the loop, coalesced
 
     def _send_alive(self, msg: P.Message, exclude: Optional[int] = None) -> None:
         self._outbox.broadcast(msg, exclude)
@@ -634,6 +689,34 @@ class Controller:
         except (OSError, RuntimeError):
             pass
         self._mail.close()
+
+
+def _unread(sock: socket.socket) -> bool:
+    """Whether the peer sent bytes this loop has not read yet."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing yet, or the peer is gone
+        return False
+
+
+def raise_fd_limit(need: int, who: str) -> None:
+    """One socket per rank: lift this process's soft RLIMIT_NOFILE to what the job needs (up to
+    the hard limit), and say what to do when the hard limit is too low. Only logged: a job
+    whose ranks do not all connect still gets its dying checkpoint from those that did."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("%s: cannot raise the open-file limit to %d: %s", who, target, exc)
+        target = soft
+    if target < need:
+        log.error("%s: serving all ranks needs %d open files, but the hard limit (`ulimit -Hn`) "
+                  "is %d: raise it on this node (e.g. `ulimit -n %d` in the job script, or the "
+                  "container's nofile limit), or ranks past the limit cannot register",
+                  who, need, hard, need)
 
 
 def listen_error(ip: str, port: int, exc: OSError, standby: bool) -> str:

@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Protocol, Set, Tupl
 
 from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control import ranksets
 from mindio_ttp.control.roster import Roster
 from mindio_ttp.control.selection import (
     Layout,
@@ -42,6 +43,8 @@ from mindio_ttp.faulttime import claim as C
 from mindio_ttp.faulttime import save_session
 
 log = logging.getLogger("mindio_ttp.controller")
+
+FAILOVER_QUIET_S = 1.0  # see Flow._wait_for_failovers
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,6 @@ class Flow:
         self._thread: Optional[threading.Thread] = None
         self._promoted = False
         self._flow_id = 0
-        self._lock_msgs: List[P.Message] = []  # also sent to ranks registering mid-flow
         self._reports: Dict[int, Dict[int, Tuple[Optional[int], bool]]] = {1: {}, 2: {}}
         self._results: Dict[int, P.Message] = {}
         self._awaiting: Set[int] = set()  # ranks the flow still waits for (see _await)
@@ -121,7 +123,8 @@ class Flow:
         self._thread.start()
 
     def joined(self, rank: int) -> None:
-        """A rank registered (again) mid-flow: it gets `lock_msgs` and is awaited for them."""
+        """A rank registered (again) mid-flow: the I/O thread sends it the phase orders it
+        broadcast so far, and the flow awaits its report."""
         kind, phase = self._await_kind
         if kind == "report" and rank not in self._reports.get(phase, {}):
             self._awaiting.add(rank)
@@ -143,11 +146,6 @@ class Flow:
             self._results[rank] = msg
             self._arrived(("result", 0), rank)
 
-    @property
-    def lock_msgs(self) -> List[P.Message]:
-        """The lock orders of the running flow, for a rank that registers mid-flow."""
-        return list(self._lock_msgs)
-
     # -- the flow thread -----------------------------------------------------------------------
     def _flow(self) -> None:
         try:
@@ -158,15 +156,23 @@ class Flow:
                                             f"controller error: {exc!r}")
         self._finish(outcome, step, ranks, reason)
 
-    def _wait_until(self, done: Callable[[], bool], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+    def _wait_for_failovers(self) -> None:
+        """A promoted standby waits for the rest of the job to fail over to it: until all but
+        one rank are here, or for at least 2 heartbeat intervals (+0.5 s) and then until
+        registrations have stopped coming for FAILOVER_QUIET_S: the whole job re-registering
+        takes world_size handshakes, seconds at 10k+ ranks, and a rank frozen out of the flow
+        counts as dead (both holders of a shard among them: nothing is saved). Bounded by
+        TTP_HANDSHAKE_TIMEOUT (scaled with the job) past the floor."""
+        floor = 2 * self.cfg.heartbeat_interval + 0.5
+        t0 = time.monotonic()
+        deadline = t0 + floor + self.cfg.handshake_timeout
         with self._cond:
-            while not done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            while self._ranks.n_alive < self.world_size - 1:
+                now = time.monotonic()
+                if now >= deadline or (now - t0 >= floor and
+                                       now - self._ranks.changed_at >= FAILOVER_QUIET_S):
+                    return
+                self._cond.wait(min(deadline - now, 0.25))
 
     def _await(self, timeout: float) -> List[int]:
         """Block until every rank named by the last `_expect` answered (or died), or timeout;
@@ -204,17 +210,15 @@ class Flow:
     def _run_flow(self) -> Tuple[Outcome, Optional[int], List[int], str]:
         cfg = self.cfg
         if self._promoted:  # let slower processors fail over before freezing the membership
-            self._wait_until(lambda: self._ranks.n_alive >= self.world_size - 1,
-                             2 * cfg.heartbeat_interval + 0.5)
+            self._wait_for_failovers()
         with self._cond:
             self._flow_id += 1
             fid = self._flow_id
             self._reports = {1: {}, 2: {}}
             self._faulty = {}
-            self._lock_msgs = [P.Lock(fid)]
         # phase 1: freeze (no new update may start) and learn who is where
         self._expect(("report", 1), self._alive())
-        self._out.broadcast(self._lock_msgs[0])
+        self._out.broadcast(P.Lock(fid))
         self._await(cfg.collect_timeout)
         self.timeline["locked"] = time.monotonic()
         with self._cond:
@@ -223,9 +227,7 @@ class Flow:
         limit = max([(s or 0) + (1 if u else 0) for s, u in first.values()] or [0])
         # phase 2: ranks one update behind their partners may catch up to `limit`, then stop
         advance = P.AdvanceTo(fid, limit, cfg.update_grace)
-        with self._cond:
-            self._lock_msgs.append(advance)
-            self._expect(("report", 2), self._alive())
+        self._expect(("report", 2), self._alive())
         self._out.broadcast(advance)
         silent = self._await(cfg.update_grace + cfg.heartbeat_interval + 1.0)
         with self._cond:
@@ -236,7 +238,7 @@ class Flow:
             notes = {i.rank: i.note for i in self._ranks.values()}
             for r in range(self.world_size):
                 notes.setdefault(r, "did not register with this controller (dead or hung)")
-            groups = {i.dp_ranks for i in self._ranks.values()}
+            groups = self._ranks.groups()
         log.info("%s: limit step %d; collected %d state report(s): %s", self.name, limit,
                  len(reports), _summary(reports))
         try:
@@ -255,7 +257,8 @@ class Flow:
         if not settled:
             log.error("%s: not saving step %d: %s", self.name, step, why)
             return Outcome.NOT_CLAIMED, None, [], why
-        log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why, savers)
+        log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why,
+                 ranksets.describe(savers))
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
         savers, fid, ok, why = self._save(fid, step, layout, states, savers)
         self.timeline["saved"] = time.monotonic()
@@ -264,13 +267,14 @@ class Flow:
                     f"save of step {step} failed: {why}; rename not run, nothing marked latest")
         self.sm.transition_to(S.RENAMING, f"rename on rank {savers[0]}")
         if self._claim is not None:  # durably, before the order: the claim is final from here
-            self._claim.update(C.RENAMING, step=step, savers=savers)
+            self._claim.update(C.RENAMING, step=step, savers=ranksets.encode(savers))
         ok, why = self._order(savers[:1], P.RenameOrder(fid, step, cfg.rename_time_limit),
                               cfg.rename_time_limit)
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
                     f"rename of step {step} failed: {why}; nothing marked latest")
-        return Outcome.SAVED, step, savers, f"dying checkpoint of step {step} saved by {savers}"
+        return (Outcome.SAVED, step, savers,
+                f"dying checkpoint of step {step} saved by {ranksets.describe(savers)}")
 
     def _save(self, fid: int, step: int, layout: Layout, states: Dict[int, RankState],
               savers: List[int]) -> Tuple[List[int], int, bool, str]:
@@ -405,7 +409,9 @@ class Flow:
                             reason[:P.MAX_TEXT])
         # our own process exits on its order: every other rank must have its order first
         self._out.broadcast(order, exclude=self.host_rank)
-        self._out.flush(2.0)
+        # every other rank's order written before our own process may exit on its own: at
+        # 100k ranks that is seconds, so as long as a storm's handshakes may take (scaled)
+        self._out.flush(max(2.0, self.cfg.handshake_timeout))
         self.timeline["exit_sent"] = time.monotonic()
         self.decided.set()
         self._out.send(self.host_rank, order)

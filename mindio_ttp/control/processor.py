@@ -39,6 +39,7 @@ from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.flow_record import FlowRecord
 from mindio_ttp.control.handlers import HANDLERS, Handlers, Job
 from mindio_ttp.control.hooks import STATE, TTPError
+from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 
@@ -48,6 +49,9 @@ NOT_OUR_CONTROLLER = (
     "something other than this job's TTP controller listens there (another program, or another "
     "job's controller with another TTP_AUTH_KEY or mindio_ttp version): free the port, or give "
     "every rank another free port in TTP_CONTROLLER_PORT")
+
+
+FAILOVER_CONNECT_S = 3.5
 
 
 class HandshakeFailed(Exception):
@@ -120,6 +124,9 @@ class Processor:
         self._stop = threading.Event()
         self._closing = False
         self._seq = 0
+        # the controller's silence is measured on the time this thread ran (liveness.py): a GC
+        # pause or a GIL-holding call in training must not look like a lost controller
+        self._clock = LookingClock()
         self.handlers = Handlers(rank, self._send, self._handler_done, channel=self)
         self._preempted = False
         self._sig_r: Optional[socket.socket] = None
@@ -230,21 +237,24 @@ class Processor:
                           os.getpid(), step, updating, STATE.locked, failover)
 
     def _handshake(self, sock: socket.socket, failover: bool, timeout: float) -> Conn:
-        """Challenge, Register, ack within `timeout` (session.py); closes the socket and raises
-        HandshakeFailed with what to do otherwise."""
+        """The challenge within `timeout`, then our Register and its ack within
+        TTP_HANDSHAKE_TIMEOUT (session.py); closes the socket and raises HandshakeFailed with
+        what to do otherwise. Two limits: a listener sends its challenge as it accepts, so a
+        hung one is left after `timeout`, while one busy with a whole job's registrations (a
+        start-up or failover storm) has shown it is alive and gets the full, scaled time."""
         hs = RankHandshake(self.cfg.auth_key)
-        deadline = time.monotonic() + timeout
         answered = False
         try:
             msgs = recv_messages(sock, hs.dec, timeout)
             sock.sendall(hs.answer(msgs[0], self._register_msg(sock.getsockname()[0], failover)))
             answered = True
-            msgs = recv_messages(sock, hs.dec, max(0.05, deadline - time.monotonic()))
+            msgs = recv_messages(sock, hs.dec, self.cfg.handshake_timeout)
         except (OSError, TimeoutError, ConnClosed, P.ProtocolError) as exc:
             sock.close()
             if isinstance(exc, TimeoutError):
                 exc = TimeoutError(f"no {'answer to our Register' if answered else 'challenge'} "
-                                   f"within {timeout:g} s (TTP_HANDSHAKE_TIMEOUT)")
+                                   f"within {self.cfg.handshake_timeout if answered else timeout:g}"
+                                   " s (TTP_HANDSHAKE_TIMEOUT)")
             if answered:
                 raise HandshakeFailed(f"registration failed: {exc}") from None
             raise HandshakeFailed(f"no valid TTP handshake ({exc}): {NOT_OUR_CONTROLLER}") \
@@ -263,7 +273,7 @@ class Processor:
                       self.fault_id)
         if first.backups:  # a standby announces none: keep the primary's list for the next loss
             self._backups = first.backups
-        conn = Conn(sock, hs.tx, hs.dec, "controller")
+        conn = Conn(sock, hs.tx, hs.dec, "controller", clock=self._clock.now)
         conn.data = msgs[1:]
         return conn
 
@@ -332,13 +342,14 @@ class Processor:
                 next_hb = now + cfg.heartbeat_interval
             wake = [next_hb]
             if self._conn is not None:
-                wake.append(self._conn.last_rx + cfg.heartbeat_timeout)
+                wake.append(now + self._conn.last_rx + cfg.heartbeat_timeout - self._clock.now())
             job_deadline = self.handlers.deadline()
             if job_deadline is not None:
                 wake.append(job_deadline)
             if self._fault_time is not None:
                 wake.append(self._fault_time + self.ot)
-            for key, mask in self._sel.select(max(0.0, min(wake) - time.monotonic())):
+            wait = self._clock.waiting(max(0.0, min(wake) - time.monotonic()))
+            for key, mask in self._sel.select(wait):
                 if key.data == "wake":
                     self._on_mail()
                 elif key.data == "signal":
@@ -350,9 +361,10 @@ class Processor:
                         self._on_readable()
             if self._stop.is_set():
                 break
-            now = time.monotonic()
-            if self._conn is not None and now - self._conn.last_rx > cfg.heartbeat_timeout:
-                self._controller_lost(f"controller silent for {now - self._conn.last_rx:.1f} s")
+            self._clock.tick()
+            now, seen = time.monotonic(), self._clock.now()
+            if self._conn is not None and seen - self._conn.last_rx > cfg.heartbeat_timeout:
+                self._controller_lost(f"controller silent for {seen - self._conn.last_rx:.1f} s")
             self.handlers.expire(now)
             if self._fault_time is not None and now > self._fault_time + self.ot:
                 self._exit(Outcome.NO_VERDICT, None, [], f"no exit order within TTP_OT="
@@ -466,7 +478,7 @@ class Processor:
         log.error("rank %d: controller lost (%s); failing over to %s", self.rank, why,
                   [b[0] for b in self._backups] or "nobody")
         deadline = self._fault_time + self.ot  # type: ignore[operator]
-        per_try = min(self.cfg.heartbeat_timeout, 5.0)
+        per_try = min(self.cfg.heartbeat_timeout, 5.0)  # for the challenge (see _handshake)
         tried: Dict[int, str] = {}  # backup rank -> why it failed last
         while time.monotonic() < deadline and not self._stop.is_set():
             for entry in list(self._backups):
@@ -488,7 +500,9 @@ class Processor:
         target that cannot be reached (a bad address, a refusal) is skipped for the next."""
         rank, host, port = (list(entry) + [None, None, None])[:3]
         try:
-            sock = connect(host, port, timeout=min(1.0, per_try))
+            # long enough for two SYN retransmissions (1 s, 3 s): a backup's accept queue
+            # overflows when the whole job fails over to it at once
+            sock = connect(host, port, timeout=min(FAILOVER_CONNECT_S, per_try))
         except Exception as exc:  # noqa: BLE001 - OSError, but also a host that cannot encode
             log.warning("rank %d: backup controller on rank %s at %s:%s unreachable: %s",
                         self.rank, rank, ascii(host)[:80], port, exc)

@@ -1,10 +1,14 @@
 """The control-plane wire format: the only code in the runtime that turns bytes into messages.
 
 Frame = header (magic b"TP", version u8, type u8, sequence number u64, payload length u32, big
-endian) + JSON payload + HMAC-SHA256(key, header + payload). Every message type is a named
-dataclass. The key is the job key for the two handshake frames and a per-connection,
-per-direction session key afterwards (session.py); the sequence number counts the frames of one
-direction of one connection, so a replayed, reordered or dropped frame is refused too.
+endian) + payload + HMAC-SHA256(key, header + payload). The payload is JSON, except for the
+messages every rank sends or gets at a steady rate or in every flow (heartbeats and their acks,
+lock, advance, state reports): those are fixed binary structs, so the controller's cost per
+frame is one struct, one MAC and the system calls. Lists of ranks travel as arithmetic blocks
+(ranksets.py), so no order grows with the job. Every message type is a named dataclass. The key
+is the job key for the two handshake frames and a per-connection, per-direction session key
+afterwards (session.py); the sequence number counts the frames of one direction of one
+connection, so a replayed, reordered or dropped frame is refused too.
 A stream that produced one bad frame cannot be re-synchronised, so callers close it.
 
 This module is also the one validation layer. A valid MAC proves that a key holder made the
@@ -30,12 +34,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type
 
 from mindio_ttp.config import MAX_WORLD, Outcome
+from mindio_ttp.control import ranksets
 
 MAGIC = b"TP"
 # 2: challenge-response handshake, session keys, sequence numbers
 # 3: validated fields, the authenticated store (StoreRequest/StoreReply), the launch's fault id
 #    in RegisterAck, SaveOrder.store names a store namespace
-VERSION = 3
+# 4: binary heartbeats / acks / lock / advance / state reports, rank lists as blocks
+VERSION = 4
 HEADER = struct.Struct("!2sBBQI")
 _PREFIX = struct.Struct("!2sB")  # magic and version: checked before the rest of a header
 MAC_LEN = 32
@@ -60,9 +66,10 @@ FAULT_KINDS = ("exception", "preempted", "controller_lost")
 
 def pre_auth_max_payload(world_size: int) -> int:
     """The frame cap until a connection has registered: a Register frame carries the rank's DP
-    group (at most 8 bytes a rank in JSON), so this fits the largest legal one, and an
-    unauthenticated peer cannot make the listener buffer more per connection."""
-    return 4096 + 8 * world_size
+    group as blocks (ranksets.py: one for a regular group, at most ~24 bytes a rank for a group
+    with no structure at all), so this fits the largest legal one, and an unauthenticated peer
+    cannot make the listener buffer more per connection."""
+    return 4096 + 24 * world_size
 
 
 class ProtocolError(ValueError):
@@ -133,10 +140,15 @@ def _backups(v: Any) -> bool:
         and _int(b[2]) and 0 < b[2] <= 65535 for b in v)
 
 
+Ranks = List[int]  # a field of this type travels as ranksets blocks, checked as a list
 _TYPES: Dict[str, Check] = {
     "int": _int, "Optional[int]": _opt_int, "float": _float, "bool": _bool, "str": _str,
     "List[int]": _int_list, "List[str]": _str_list, "List[List[Any]]": _backups,
+    "Ranks": _int_list,
 }
+# binary messages: struct codes per field type; None travels as the one int64 no step is
+_BINARY_CODES = {"int": "q", "Optional[int]": "q", "bool": "B", "float": "d"}
+_NONE = -(2**63)
 
 
 def ints(lo: int, hi: int) -> Check:
@@ -211,29 +223,88 @@ class Message:
 
 
 _REGISTRY: Dict[int, Type[Message]] = {}
-_SCHEMA: Dict[Type[Message], Tuple[Tuple[str, Check], ...]] = {}
+_SCHEMA: Dict[Type[Message], Tuple[Tuple[str, Check, Optional[Check]], ...]] = {}
+_RANKS: Dict[Type[Message], Tuple[str, ...]] = {}  # fields sent as blocks
 
 
-def _both(of_type: Check, in_range: Optional[Check]) -> Check:
-    if in_range is None:
-        return of_type
-    return lambda v: of_type(v) and in_range(v)
+class _Binary:
+    """A message as one fixed struct: ints are int64, None is the one int64 a step or id never
+    is, bools are 0/1. The struct settles each field's type, so what is checked per frame
+    (decoding and encoding alike) is each field's range, and that floats are finite: the
+    checks `problem` makes, without the per-field type tests that a heartbeat at 10,000 a
+    second would pay for nothing."""
+
+    def __init__(self, cls: Type[Message], ranges: Dict[str, Check]) -> None:
+        assert cls.problem is Message.problem, f"{cls.__name__}: no cross-field checks in binary"
+        kinds = [str(f.type) for f in fields(cls)]
+        self.cls, self.names = cls, [f.name for f in fields(cls)]
+        self.struct = struct.Struct("!" + "".join(_BINARY_CODES[k] for k in kinds))
+        self.optional = [i for i, k in enumerate(kinds) if k == "Optional[int]"]
+        self.bools = [i for i, k in enumerate(kinds) if k == "bool"]
+        self.checks = [(i, ranges.get(n) or (_float if k == "float" else None))
+                       for i, (n, k) in enumerate(zip(self.names, kinds))]
+        self.checks = [(i, c) for i, c in self.checks if c is not None]
+
+    def _check(self, values: List[Any]) -> None:
+        for i, check in self.checks:
+            if not check(values[i]):
+                raise ProtocolError(f"{self.cls.__name__}.{self.names[i]}: bad value "
+                                    f"{_show(values[i])}")
+
+    def pack(self, msg: Message) -> bytes:
+        values = [getattr(msg, n) for n in self.names]
+        try:
+            self._check(values)
+        except ProtocolError as exc:
+            raise ProtocolError(f"refusing to send {exc}") from None
+        for i in self.optional:
+            if values[i] is None:
+                values[i] = _NONE
+            elif values[i] == _NONE:
+                raise ProtocolError(f"{_NONE} is not representable (it stands for None)")
+        try:
+            return self.struct.pack(*values)
+        except struct.error as exc:
+            raise ProtocolError(f"{self.cls.__name__}: {exc}") from None
+
+    def unpack(self, payload: bytes) -> Message:
+        name = self.cls.__name__
+        if len(payload) != self.struct.size:
+            raise ProtocolError(f"{name}: payload is {len(payload)} bytes, not "
+                                f"{self.struct.size}")
+        values = list(self.struct.unpack(payload))
+        for i in self.optional:
+            if values[i] == _NONE:
+                values[i] = None
+        for i in self.bools:
+            if values[i] > 1:
+                raise ProtocolError(f"{name}.{self.names[i]}: bad value {values[i]}")
+            values[i] = bool(values[i])
+        self._check(values)
+        return self.cls(*values)
 
 
-def _message(code: int, **ranges: Check) -> Callable[[Type[Message]], Type[Message]]:
+_BINARY: Dict[Type[Message], _Binary] = {}
+
+
+def _message(code: int, binary: bool = False,
+             **ranges: Check) -> Callable[[Type[Message]], Type[Message]]:
     """Register a message class: every field is type-checked by its annotation (bounded by
     default: 64-bit ints, strings of MAX_TEXT encodable characters, lists of MAX_RANKS), and
-    `ranges` narrows named fields further."""
+    `ranges` narrows named fields further. `binary`: sent as a fixed struct (ints, optional
+    ints, bools and floats only)."""
     def deco(cls: Type[Message]) -> Type[Message]:
         cls.TYPE = code
         assert code not in _REGISTRY, code
         names = {f.name for f in fields(cls)}
         assert set(ranges) <= names, (cls.__name__, set(ranges) - names)
         for f in fields(cls):
-            assert f.type in _TYPES, (cls.__name__, f.name, f.type)
+            assert f.type in (_BINARY_CODES if binary else _TYPES), (cls.__name__, f.name)
         _REGISTRY[code] = cls
-        _SCHEMA[cls] = tuple((f.name, _both(_TYPES[f.type], ranges.get(f.name)))
-                             for f in fields(cls))
+        _SCHEMA[cls] = tuple((f.name, _TYPES[f.type], ranges.get(f.name)) for f in fields(cls))
+        _RANKS[cls] = tuple(f.name for f in fields(cls) if f.type == "Ranks")
+        if binary:
+            _BINARY[cls] = _Binary(cls, ranges)
         return cls
     return deco
 
@@ -248,7 +319,7 @@ class Register(Message):
     the controller hands them to every rank as a failover target, so they are checked here."""
     rank: int
     world_size: int
-    dp_ranks: List[int]
+    dp_ranks: Ranks
     replica: int
     host: str
     standby_port: int
@@ -286,7 +357,7 @@ class Reject(Message):
     reason: str
 
 
-@_message(4, rank=RANK, seq=NONNEG, step=STEP)
+@_message(4, binary=True, rank=RANK, seq=NONNEG, step=STEP)
 @dataclass
 class Heartbeat(Message):
     rank: int
@@ -295,7 +366,7 @@ class Heartbeat(Message):
     updating: bool
 
 
-@_message(5, seq=NONNEG)
+@_message(5, binary=True, seq=NONNEG)
 @dataclass
 class HeartbeatAck(Message):
     seq: int
@@ -316,7 +387,7 @@ class FaultReport(Message):
     detail: str
 
 
-@_message(8, flow_id=NONNEG)
+@_message(8, binary=True, flow_id=NONNEG)
 @dataclass
 class Lock(Message):
     """Fault: start no new optimizer update (ttp_start_updating_os blocks) and report
@@ -324,7 +395,7 @@ class Lock(Message):
     flow_id: int
 
 
-@_message(17, flow_id=NONNEG, limit=ints(0, MAX_STEP), grace=seconds)
+@_message(17, binary=True, flow_id=NONNEG, limit=ints(0, MAX_STEP), grace=seconds)
 @dataclass
 class AdvanceTo(Message):
     """Phase 2: a rank below `limit` may finish updates up to step `limit` (its partners are
@@ -335,7 +406,7 @@ class AdvanceTo(Message):
     grace: float
 
 
-@_message(9, flow_id=NONNEG, phase=one_of(1, 2), rank=RANK, step=STEP)
+@_message(9, binary=True, flow_id=NONNEG, phase=one_of(1, 2), rank=RANK, step=STEP)
 @dataclass
 class StateReport(Message):
     flow_id: int
@@ -356,7 +427,7 @@ class SaveOrder(Message):
     of this flow's own staging directory."""
     flow_id: int
     step: int
-    save_ranks: List[int]
+    save_ranks: Ranks
     time_limit: float
     store: str
     tag: str
@@ -397,7 +468,7 @@ class ExitOrder(Message):
     flow_id: int
     outcome: str
     step: Optional[int]
-    ranks: List[int]
+    ranks: Ranks
     exit_code: int
     reason: str
 
@@ -453,9 +524,9 @@ class StoreReply(Message):
 # -- codec ---------------------------------------------------------------------------------------
 def problem(msg: Message) -> str:
     """What is wrong with `msg` ("" when nothing): the checks every decoded message passes."""
-    for name, check in _SCHEMA[type(msg)]:
+    for name, of_type, in_range in _SCHEMA[type(msg)]:
         v = getattr(msg, name)
-        if not check(v):
+        if not of_type(v) or (in_range is not None and not in_range(v)):
             return f"{type(msg).__name__}.{name}: bad value {_show(v)}"
     bad = msg.problem()
     return f"{type(msg).__name__}: {bad}" if bad else ""
@@ -466,12 +537,17 @@ def _show(v: Any) -> str:
 
 
 def encode_payload(msg: Message) -> bytes:
-    """The JSON body alone, so one message sent to many connections is serialised once.
+    """The body alone, so one message sent to many connections is serialised once.
     Refuses (ProtocolError) a message that the peer's decoder would refuse."""
+    binary = _BINARY.get(type(msg))
+    if binary is not None:
+        return binary.pack(msg)  # its own checks: the struct settles the types
     bad = problem(msg)
     if bad:
         raise ProtocolError(f"refusing to send {bad}")
-    body = {name: getattr(msg, name) for name, _ in _SCHEMA[type(msg)]}
+    body = {name: getattr(msg, name) for name, _, _ in _SCHEMA[type(msg)]}
+    for name in _RANKS[type(msg)]:
+        body[name] = ranksets.encode(body[name])
     payload = json.dumps(body, separators=(",", ":")).encode()
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError(f"{type(msg).__name__} payload is {len(payload)} bytes, over "
@@ -493,6 +569,9 @@ def _decode_payload(code: int, payload: bytes) -> Message:
     cls = _REGISTRY.get(code)
     if cls is None:
         raise ProtocolError(f"unknown message type {code}")
+    binary = _BINARY.get(cls)
+    if binary is not None:
+        return binary.unpack(payload)
     try:
         obj = json.loads(payload)
     except (ValueError, RecursionError) as exc:  # incl. UnicodeDecodeError, huge integers
@@ -500,12 +579,20 @@ def _decode_payload(code: int, payload: bytes) -> Message:
     if not isinstance(obj, dict):
         raise ProtocolError(f"{cls.__name__}: payload is not an object")
     schema = _SCHEMA[cls]
-    if len(obj) != len(schema) or any(name not in obj for name, _ in schema):
+    if len(obj) != len(schema) or any(name not in obj for name, _, _ in schema):
         raise ProtocolError(f"{cls.__name__}: fields {_show(sorted(obj))} != "
-                            f"{sorted(n for n, _ in schema)}")
-    for name, check in schema:
-        if not check(obj[name]):
+                            f"{sorted(n for n, _, _ in schema)}")
+    ranks_fields = _RANKS[cls]
+    for name in ranks_fields:  # blocks: every rank in range, checked before they are expanded
+        if not ranksets.valid_wire(obj[name], MAX_RANKS):
             raise ProtocolError(f"{cls.__name__}.{name}: bad value {_show(obj[name])}")
+        obj[name] = ranksets.decode(obj[name], MAX_RANKS)
+    for name, of_type, in_range in schema:
+        if name in ranks_fields:
+            continue  # the blocks' check covers each rank of the list: O(blocks), not O(ranks)
+        v = obj[name]
+        if not of_type(v) or (in_range is not None and not in_range(v)):
+            raise ProtocolError(f"{cls.__name__}.{name}: bad value {_show(v)}")
     msg = cls(**obj)
     bad = msg.problem()
     if bad:

@@ -4,11 +4,14 @@ The controller's I/O thread writes it (registrations, heartbeats, deaths) and it
 reads it (who is alive, each rank's DP group, why a rank is missing), both holding the
 controller's condition. It is its own object so the flow can be given exactly this table, not
 the controller, and tested with a table built by hand. The alive count is kept, not counted:
-a promoted standby re-checks it on every registration of up to world_size ranks.
+a promoted standby re-checks it on every registration of up to world_size ranks. DP groups are
+kept once each, however many members registered them: at 100,000 ranks a copy per rank of a
+group of 1,000 would be 10^8 entries, and the flow would hash every copy to find the layout.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -34,7 +37,9 @@ class Roster:
 
     def __init__(self) -> None:
         self._by_rank: Dict[int, RankInfo] = {}
+        self._groups: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
         self.n_alive = 0
+        self.changed_at = time.monotonic()  # the last registration
 
     def get(self, rank: int) -> Optional[RankInfo]:
         return self._by_rank.get(rank)
@@ -54,7 +59,13 @@ class Roster:
         old = self._by_rank.get(info.rank)
         if old is None or old.status != "alive":
             self.n_alive += 1
+        self.changed_at = time.monotonic()
+        info.dp_ranks = self._groups.setdefault(info.dp_ranks, info.dp_ranks)
         self._by_rank[info.rank] = info
+
+    def groups(self) -> List[Tuple[int, ...]]:
+        """Every DP group some registered rank named, each once."""
+        return list(self._groups.values())
 
     def set_status(self, info: RankInfo, status: str, note: str) -> bool:
         """Change a rank's status; True when this took it out of 'alive'."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+from mindio_ttp.control.ranksets import describe
+
 
 @dataclass(frozen=True)
 class RankState:
@@ -42,11 +44,13 @@ class Layout:
             if not g:
                 raise ValueError("empty DP group")
             if replica < 1 or replica > len(g):
-                raise ValueError(f"replica={replica} must be in 1..{len(g)} for DP group {list(g)}")
+                raise ValueError(f"replica={replica} must be in 1..{len(g)} for DP group "
+                                 f"{describe(g)}")
             clash = seen.intersection(g)
             if clash or len(set(g)) != len(g):
-                raise ValueError(f"rank(s) {sorted(clash) or list(g)} appear in more than one DP "
-                                 f"group (or twice in {list(g)}): DP groups must partition ranks")
+                raise ValueError(f"rank(s) {describe(sorted(clash) or g)} appear in more than one "
+                                 f"DP group (or twice in {describe(g)}): DP groups must "
+                                 "partition ranks")
             seen.update(g)
         return cls(tuple(uniq), replica)
 
@@ -95,7 +99,7 @@ def choose_step(layout: Layout, states: Mapping[int, RankState],
             per_shard.append((group, s, holders, steps))
             if not steps:
                 why = "; ".join(_describe(r, states.get(r)) for r in holders)
-                return None, (f"no consistent step: DP group {list(group)} shard {s} has no "
+                return None, (f"no consistent step: DP group {describe(group)} shard {s} has no "
                               f"clean replica ({why})")
             common = steps if common is None else common & steps
     assert common is not None
@@ -105,7 +109,7 @@ def choose_step(layout: Layout, states: Mapping[int, RankState],
         for group, s, holders, steps in per_shard:
             if newest not in steps:
                 why = "; ".join(_describe(r, states.get(r)) for r in holders)
-                return None, (f"no consistent step: DP group {list(group)} shard {s} has no "
+                return None, (f"no consistent step: DP group {describe(group)} shard {s} has no "
                               f"clean replica at step {newest} ({why}), and no older step is "
                               "clean on every shard")
         return None, "no consistent step: shards are clean at disjoint steps"  # pragma: no cover
@@ -125,7 +129,8 @@ def savers_for(layout: Layout, states: Mapping[int, RankState], step: int) -> Li
                     chosen.append(r)
                     break
             else:
-                raise ValueError(f"DP group {list(group)} shard {s} has no clean rank at {step}")
+                raise ValueError(f"DP group {describe(group)} shard {s} has no clean rank at "
+                                 f"{step}")
     return sorted(chosen)
 
 

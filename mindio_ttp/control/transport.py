@@ -12,7 +12,7 @@ import collections
 import socket
 import threading
 import time
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from mindio_ttp.control.protocol import FrameDecoder, Message
 from mindio_ttp.control.session import Sealer
@@ -26,10 +26,10 @@ class ConnClosed(Exception):
 
 class Conn:
     __slots__ = ("sock", "tx", "dec", "out", "peer", "rank", "last_rx", "closed", "data",
-                 "writing", "handshake")
+                 "writing", "handshake", "clock", "ack_due")
 
     def __init__(self, sock: socket.socket, tx: Sealer, dec: FrameDecoder,
-                 peer: str = "") -> None:
+                 peer: str = "", clock: Callable[[], float] = time.monotonic) -> None:
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -42,10 +42,12 @@ class Conn:
         self.out = bytearray()
         self.peer = peer
         self.rank: Optional[int] = None
-        self.last_rx = time.monotonic()
+        self.clock = clock  # what last_rx is stamped with (liveness.LookingClock.now)
+        self.last_rx = clock()
         self.closed = False
         self.data: Any = None
         self.writing = False  # registered for EVENT_WRITE in the owner's selector
+        self.ack_due: Optional[int] = None  # a heartbeat read, its ack not queued yet
 
     def read(self, limit: Optional[int] = None) -> List[Message]:
         """Drain what the socket has (at most `limit` bytes); raises ConnClosed on EOF/reset,
@@ -63,7 +65,7 @@ class Conn:
                 if msgs:
                     break  # deliver what came before EOF; EOF is seen on the next read
                 raise ConnClosed("connection closed by peer")
-            self.last_rx = time.monotonic()
+            self.last_rx = self.clock()
             msgs.extend(self.dec.feed(chunk))
             if len(chunk) < want:
                 break

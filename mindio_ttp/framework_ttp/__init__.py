@@ -33,8 +33,8 @@ from mindio_ttp.config import (
 )
 from mindio_ttp.config import value as _config_value
 from mindio_ttp.control import hooks as _hooks
-from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.hooks import TTPError, TTPForceStop
+from mindio_ttp.control.host import ControllerProcess
 from mindio_ttp.control.processor import HANDLERS, Processor
 from mindio_ttp.faulttime import claim as _claim
 from mindio_ttp.faulttime import device as _device
@@ -55,7 +55,7 @@ log = logging.getLogger("mindio_ttp")
 
 _lock = threading.Lock()
 _controller_args: Optional[tuple] = None
-_controller: Optional[Controller] = None
+_controller: Optional[ControllerProcess] = None
 _processor_args: Optional[tuple] = None
 _processor: Optional[Processor] = None
 
@@ -180,7 +180,9 @@ def ttp_init_controller(rank: int, world_size: int, replica: int,
 
 
 def ttp_start_controller(ip: str, port: int) -> None:
-    """Listen for processors on ip:port (TTP_CONTROLLER_PORT overrides port)."""
+    """Start the controller, in a process of its own (control/host.py: it must not share rank
+    0's GIL with training), listening for processors on ip:port (TTP_CONTROLLER_PORT overrides
+    port); returns once it listens."""
     global _controller
     ip, port = _ip(ip), _port(port)
     if _controller_args is None:
@@ -191,11 +193,13 @@ def ttp_start_controller(ip: str, port: int) -> None:
             raise TTPError("ttp_start_controller was already called in this process")
         rank, world_size, replica = _controller_args
         _setup_logging(rank)
-        ctl = Controller(TTPConfig.from_env(), world_size, replica, rank)
-        ctl.listen(ip, port)
-        ctl.start()
+        ctl = ControllerProcess(TTPConfig.from_env(world_size=world_size), world_size, replica,
+                                rank)
+        claims = _claim.registered_directory()
+        ctl.start(ip, port, claims=None if claims is None else claims.parent)
         _controller = ctl
-    log.info("controller for %d rank(s) listening on %s:%d", world_size, ip, port)
+    log.info("controller process (pid %s) for %d rank(s) listening on %s:%d", _controller.pid,
+             world_size, ip, port)
 
 
 # -- processor ------------------------------------------------------------------------------------
@@ -240,7 +244,8 @@ def ttp_start_processor(ip: str, port: int) -> None:
             raise TTPError("ttp_start_processor was already called in this process")
         rank, ranks, world_size, replica = _processor_args
         _setup_logging(rank)
-        proc = Processor(TTPConfig.from_env(), rank, ranks, world_size, replica)
+        proc = Processor(TTPConfig.from_env(world_size=world_size), rank, ranks, world_size,
+                         replica)
         proc.start(ip, port)
         _processor = proc
         _mark_started(proc.cfg.run_dir, rank)
@@ -289,7 +294,9 @@ def ttp_set_checkpoint_dir(path: os.PathLike[str] | str) -> None:
     strict majority of the ranks."""
     if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
         raise ValueError(f"ttp_set_checkpoint_dir takes a directory path, got {path!r}")
-    _claim.register(os.path.abspath(os.fspath(path)))
+    directory = _claim.register(os.path.abspath(os.fspath(path)))
+    if _controller is not None:  # already started: it claims faults in its own process
+        _controller.set_claims(directory.parent)
 
 
 def current_save_session() -> Optional[SaveSession]:

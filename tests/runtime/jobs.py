@@ -88,6 +88,21 @@ def _forked_rank(env: dict, log_fd: int) -> None:
     ttp_worker.main()
 
 
+def reap_controller(pid_file: Path) -> None:
+    """Rank 0's controller process ends by itself after a flow, but one a test stopped
+    (SIGSTOP of node 0) or left without a verdict must not outlive the test."""
+    if not pid_file.exists():
+        return
+    pid = int(pid_file.read_text())
+    try:
+        if b"mindio_ttp.control.host" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return  # gone, and the pid reused
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
 def run_job(tmp: Path, plan: dict, world: int = 4, timeout: float = 40.0,
             stopped: Optional[List[int]] = None, env_extra: Optional[dict] = None,
             fork: bool = True) -> JobResult:
@@ -138,6 +153,7 @@ def run_job(tmp: Path, plan: dict, world: int = 4, timeout: float = 40.0,
                 codes[r] = None
             else:
                 codes[r] = p.exitcode if fork else p.returncode
+        reap_controller(tmp / ttp_worker.CONTROLLER_PID_FILE)
         logs = {}
         for r, f in files.items():
             f.seek(0)

@@ -144,3 +144,38 @@ def test_a_fault_claimed_by_another_flow_is_not_saved(tmp_path: Path) -> None:
     assert flow.decided.wait(10)
     assert flow.decision.outcome is Outcome.NOT_CLAIMED, flow.decision
     assert not [k for k in out.kinds() if k[2] == "SaveOrder"]
+
+
+def test_a_promoted_standby_waits_while_the_job_keeps_failing_over_to_it() -> None:
+    """A failover storm (here one rank every 0.4 s, for 1.6 s) outlasts the fixed floor of 2
+    heartbeat intervals + 0.5 s: the flow freezes its membership once registrations stop (two
+    ranks never come), so no rank still on its way counts as dead."""
+    cfg = TTPConfig.from_env(ENV)
+    cond = threading.Condition(threading.RLock())
+    roster = Roster()
+    group = tuple(range(8))
+    for r in (0, 1):
+        roster.register(RankInfo(r, group, "127.0.0.1", 0, None, time.monotonic()))
+    sm = StateMachine("test flow")
+    sm.transition_to(S.SERVING, "test")
+    out = ScriptedRanks(roster, cond, {r: 4 for r in range(8)})
+    flow = Flow(cfg, 8, 4, 0, "test flow", sm, cond, roster, out, out.closed.append,
+                lambda: None)
+    out.flow = flow
+
+    def storm() -> None:
+        for r in range(2, 6):  # ranks 6 and 7 never come
+            time.sleep(0.4)
+            with cond:
+                roster.register(RankInfo(r, group, "127.0.0.1", 0, None, time.monotonic()))
+                flow.joined(r)
+                cond.notify_all()
+
+    joiner = threading.Thread(target=storm)
+    with cond:
+        flow.fault("primary controller lost", promoted=True)
+    joiner.start()
+    assert flow.decided.wait(15)
+    joiner.join()
+    assert flow.timeline["locked"] - flow.fault_at > 1.6 + 0.9  # the last one, then quiet
+    assert sorted(flow._reports[1]) == list(range(6))

@@ -206,11 +206,37 @@ def test_oversize_length_is_rejected_before_buffering():
 
 def test_field_types_are_checked():
     with pytest.raises(P.ProtocolError, match="Heartbeat.updating"):
-        P.FrameDecoder(KEY).feed(frame(4, b'{"rank":1,"seq":1,"step":2,"updating":1}'))
+        P.FrameDecoder(KEY).feed(frame(4, struct.pack("!qqqB", 1, 1, 2, 7)))
     with pytest.raises(P.ProtocolError, match="fields"):
         P.FrameDecoder(KEY).feed(frame(15, b'{"rank":1,"extra":2}'))
     with pytest.raises(P.ProtocolError, match="Goodbye.rank"):
         P.FrameDecoder(KEY).feed(frame(15, b'{"rank":true}'))
+
+
+def test_binary_frames_have_exactly_their_size():
+    good = struct.pack("!qqqB", 1, 1, 2, 0)
+    assert P.FrameDecoder(KEY).feed(frame(4, good)) == [P.Heartbeat(1, 1, 2, False)]
+    for bad in (good[:-1], good + b"\0"):
+        with pytest.raises(P.ProtocolError, match="Heartbeat: payload is"):
+            P.FrameDecoder(KEY).feed(frame(4, bad))
+    assert P.FrameDecoder(KEY).feed(frame(4, struct.pack("!qqqB", 1, 1, -(2**63), 1))) == \
+        [P.Heartbeat(1, 1, None, True)]
+    with pytest.raises(P.ProtocolError, match="refusing to send Heartbeat.step"):
+        P.encode(P.Heartbeat(1, 1, -(2**63), False), KEY)
+
+
+def test_rank_lists_travel_as_blocks_of_constant_size():
+    """A save order for half of 100,000 ranks (the first half of each pipeline stage) is as
+    small as one for 8, and an encoding that would expand past MAX_RANKS is refused unread."""
+    savers = [r for stage in range(16) for r in range(stage * 6250, stage * 6250 + 3125)]
+    big = P.encode(P.SaveOrder(1, 5, savers, 60.0, "ns/1", "ab" * 16), KEY)
+    small = P.encode(P.SaveOrder(1, 5, list(range(4)), 60.0, "ns/1", "ab" * 16), KEY)
+    assert len(big) - len(small) < 16
+    assert P.decode_one(big, KEY).save_ranks == savers
+    huge = json.dumps({"flow_id": 1, "step": 5, "save_ranks": [[0, 1, 1000, 1, 1000]],
+                       "time_limit": 1.0, "store": "ns/1", "tag": "ab" * 16}).encode()
+    with pytest.raises(P.ProtocolError, match="SaveOrder.save_ranks: bad value"):
+        P.FrameDecoder(KEY).feed(frame(P.SaveOrder.TYPE, huge))
 
 
 # -- one layer of validation: valid MACs over hostile bodies ------------------------------------
@@ -226,13 +252,29 @@ HOSTILE = st.one_of(
 )
 
 
+JSON_TYPES = [c for c in P.MESSAGE_TYPES.values() if c not in P._BINARY]
+
+
 @st.composite
 def hostile_body(draw):
-    """(message class, JSON body): every field of one class, each valid or hostile."""
-    cls = draw(st.sampled_from(list(P.MESSAGE_TYPES.values())))
-    valid = draw(message_of(cls))
-    body = {f.name: draw(st.just(getattr(valid, f.name)) | HOSTILE) for f in fields(cls)}
+    """(message class, JSON body): every field of one class, each valid (as it travels: rank
+    lists as blocks) or hostile."""
+    cls = draw(st.sampled_from(JSON_TYPES))
+    valid = json.loads(P.encode_payload(draw(message_of(cls))))
+    body = {f.name: draw(st.just(valid[f.name]) | HOSTILE) for f in fields(cls)}
     return cls, body
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(P._BINARY, key=lambda c: c.TYPE)), st.data())
+def test_fuzz_binary_payloads_are_refused_or_valid(cls, data):
+    payload = data.draw(st.binary(min_size=P._BINARY[cls].struct.size,
+                                  max_size=P._BINARY[cls].struct.size))
+    try:
+        (msg,) = P.FrameDecoder(KEY).feed(frame(cls.TYPE, payload))
+    except P.ProtocolError:
+        return
+    assert P.problem(msg) == "" and P.decode_one(P.encode(msg, KEY), KEY) == msg
 
 
 def used_as_the_runtime_uses_it(msg: P.Message) -> None:
@@ -283,7 +325,7 @@ def test_a_signed_register_with_a_bad_field_is_refused_by_the_decoder(field, bad
     good = P.Register(1, 4, [0, 1, 2, 3], 2, "127.0.0.1", 5000, 42, 3, False, False, False,
                       "ab" * 16, "cd" * 16)
     assert P.decode_one(P.encode(good, KEY), KEY) == good
-    body = {f.name: getattr(good, f.name) for f in fields(good)}
+    body = json.loads(P.encode_payload(good))  # as it travels: dp_ranks as blocks
     body[field] = bad
     with pytest.raises(P.ProtocolError, match=f"Register.{field}: bad value"):
         P.FrameDecoder(KEY).feed(frame(P.Register.TYPE, json.dumps(body).encode()))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import mindio_ttp.framework_ttp as ttp
 
 RANK, WORLD, PLAN, OUT = 0, 1, {}, "."  # set by main() from the env
+CONTROLLER_PID_FILE = "controller.pid"
 
 
 def inject(phase: str, step: int) -> None:
@@ -31,6 +32,10 @@ def inject(phase: str, step: int) -> None:
             print(f"worker {RANK}: injecting {kind} at step {step} {phase}", flush=True)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif kind in ("kill_host", "stop_host"):  # node 0 lost: rank 0 and its controller
+                sig = signal.SIGKILL if kind == "kill_host" else signal.SIGSTOP
+                os.kill(ttp._controller.pid, sig)
+                os.kill(os.getpid(), sig)
             elif kind == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "term":
@@ -90,6 +95,9 @@ def save(step: int, save_ranks: list, args: tuple) -> None:
         raise OSError("injected: disk full")
     if PLAN.get("save_kill_rank") == RANK:
         os.kill(os.getpid(), signal.SIGKILL)
+    if PLAN.get("save_kill_host") == RANK:
+        os.kill(ttp._controller.pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     if PLAN.get("save_hang_rank") == RANK:
         time.sleep(3600)
     _, param = args
@@ -133,6 +141,8 @@ def main() -> None:
     if RANK == 0:
         ttp.ttp_init_controller(RANK, WORLD, len(dp_ranks) // 2, False)
         ttp.ttp_start_controller(ip, 8000)
+        with open(os.path.join(OUT, "..", CONTROLLER_PID_FILE), "w") as f:  # reaped by jobs.py
+            f.write(str(ttp._controller.pid))
     ttp.ttp_init_processor(RANK, dp_ranks, len(dp_ranks), WORLD, len(dp_ranks) // 2, False)
     ttp.ttp_start_processor(ip, 8000)
     ttp.ttp_register_save_ckpt_handler(save)
