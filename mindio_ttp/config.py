@@ -36,6 +36,9 @@ ENV_CONNECT_TIMEOUT = "TTP_CONNECT_TIMEOUT"
 ENV_HANDSHAKE_TIMEOUT = "TTP_HANDSHAKE_TIMEOUT"
 ENV_CONTROLLER_PORT = "TTP_CONTROLLER_PORT"
 ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
+# ttprun: warm spares per node (processes that imported torch and the entry's imports and wait
+# to replace a lost rank); 0 = none. `ttprun --warm-spares N` sets it.
+ENV_WARM_SPARES = "TTP_WARM_SPARES"
 # "1": refuse to start when both holders of an optimizer shard share a host (default: warn)
 ENV_REQUIRE_CROSS_HOST_REPLICAS = "TTP_REQUIRE_CROSS_HOST_REPLICAS"
 # test-only: the host name a rank reports for that check (one machine plays several hosts)
@@ -135,6 +138,21 @@ def _port_env(env: Mapping[str, str]) -> Optional[int]:
     if not lo <= port <= hi:
         raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is out of range: use {lo}..{hi}")
     return port
+
+
+def warm_spares(env: Optional[Mapping[str, str]] = None) -> int:
+    """``TTP_WARM_SPARES``: how many warm spares ``ttprun`` keeps per node (default 0)."""
+    raw = (os.environ if env is None else env).get(ENV_WARM_SPARES, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_WARM_SPARES}={raw!r} is not a whole number: set the number of "
+                         f"warm spares per node, e.g. {ENV_WARM_SPARES}=1") from None
+    if value < 0:
+        raise ValueError(f"{ENV_WARM_SPARES}={raw!r} is negative: use 0 (none) or more")
+    return value
 
 
 def _parse_key(raw: str, source: str) -> bytes:

@@ -54,13 +54,16 @@ from mindio_ttp.config import (
     ENV_AUTH_KEY_FILE,
     ENV_OT,
     ENV_RUN_DIR,
+    ENV_WARM_SPARES,
     FLOW_FINISHED_FILE,
     RUNTIME_STARTED_DIR,
     Outcome,
     read_key_file,
+    warm_spares,
 )
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
+from mindio_ttp.launch.spares import pool_from_spec
 
 logger = logging.getLogger("ttprun")
 
@@ -136,6 +139,8 @@ class TTPElasticAgent(LocalElasticAgent):
         self._attempt = 0
         self._attempt_store = None  # the TCPStore this node hosts for the current attempt
         self._store_lost = False
+        spec = self._worker_group.spec
+        self._spares = pool_from_spec(warm_spares(), spec.entrypoint, spec.args)
         self._guard_rendezvous()
 
     # -- the rendezvous ---------------------------------------------------------------------
@@ -199,6 +204,7 @@ class TTPElasticAgent(LocalElasticAgent):
         as MASTER_PORT.
         """
         spec = worker_group.spec
+        self._spares.replenish()  # warm while this node waits for the others
         with _say_what_we_wait_for(spec):
             super()._rendezvous(worker_group)
         restart = spec.max_restarts - self._remaining_restarts
@@ -230,6 +236,7 @@ class TTPElasticAgent(LocalElasticAgent):
         return started.is_dir() and any(started.iterdir())
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._spares.replenish()
         pcontext = self._pcontext
         if not isinstance(pcontext, SubprocessContext):
             return super()._monitor_workers(worker_group)  # function entry points: stock policy
@@ -279,6 +286,10 @@ class TTPElasticAgent(LocalElasticAgent):
             if failure.exitcode == consequence:
                 failure.timestamp = after
 
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self._spares.close()
+        super()._shutdown(death_sig, timeout)
+
     def _invoke_run(self, role: str = "default") -> RunResult:
         try:
             return super()._invoke_run(role)
@@ -294,6 +305,8 @@ class TTPElasticAgent(LocalElasticAgent):
                     _signal_group(pid, signal.SIGTERM)
                 self._hold_survivors(pcontext)
             raise
+        finally:
+            self._spares.close()
 
     # -- the grace period -------------------------------------------------------------------
     def _hold_survivors(self, pcontext: SubprocessContext) -> None:
@@ -544,6 +557,10 @@ def build_parser():
     from mindio_ttp import __version__
 
     parser.add_argument("--version", action="version", version=f"ttprun {__version__}")
+    parser.add_argument(
+        "--warm-spares", type=int, default=None, metavar="N",
+        help=f"keep N warm spares per node: processes that have imported torch and the training "
+        f"script's imports and wait to replace a lost rank (default ${ENV_WARM_SPARES} or 0)")
     return parser
 
 
@@ -552,8 +569,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.run import run
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.warm_spares is not None:
+        os.environ[ENV_WARM_SPARES] = str(args.warm_spares)
     try:
         ot = overtime_s()
+        warm_spares()
     except ValueError as exc:
         print(f"ttprun: error: {exc}", file=sys.stderr)
         return 2
