@@ -53,17 +53,20 @@ from mindio_ttp.config import (
     ENV_AUTH_KEY,
     ENV_AUTH_KEY_FILE,
     ENV_OT,
+    ENV_REPLACEMENT,
     ENV_RUN_DIR,
     ENV_WARM_SPARES,
     FLOW_FINISHED_FILE,
     RUNTIME_STARTED_DIR,
     Outcome,
+    auth_key_from_env,
     read_key_file,
     warm_spares,
 )
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
-from mindio_ttp.launch.spares import pool_from_spec
+from mindio_ttp.launch import takeover
+from mindio_ttp.launch.spares import pool_from_spec, workers_from
 
 logger = logging.getLogger("ttprun")
 
@@ -141,6 +144,12 @@ class TTPElasticAgent(LocalElasticAgent):
         self._store_lost = False
         spec = self._worker_group.spec
         self._spares = pool_from_spec(warm_spares(), spec.entrypoint, spec.args)
+        self._takeover: Optional[takeover.NodeTakeover] = None
+        if takeover.wanted(spec.rdzv_handler, os.environ):
+            self._takeover = takeover.NodeTakeover(
+                spec.rdzv_handler, lambda: takeover.member_of(
+                    self._worker_group, spec.max_restarts - self._remaining_restarts),
+                auth_key_from_env(os.environ))
         self._guard_rendezvous()
 
     # -- the rendezvous ---------------------------------------------------------------------
@@ -207,6 +216,14 @@ class TTPElasticAgent(LocalElasticAgent):
         self._spares.replenish()  # warm while this node waits for the others
         with _say_what_we_wait_for(spec):
             super()._rendezvous(worker_group)
+        taking = self._takeover.assignment if self._takeover else None
+        if taking is not None:  # a lost node's place, not the round's numbering
+            worker_group.group_rank = taking.group_rank
+            worker_group.group_world_size = taking.group_world_size
+            worker_group.master_addr, worker_group.master_port = (taking.master_addr,
+                                                                   taking.master_port)
+            self._remaining_restarts = spec.max_restarts - taking.restart_count
+            return
         restart = spec.max_restarts - self._remaining_restarts
         if restart == 0 or spec.rdzv_handler.get_backend() != "static":
             return  # the first attempt uses torch's store; c10d makes a new one per round
@@ -223,13 +240,41 @@ class TTPElasticAgent(LocalElasticAgent):
                     worker_group.master_addr, port)
         worker_group.master_port = port
 
+    def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec):
+        taking = self._takeover.assignment if self._takeover else None
+        if taking is not None:
+            return takeover.workers_for(taking)
+        return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """A node waits while this node's workers are healthy: a spare node, taking over a lost
+        node's ranks (mindio_ttp.launch.takeover), unless this job restarts anyway."""
+        if self._takeover is None or worker_group.state != WorkerState.HEALTHY:
+            return super()._restart_workers(worker_group)
+        try:
+            info = self._takeover.join_with_running_workers()
+        except Exception as exc:  # noqa: BLE001 - RendezvousError, DistStoreError, refusal
+            logger.error("ttprun: the takeover round failed (%s: %s); this node's workers keep "
+                         "running (their recovery falls back to the dying checkpoint)",
+                         type(exc).__name__, exc)
+            return None
+        self._store = worker_group.store = info.store  # the round this node now belongs to
+        return None
+
     def _start_workers(self, worker_group: WorkerGroup):  # noqa: D401 - torch's signature
         marker = self._run_dir / FLOW_FINISHED_FILE
         if marker.exists():
             marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
         shutil.rmtree(self._run_dir / RUNTIME_STARTED_DIR, ignore_errors=True)  # per attempt
         self._attempt += 1
-        return super()._start_workers(worker_group)
+        if self._takeover is None or self._takeover.assignment is None:
+            return super()._start_workers(worker_group)
+        os.environ[ENV_REPLACEMENT] = "1"  # torch gives each worker the launcher's environment
+        try:
+            with workers_from(self._spares):
+                return super()._start_workers(worker_group)
+        finally:
+            del os.environ[ENV_REPLACEMENT]
 
     def _runtime_started(self) -> bool:
         started = self._run_dir / RUNTIME_STARTED_DIR

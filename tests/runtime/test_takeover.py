@@ -1,0 +1,285 @@
+"""A spare node takes over a lost node's ranks (mindio_ttp.launch.takeover): the plan every
+agent computes from the round's member records, the records' signatures, and three real
+`ttprun` nodes in network namespaces (c10d rendezvous), one of them the spare.
+
+The workers here are small scripts, not the TTP runtime: they report the place torch gave them
+and wait, so the launcher's part is tested on its own (which node runs which ranks, with which
+environment, which processes survive); the recovery that uses it is tested on real Megatron in
+tests/megatron."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Dict, Iterator, List
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from mindio_ttp.launch.takeover import (
+    MEMBER_KEY,
+    NONCE_KEY,
+    Assignment,
+    Member,
+    TakeoverRefused,
+    exchange,
+    plan,
+)
+from testkit.netns import Nodes, made_nodes, namespaces_unavailable
+
+KEY = bytes(range(32))
+
+
+def survivor(group_rank: int, width: int = 2, nodes: int = 2) -> Member:
+    return Member(True, width, group_rank, nodes, nodes * width,
+                  tuple(range(group_rank * width, (group_rank + 1) * width)), "10.0.0.1", 29500, 1)
+
+
+NEWCOMER = Member(False, 2)
+
+
+# -- the plan --------------------------------------------------------------------------------
+def test_a_fresh_round_is_left_to_torch() -> None:
+    assert plan({0: NEWCOMER, 1: NEWCOMER}) == {}
+
+
+def test_newcomers_take_the_lost_group_ranks_in_round_order() -> None:
+    members = {0: NEWCOMER, 1: survivor(1, nodes=4), 2: NEWCOMER, 3: survivor(2, nodes=4)}
+    assert plan(members) == {
+        0: Assignment(0, 4, 8, (0, 1), "10.0.0.1", 29500, 1),
+        2: Assignment(3, 4, 8, (6, 7), "10.0.0.1", 29500, 1),
+    }
+
+
+@pytest.mark.parametrize("members, reason", [
+    ({0: survivor(0), 1: Member(False, 4)}, "same number of workers"),
+    ({0: survivor(0), 1: survivor(0)}, "held twice"),
+    ({0: survivor(0), 1: NEWCOMER, 2: NEWCOMER}, "1 lost node"),
+    ({0: survivor(0), 1: survivor(1, nodes=3)}, "disagree on the job"),
+    ({0: Member(True, 2, 0, 2, 4, (0, 2), "a", 1, 0), 1: NEWCOMER}, "not a block of 2"),
+])
+def test_a_plan_that_does_not_add_up_is_refused(members: Dict[int, Member], reason: str) -> None:
+    with pytest.raises(TakeoverRefused, match=reason):
+        plan(members)
+
+
+# -- the records on torch's store ------------------------------------------------------------
+def _exchange_all(store, members: List[Member], key: bytes = KEY, tamper=None) -> List:
+    results: List = [None] * len(members)
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = exchange(dist.PrefixStore("round7", store), rank, len(members),
+                                     "run", key, members[rank], timedelta(seconds=10))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(members))]
+    for t in threads:
+        t.start()
+    if tamper is not None:
+        tamper()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_every_agent_reads_every_verified_record() -> None:
+    store = dist.HashStore()
+    results = _exchange_all(store, [survivor(0), NEWCOMER])
+    assert results[0] == results[1] == {0: survivor(0), 1: NEWCOMER}
+
+
+@pytest.mark.parametrize("forgery", ["no key", "replayed", "another key"])
+def test_a_record_not_signed_for_this_round_with_this_key_is_refused(forgery: str) -> None:
+    """An outsider writes rank 0's record (here: a new master address, where replacements
+    would look for the controller) without the key; or copies the record rank 0 signed in an
+    earlier round; or is an agent started with another key. The newcomer refuses the round."""
+    store = dist.HashStore()
+    earlier = dist.PrefixStore("r1", store)
+    _exchange_in(earlier, [survivor(0), NEWCOMER])
+    now = dist.PrefixStore("r2", store)
+    result: List = [None]
+
+    def newcomer() -> None:
+        try:
+            result[0] = exchange(now, 1, 2, "run", KEY, NEWCOMER, timedelta(seconds=10))
+        except TakeoverRefused as exc:
+            result[0] = exc
+
+    thread = threading.Thread(target=newcomer)
+    thread.start()
+    if forgery == "another key":  # which refuses the newcomer's record in turn
+        with pytest.raises(TakeoverRefused):
+            exchange(now, 0, 2, "run", b"y" * 32, survivor(0), timedelta(seconds=10))
+    else:
+        now.set(NONCE_KEY.format(0), secrets.token_hex(16))
+        if forgery == "replayed":
+            now.set(MEMBER_KEY.format(0), earlier.get(MEMBER_KEY.format(0)))
+        else:
+            payload = Member(True, 2, 0, 2, 4, (0, 1), "6.6.6.6", 29500, 1).to_json()
+            now.set(MEMBER_KEY.format(0), f"{payload}\n{'0' * 64}")
+    thread.join(30)
+    assert isinstance(result[0], TakeoverRefused), result[0]
+    assert "does not carry this job's signature" in str(result[0])
+
+
+def _exchange_in(store, members: List[Member]) -> None:
+    threads = [threading.Thread(target=exchange, args=(store, r, len(members), "run", KEY,
+                                                       members[r], timedelta(seconds=10)))
+               for r in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+
+def test_member_records_are_validated_field_by_field() -> None:
+    good = json.loads(survivor(0).to_json())
+    assert Member.from_json(json.dumps(good)) == survivor(0)
+    for bad in ({**good, "ranks": "0,1"}, {**good, "running": 1}, {**good, "extra": 1},
+                {**good, "master_port": 70000}, {**good, "local_world_size": 0}):
+        with pytest.raises(ValueError):
+            Member.from_json(json.dumps(bad))
+
+
+# -- three nodes: two run the job, the third is the spare ---------------------------------------
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from pathlib import Path
+    import takeover_test_mod  # the warm spares import this ahead
+
+    out, stop = Path(sys.argv[1]), Path(sys.argv[2])
+    keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TTP_REPLACEMENT", "TORCHELASTIC_RESTART_COUNT")
+    record = {k: os.environ.get(k) for k in keys}
+    record["pid"] = os.getpid()
+    record["imported_by"] = takeover_test_mod.IMPORTED_BY
+    tmp = out / f".rank{record['RANK']}-{os.getpid()}"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, out / f"rank{record['RANK']}-{os.getpid()}.json")
+    while not stop.exists():
+        time.sleep(0.05)
+    """
+)
+MODULE = "import os\nIMPORTED_BY = (os.getpid(), os.environ.get('RANK'))\n"
+KEEP_ALIVE = ["keep_alive_interval=1", "keep_alive_max_attempt=2"]
+TIMEOUT = 120.0
+
+
+class SpareNodes(Nodes):
+    """Three namespaced nodes; nodes 0 and 1 run a 4-rank job, node 2 is the spare."""
+
+    def start_node(self, index: int, port: int, key: str, spares: int = 0) -> None:
+        n = self.nodes[index]
+        out = self.work / "out"
+        out.mkdir(exist_ok=True)
+        (self.work / "takeover_test_mod.py").write_text(MODULE)
+        (self.work / "worker.py").write_text(WORKER)
+        env = dict(os.environ, TTP_AUTH_KEY=key, TTP_RECOVERY="in-memory",
+                   PYTHONPATH=os.pathsep.join([str(self.work), os.environ.get("PYTHONPATH", "")]),
+                   PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "mindio_ttp.launch.agent",
+               *self.ttprun_args(n, nproc=2, port=port, rdzv="c10d", nnodes=2,
+                                 rdzv_conf=KEEP_ALIVE),
+               f"--warm-spares={spares}", str(self.work / "worker.py"), str(out),
+               str(self.work / "stop")]
+        self.launch(n, cmd, env)
+
+    def reports(self) -> List[dict]:
+        return [json.loads(p.read_text()) for p in sorted((self.work / "out").glob("rank*.json"))]
+
+
+@pytest.fixture
+def spare_nodes(tmp_path: Path) -> Iterator[SpareNodes]:
+    why = namespaces_unavailable()
+    if why:
+        pytest.skip(why)
+    with made_nodes(tmp_path, 3, SpareNodes) as nodes:
+        yield nodes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_spare_node_takes_over_a_lost_nodes_ranks_and_the_survivors_keep_theirs(
+        spare_nodes: SpareNodes) -> None:
+    nodes = spare_nodes
+    port, key = 40000 + secrets.randbelow(20000), secrets.token_hex(32)
+    node0, node1, node2 = nodes.nodes
+    nodes.start_node(0, port, key)
+    nodes.start_node(1, port, key)
+    nodes.wait_until(lambda: len(nodes.reports()) == 4, "4 workers up", TIMEOUT)
+    before = {r["RANK"]: r for r in nodes.reports()}
+    assert {r["GROUP_RANK"] for r in before.values()} == {"0", "1"}
+    # lose the node that runs ranks 2 and 3 (the round may have put either node there)
+    lost_node = _node_of(nodes, before["2"]["pid"])
+    assert _node_of(nodes, before["3"]["pid"]) is lost_node
+    survivor_node = node0 if lost_node is node1 else node1
+    lost, kept = ["2", "3"], ["0", "1"]
+
+    nodes.start_node(2, port, key, spares=2)  # the spare: its warm spares import meanwhile
+    nodes.wait_until(lambda: _imported_ahead(nodes) >= 2, "node 2's warm spares", TIMEOUT)
+    nodes.kill(lost_node)
+    killed = time.monotonic()
+
+    def replaced() -> bool:
+        return all(any(r["RANK"] == rank and r["pid"] != before[rank]["pid"]
+                       for r in nodes.reports()) for rank in lost)
+
+    nodes.wait_until(replaced, "ranks 2 and 3 replaced on node 2", TIMEOUT)
+    print(f"node lost -> both replacements running: {time.monotonic() - killed:.1f} s "
+          f"(keep-alive {KEEP_ALIVE})")
+    after = nodes.reports()
+    for rank in lost:
+        new = next(r for r in after if r["RANK"] == rank and r["pid"] != before[rank]["pid"])
+        old = before[rank]
+        assert new["TTP_REPLACEMENT"] == "1", new
+        assert (new["GROUP_RANK"], new["WORLD_SIZE"]) == (old["GROUP_RANK"], "4"), new
+        assert (new["MASTER_ADDR"], new["MASTER_PORT"]) == (old["MASTER_ADDR"],
+                                                              old["MASTER_PORT"])
+        assert new["TORCHELASTIC_RESTART_COUNT"] == old["TORCHELASTIC_RESTART_COUNT"]
+        assert new["pid"] in {p.pid for p in _namespace_processes(node2)}
+        # a warm spare of node 2: it imported the script's imports before it had a rank
+        assert new["imported_by"] == [new["pid"], None], new
+    for rank in kept:  # the survivors were never restarted: same processes, one report each
+        assert psutil.pid_exists(before[rank]["pid"])
+        assert [r["pid"] for r in after if r["RANK"] == rank] == [before[rank]["pid"]]
+    assert "closing signal" not in survivor_node.output(), nodes.outputs()
+    assert "keeps its workers" in survivor_node.output(), nodes.outputs()
+    assert "takes over group rank" in node2.output(), nodes.outputs()
+
+    (nodes.work / "stop").touch()  # the job ends normally on both nodes it now has
+    assert nodes.wait(survivor_node, TIMEOUT) == 0, nodes.outputs()
+    assert nodes.wait(node2, TIMEOUT) == 0, nodes.outputs()
+
+
+def _namespace_processes(node) -> List[psutil.Process]:
+    from testkit.netns import ip
+
+    pids = [int(p) for p in ip("netns", "pids", node.ns, check=False).stdout.split()]
+    return [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
+
+
+def _node_of(nodes: SpareNodes, pid: int):
+    return next(n for n in nodes.nodes if pid in {p.pid for p in _namespace_processes(n)})
+
+
+def _imported_ahead(nodes: SpareNodes) -> int:
+    """How many processes of node 2 are warm spares (their command line says so)."""
+    count = 0
+    for proc in _namespace_processes(nodes.nodes[2]):
+        try:
+            if "mindio_ttp.launch.spares" in " ".join(proc.cmdline()):
+                count += 1
+        except psutil.NoSuchProcess:
+            continue
+    return count
