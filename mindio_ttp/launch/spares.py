@@ -56,7 +56,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
 
 logger = logging.getLogger("ttprun")
 
@@ -303,18 +303,6 @@ def spare_main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 # -- the launcher's side ------------------------------------------------------------------------
-class ReplacementStarter(Protocol):
-    """Starts the worker that replaces a lost local rank: the interface the recovery's
-    replacement entry point (``launch/replace.py``) calls, cold or from a warm spare. ``env`` is
-    the worker's full environment, ``args`` the worker's arguments as torch built them for that
-    local rank (interpreter flags and script included), ``stdout``/``stderr`` its log files or
-    None to inherit the launcher's. None: this starter has nothing to start it with."""
-
-    def __call__(self, local_rank: int, env: Mapping[str, str], args: Sequence[str],
-                 stdout: Optional[str], stderr: Optional[str]) -> Optional[subprocess.Popen]:
-        ...
-
-
 @dataclass
 class Spare:
     proc: subprocess.Popen
@@ -418,11 +406,13 @@ class SparePool:
     def start(self, local_rank: int, env: Mapping[str, str], args: Sequence[str],
               stdout: Optional[str] = None,
               stderr: Optional[str] = None) -> Optional[subprocess.Popen]:
-        """Give a spare the rank's worker environment; its process, or None with no spare
-        (then start the worker cold). Implements :class:`ReplacementStarter`."""
-        if self.entry is None:
+        """Give a spare the rank's worker: ``env`` its whole environment, ``args`` its command
+        line as torch built it (interpreter first), ``stdout``/``stderr`` its log files (None:
+        the launcher's). The spare's process, or None when there is no spare (start the
+        worker cold then). A ``ReplacementStarter`` of ``launch/replace.py``."""
+        if self.entry is None or not args:
             return None
-        entry, script_args = Entry.parse(self.entry.interpreter, args)
+        entry, script_args = Entry.parse(str(args[0]), [str(a) for a in args[1:]])
         if entry != self.entry:
             logger.warning("ttprun: local rank %d runs %s, not what the spares preloaded (%s): "
                            "no spare for it", local_rank, args, self.entry.target)
@@ -488,7 +478,7 @@ def workers_from(pool: SparePool) -> Iterator[None]:
     def from_pool(entrypoint, args, env, stdout, stderr, local_rank_id, *more, **kwargs):
         full = dict(os.environ)
         full.update(env)
-        proc = pool.start(local_rank_id, full, args, stdout, stderr)
+        proc = pool.start(local_rank_id, full, [entrypoint, *args], stdout, stderr)
         if proc is None:
             return original(entrypoint, args, env, stdout, stderr, local_rank_id, *more,
                             **kwargs)

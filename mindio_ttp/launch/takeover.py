@@ -200,8 +200,10 @@ def member_of(worker_group, restart_count: int) -> Member:
 def wanted(handler, env: Mapping[str, str]) -> bool:
     """Take over lost nodes (instead of restarting every node) when the rendezvous can admit a
     spare node (c10d and the other dynamic backends; not static) and the job recovers in
-    memory (``TTP_RECOVERY``; a job that restarts anyway gains nothing from it)."""
-    return handler.get_backend() != "static" and env.get(ENV_RECOVERY, "") == "in-memory"
+    memory (``TTP_RECOVERY``, in-memory by default; a job that restarts anyway gains nothing
+    from it)."""
+    mode = env.get(ENV_RECOVERY, "").strip().lower() or "in-memory"
+    return handler.get_backend() != "static" and mode == "in-memory"
 
 
 class NodeTakeover:

@@ -194,7 +194,7 @@ def test_a_spare_imports_ahead_then_runs_the_entry_as_the_rank(
     out, err = scripts / "rank3.out", scripts / "rank3.err"
     out.write_text("the lost worker's lines\n")
     env = dict(os.environ, RANK="3", LOCAL_RANK="1")
-    proc = pool.start(1, env, ["-u", str(scripts / "entry.py"), "7", "--flag"],
+    proc = pool.start(1, env, [sys.executable, "-u", str(scripts / "entry.py"), "7", "--flag"],
                       stdout=str(out), stderr=str(err))
     assert proc is spare.proc
     assert proc.wait(DEADLINE_S) == 7
@@ -214,7 +214,8 @@ def test_an_exception_in_the_entry_ends_the_worker_as_a_cold_one_would(
         scripts: Path, pool_of: Callable[..., SparePool]) -> None:
     pool = pool_of(1)
     err = scripts / "err"
-    proc = pool.start(0, dict(os.environ, RANK="0"), ["-u", str(scripts / "entry.py"), "raise"],
+    proc = pool.start(0, dict(os.environ, RANK="0"),
+                      [sys.executable, "-u", str(scripts / "entry.py"), "raise"],
                       stderr=str(err))  # taken while still importing: it runs once ready
     assert proc is not None and proc.wait(DEADLINE_S) == 1
     text = err.read_text()
@@ -231,8 +232,8 @@ def test_a_module_entry_runs_with_dash_m(scripts: Path) -> None:
     try:
         pool.replenish()
         out = scripts / "out"
-        proc = pool.start(0, dict(os.environ, RANK="1"), ["-u", "-m", "spare_pkg.job", "4"],
-                          stdout=str(out))
+        proc = pool.start(0, dict(os.environ, RANK="1"),
+                          [sys.executable, "-u", "-m", "spare_pkg.job", "4"], stdout=str(out))
         assert proc is not None and proc.wait(DEADLINE_S) == 4
         assert f'"argv": ["{package / "job.py"}", "4"]' in out.read_text()
         assert '"name": "__main__"' in out.read_text()
@@ -243,7 +244,8 @@ def test_a_module_entry_runs_with_dash_m(scripts: Path) -> None:
 def test_a_pool_refuses_a_rank_that_runs_another_entry(
         scripts: Path, pool_of: Callable[..., SparePool]) -> None:
     pool = pool_of(1)
-    assert pool.start(0, dict(os.environ), ["-u", str(scripts / "waiter.py"), "x"]) is None
+    assert pool.start(0, dict(os.environ),
+                      [sys.executable, "-u", str(scripts / "waiter.py"), "x"]) is None
     assert len(pool.spares) == 1
 
 
@@ -255,7 +257,8 @@ def test_spares_that_die_before_they_are_ready_are_not_restarted_forever(
     _until(lambda: (pool.replenish(), pool.size == 0 and not pool.spares)[1],
            "the pool giving up")
     assert MAX_EARLY_DEATHS <= len(_imports(scripts)) <= MAX_EARLY_DEATHS + 1
-    assert pool.start(0, dict(os.environ), ["-u", str(scripts / "entry.py"), "0"]) is None
+    assert pool.start(0, dict(os.environ),
+                      [sys.executable, "-u", str(scripts / "entry.py"), "0"]) is None
 
 
 def test_closing_the_pool_ends_idle_spares(scripts: Path,

@@ -18,6 +18,10 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
 ``TTP_FAULT_RECORD_DIR`` (optional) is where the plan records the fault time and coordinates
 ranks killed together.
 
+``TTP_STEP_RECORD_DIR`` (optional, also without a plan): every rank appends one JSON line per
+completed iteration to ``steps-<rank>.jsonl`` there (step, wall-clock start and end, pid,
+attempt), so a benchmark can tell when a step completed on every rank.
+
 Under ``ttprun --max-restarts``, ``|`` separates the plans of successive attempts
 (``1:3:sigkill:before|2:6:sigkill:inside``: attempt 0 kills rank 1, the restarted attempt 1
 kills rank 2, later attempts run clean); the attempt is torch's TORCHELASTIC_RESTART_COUNT.
@@ -30,7 +34,8 @@ import os
 TARGET = "megatron.training"
 
 
-def _wrap_train_step(train_step, get_args, plan, record_dir):
+def _wrap_train_step(train_step, get_args, plan, record_dir, steps_dir=None):
+    import json
     import random
     import threading
     import time
@@ -47,6 +52,7 @@ def _wrap_train_step(train_step, get_args, plan, record_dir):
         rank = torch.distributed.get_rank()
         fired = []
         started.append(time.monotonic())
+        started_at = time.time()
         if plan.has(rank, step, Phase.ANYTIME) and len(started) >= 2:
             rng = random.Random(f"{os.environ.get('TTP_FAULT_SEED', '0')}:{rank}:{step}")
             delay = rng.uniform(0.0, started[-1] - started[-2])
@@ -92,10 +98,17 @@ def _wrap_train_step(train_step, get_args, plan, record_dir):
         optimizer.reduce_model_grads = reduce
         torch.distributed.barrier = barrier
         try:
-            return train_step(forward_step, data_iterator, model, optimizer, opt_param_scheduler)
+            out = train_step(forward_step, data_iterator, model, optimizer, opt_param_scheduler)
         finally:
             del optimizer.step, optimizer.gather_model_params, optimizer.reduce_model_grads
             torch.distributed.barrier = real_barrier
+        if steps_dir is not None:
+            line = json.dumps({"rank": rank, "step": step, "start": started_at,
+                               "end": time.time(), "pid": os.getpid(),
+                               "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")})
+            with open(steps_dir / f"steps-{rank}.jsonl", "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        return out
 
     return fault_injecting_train_step
 
@@ -104,7 +117,8 @@ def _install() -> None:
     plans = os.environ.get("TTP_FAULT_PLAN", "").split("|")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     text = plans[attempt] if attempt < len(plans) else ""
-    if not text:
+    steps = os.environ.get("TTP_STEP_RECORD_DIR")
+    if not text and not steps:
         return
     from pathlib import Path
 
@@ -115,7 +129,8 @@ def _install() -> None:
     plan, record_dir = FaultPlan.from_text(text), Path(record) if record else None
 
     def wrap(module) -> None:
-        module.train_step = _wrap_train_step(module.train_step, module.get_args, plan, record_dir)
+        module.train_step = _wrap_train_step(module.train_step, module.get_args, plan, record_dir,
+                                             Path(steps) if steps else None)
 
     after_import(TARGET, wrap)
 
