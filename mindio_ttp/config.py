@@ -39,9 +39,6 @@ ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
 # ttprun: warm spares per node (processes that imported torch and the entry's imports and wait
 # to replace a lost rank); 0 = none. `ttprun --warm-spares N` sets it.
 ENV_WARM_SPARES = "TTP_WARM_SPARES"
-# Set to "1" by ttprun in a worker that replaces a lost rank (a spare node taking over a lost
-# node's ranks): its runtime joins the job's recovery instead of starting a new job.
-ENV_REPLACEMENT = "TTP_REPLACEMENT"
 # "1": refuse to start when both holders of an optimizer shard share a host (default: warn)
 ENV_REQUIRE_CROSS_HOST_REPLICAS = "TTP_REQUIRE_CROSS_HOST_REPLICAS"
 # test-only: the host name a rank reports for that check (one machine plays several hosts)

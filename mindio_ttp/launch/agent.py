@@ -53,7 +53,6 @@ from mindio_ttp.config import (
     ENV_AUTH_KEY,
     ENV_AUTH_KEY_FILE,
     ENV_OT,
-    ENV_REPLACEMENT,
     ENV_RUN_DIR,
     ENV_WARM_SPARES,
     FLOW_FINISHED_FILE,
@@ -66,7 +65,7 @@ from mindio_ttp.config import (
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
 from mindio_ttp.launch import takeover
-from mindio_ttp.launch.spares import pool_from_spec, workers_from
+from mindio_ttp.launch.spares import pool_from_spec
 
 logger = logging.getLogger("ttprun")
 
@@ -147,9 +146,11 @@ class TTPElasticAgent(LocalElasticAgent):
         self._takeover: Optional[takeover.NodeTakeover] = None
         if takeover.wanted(spec.rdzv_handler, os.environ):
             self._takeover = takeover.NodeTakeover(
-                spec.rdzv_handler, lambda: takeover.member_of(
-                    self._worker_group, spec.max_restarts - self._remaining_restarts),
+                spec.rdzv_handler, lambda requests: takeover.member_of(
+                    self._worker_group, spec.max_restarts - self._remaining_restarts,
+                    requests),
                 auth_key_from_env(os.environ))
+        self._spare_waiting_said = False
         self._guard_rendezvous()
 
     # -- the rendezvous ---------------------------------------------------------------------
@@ -247,10 +248,17 @@ class TTPElasticAgent(LocalElasticAgent):
         return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        """A node waits while this node's workers are healthy: a spare node, taking over a lost
-        node's ranks (mindio_ttp.launch.takeover), unless this job restarts anyway."""
+        """A node waits while this node's workers are healthy: a spare node. It takes over a
+        lost node's ranks when the recovery asked for them (mindio_ttp.launch.takeover);
+        otherwise it stays a spare and nothing restarts."""
         if self._takeover is None or worker_group.state != WorkerState.HEALTHY:
             return super()._restart_workers(worker_group)
+        if not self._takeover.should_join(self._store):
+            if not self._spare_waiting_said:
+                self._spare_waiting_said = True
+                logger.warning("ttprun: a node waits in the rendezvous and no takeover is "
+                               "wanted: it stays a spare; this node's workers keep running")
+            return None
         try:
             info = self._takeover.join_with_running_workers()
         except Exception as exc:  # noqa: BLE001 - RendezvousError, DistStoreError, refusal
@@ -259,6 +267,8 @@ class TTPElasticAgent(LocalElasticAgent):
                          type(exc).__name__, exc)
             return None
         self._store = worker_group.store = info.store  # the round this node now belongs to
+        self._takeover.report_handed_over(self._run_dir)
+        self._spare_waiting_said = False
         return None
 
     def _start_workers(self, worker_group: WorkerGroup):  # noqa: D401 - torch's signature
@@ -269,12 +279,8 @@ class TTPElasticAgent(LocalElasticAgent):
         self._attempt += 1
         if self._takeover is None or self._takeover.assignment is None:
             return super()._start_workers(worker_group)
-        os.environ[ENV_REPLACEMENT] = "1"  # torch gives each worker the launcher's environment
-        try:
-            with workers_from(self._spares):
-                return super()._start_workers(worker_group)
-        finally:
-            del os.environ[ENV_REPLACEMENT]
+        with takeover.replacement_workers(self._takeover.assignment, self._spares):
+            return super()._start_workers(worker_group)
 
     def _runtime_started(self) -> bool:
         started = self._run_dir / RUNTIME_STARTED_DIR
@@ -282,6 +288,9 @@ class TTPElasticAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._spares.replenish()
+        if self._takeover is not None and worker_group.state == WorkerState.HEALTHY:
+            own = [w.global_rank for w in worker_group.workers]
+            self._takeover.want(self._store, takeover.foreign_requests(self._run_dir, own))
         pcontext = self._pcontext
         if not isinstance(pcontext, SubprocessContext):
             return super()._monitor_workers(worker_group)  # function entry points: stock policy
@@ -454,6 +463,12 @@ def _say_what_we_wait_for(spec) -> Iterator[None]:
         waited = 0.0
         while not done.wait(RDZV_WAIT_NOTICE_S):
             waited += RDZV_WAIT_NOTICE_S
+            if takeover.is_spare(handler):
+                logger.warning("ttprun: this node is a spare: the rendezvous of run %r is full; "
+                               "it waits, with no deadline, to take over a lost node",
+                               handler.get_run_id())
+                done.wait()
+                return
             logger.warning(
                 "ttprun: waited %.0f s for the other nodes of run %r (%s rendezvous at %s): "
                 "start ttprun on every node with the same --nnodes, --rdzv-id and endpoint; "

@@ -56,7 +56,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 logger = logging.getLogger("ttprun")
 
@@ -461,34 +461,6 @@ class AdoptedHandler:
     def close(self, death_sig: Optional[signal.Signals] = None) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def workers_from(pool: SparePool) -> Iterator[None]:
-    """While torch starts a worker group, give each local rank a warm spare when one is left
-    (torch's own start for the others). Torch versions without ``get_subprocess_handler``
-    start every worker cold."""
-    from torch.distributed.elastic.multiprocessing import api
-
-    original = getattr(api, "get_subprocess_handler", None)
-    if original is None or not pool.spares:
-        yield
-        return
-
-    def from_pool(entrypoint, args, env, stdout, stderr, local_rank_id, *more, **kwargs):
-        full = dict(os.environ)
-        full.update(env)
-        proc = pool.start(local_rank_id, full, [entrypoint, *args], stdout, stderr)
-        if proc is None:
-            return original(entrypoint, args, env, stdout, stderr, local_rank_id, *more,
-                            **kwargs)
-        return AdoptedHandler(proc, local_rank_id)
-
-    api.get_subprocess_handler = from_pool
-    try:
-        yield
-    finally:
-        api.get_subprocess_handler = original
 
 
 def pool_from_spec(size: int, entrypoint: object, args: Sequence[str]) -> SparePool:

@@ -11,23 +11,33 @@ device context), so here a change of membership is a *takeover*:
 * A lost node stops refreshing its keep-alive in the rendezvous. Once that is older than
   ``keep_alive_interval`` x ``keep_alive_max_attempt`` (``--rdzv-conf``; torch's defaults are
   5 s x 3) the next agent that syncs drops it, and the spare moves to the wait list.
-* A surviving agent whose workers are healthy sees a node waiting: instead of restarting its
-  workers, it joins the next round with them running.
+* The recovery asks for the lost ranks' replacements: the controller's relay, a survivor on
+  another node, hands the requests to its launcher (``launch/replace.py``), which finds they
+  name ranks it does not run and keeps them for a takeover, signalling it with a signed key on
+  the current round's store. Nothing else starts a takeover: torch's view of membership can
+  be wrong (a keep-alive starved on a loaded node), the recovery's cannot.
+* A surviving agent whose workers are healthy sees a node waiting and the signed key: instead
+  of restarting its workers, it joins the next round with them running. Without the key it
+  does neither, and the waiting node stays a spare.
 * Right after the round completes, every agent in it publishes a member record on the round's
   store (whether its workers run, and if so its group rank, their global ranks, the world size,
-  MASTER_ADDR/PORT and the restart count) and reads everyone's. All compute the same plan:
-  survivors keep their group ranks; the group ranks nobody holds go to the newcomers in the
-  order of their rank in the round.
+  MASTER_ADDR/PORT, the restart count and the replacement requests it holds) and reads
+  everyone's. All compute the same plan: survivors keep their group ranks; the group ranks
+  nobody holds go to the newcomers in the order of their rank in the round; every rank a
+  newcomer takes must have a request.
 * A newcomer takes its group rank's place: the lost node's global ranks, the job's world size,
-  the survivors' MASTER_ADDR/PORT and restart count; it starts them as replacement workers
-  (``TTP_REPLACEMENT=1``; from warm spares when it has some), which join the recovery.
+  the survivors' MASTER_ADDR/PORT and restart count, and each rank's request (what the
+  recovery tells its replacement: ``TTP_RECOVERY_JOIN``, the recovery's store); it starts them
+  as replacement workers (from warm spares when it has some), which join the recovery. The
+  relay's launcher reports them started.
 * Survivors move to the new round's store (for their exit barrier) and go back to watching.
 
 torch's store has no authentication, and this plan decides which node runs which ranks and
 where their replacements look for the controller. So each record is HMAC-signed with the job's
 control-plane key over the round's fresh nonces (one per agent, written first): a forged record
 or one replayed from an earlier round is refused, and that round's takeover does not happen
-(the recovery then falls back to the dying checkpoint). An outsider who can reach the store can
+(the recovery then falls back to the dying checkpoint). The key that starts a takeover is
+signed too. An outsider who can reach the store can
 still disturb a rendezvous, as they always could: that denies service, it decides nothing.
 
 Only a job whose nodes all run the same number of workers can be taken over (torch gives group
@@ -36,18 +46,26 @@ rank *g* the global ranks ``g*L .. g*L+L-1`` then); anything else is refused wit
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
+import os
+import re
 import secrets
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from mindio_ttp.launch.spares import AdoptedHandler
 
 logger = logging.getLogger("ttprun")
 
 NONCE_KEY = "ttprun/takeover/nonce/{}"
+WANTED_KEY = "ttprun/takeover/wanted"
 MEMBER_KEY = "ttprun/takeover/member/{}"
 MAC_CONTEXT = b"ttprun-takeover-v1"
 MAX_RECORD = 64 * 1024 + 64  # a record names one node's ranks: a few KiB even at 1k workers
@@ -72,6 +90,8 @@ class Member:
     master_addr: str = ""
     master_port: int = 0
     restart_count: int = 0
+    # replacement requests this agent holds for ranks of a lost node: {rank: env to add}
+    requests: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
@@ -91,6 +111,12 @@ class Member:
             raise ValueError("member record has a field of the wrong type")
         if raw["local_world_size"] < 1 or not 0 <= raw["master_port"] < 65536:
             raise ValueError("member record has an out-of-range field")
+        requests = raw["requests"]
+        if not (isinstance(requests, dict) and all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, dict)
+                and all(isinstance(a, str) and isinstance(b, str) for a, b in v.items())
+                for k, v in requests.items())):
+            raise ValueError("member record has malformed replacement requests")
         return cls(**{**raw, "ranks": tuple(raw["ranks"])})
 
 
@@ -105,6 +131,7 @@ class Assignment:
     master_addr: str
     master_port: int
     restart_count: int
+    env: Mapping[int, Mapping[str, str]]  # each rank's request: what its replacement is told
 
 
 def _mac(key: bytes, run_id: str, rank: int, nonces: Sequence[str], payload: str) -> str:
@@ -177,13 +204,25 @@ def plan(members: Dict[int, Member]) -> Dict[int, Assignment]:
     if len(missing) != len(newcomers):
         raise TakeoverRefused(f"{len(missing)} lost node(s) (group ranks {missing}) but "
                               f"{len(newcomers)} newcomer(s) in the round")
-    return {r: Assignment(g, first.group_world_size, first.world_size,
-                          tuple(range(g * width, (g + 1) * width)), first.master_addr,
-                          first.master_port, first.restart_count)
-            for r, g in zip(newcomers, missing)}
+    requests: Dict[int, Mapping[str, str]] = {}
+    for m in survivors.values():
+        requests.update({int(rank): env for rank, env in m.requests.items()})
+    lost = [rank for g in missing for rank in range(g * width, (g + 1) * width)]
+    unasked = [rank for rank in lost if rank not in requests]
+    if unasked:
+        raise TakeoverRefused(f"no replacement request for rank(s) {unasked}: the recovery did "
+                              "not ask for them")
+    plans = {}
+    for r, g in zip(newcomers, missing):
+        ranks = tuple(range(g * width, (g + 1) * width))
+        plans[r] = Assignment(g, first.group_world_size, first.world_size, ranks,
+                              first.master_addr, first.master_port, first.restart_count,
+                              {rank: dict(requests[rank]) for rank in ranks})
+    return plans
 
 
-def member_of(worker_group, restart_count: int) -> Member:
+def member_of(worker_group, restart_count: int,
+              requests: Mapping[int, Mapping[str, str]]) -> Member:
     """This agent's record: running (with its place in the job) only while its workers are
     healthy, i.e. when it joins a round to hand a lost node's ranks over."""
     from torch.distributed.elastic.agent.server.api import WorkerState
@@ -194,7 +233,25 @@ def member_of(worker_group, restart_count: int) -> Member:
     return Member(True, spec.local_world_size, worker_group.group_rank,
                   worker_group.group_world_size, worker_group.workers[0].world_size,
                   tuple(w.global_rank for w in worker_group.workers),
-                  str(worker_group.master_addr), int(worker_group.master_port), restart_count)
+                  str(worker_group.master_addr), int(worker_group.master_port), restart_count,
+                  {str(rank): dict(env) for rank, env in requests.items()})
+
+
+def _wanted_mac(key: bytes, run_id: str, payload: str) -> str:
+    return hmac.new(key, b"|".join([MAC_CONTEXT, b"wanted", run_id.encode(), payload.encode()]),
+                    hashlib.sha256).hexdigest()
+
+
+def is_spare(handler) -> bool:
+    """This agent waits beside a complete round (torch's redundancy list when the round is
+    full, its wait list when a member was dropped): a spare node. torch has no public call for
+    it; False when the handler does not say."""
+    try:
+        state = handler._state_holder.state
+        node = handler._this_node
+    except AttributeError:
+        return False
+    return state.complete and (node in state.redundancy_list or node in state.wait_list)
 
 
 def wanted(handler, env: Mapping[str, str]) -> bool:
@@ -213,18 +270,64 @@ class NodeTakeover:
     member records (``me`` says what this agent runs) and keeps this agent's
     :class:`Assignment` when it is a newcomer that takes a lost node's place."""
 
-    def __init__(self, handler, me: Callable[[], Member], key: bytes) -> None:
+    def __init__(self, handler, me: Callable[[Mapping[int, Mapping[str, str]]], Member],
+                 key: bytes) -> None:
         self.handler = handler
         self._me = me
         self._key = key
         self.assignment: Optional[Assignment] = None
         self.survived = False  # the last round kept this node's workers
+        # requests this agent holds for ranks it does not run: {rank: (request name, env)}
+        self.pending: Dict[int, Tuple[str, Mapping[str, str]]] = {}
+        self.handed_over: Dict[int, Tuple[str, int]] = {}  # rank -> (request, group rank)
         self._next = handler.next_rendezvous
         handler.next_rendezvous = self._next_rendezvous
 
+    # -- the survivor's side ------------------------------------------------------------------
+    def want(self, store, requests: Mapping[int, Tuple[str, Mapping[str, str]]]) -> None:
+        """Hold replacement requests for ranks of another node, and say on the round's store
+        (signed) that a takeover is wanted, so every survivor joins the next round."""
+        new = {rank: req for rank, req in requests.items() if rank not in self.pending}
+        if not new:
+            return
+        self.pending.update(new)
+        payload = json.dumps(sorted(self.pending), separators=(",", ":"))
+        store.set(WANTED_KEY, f"{payload}\n{_wanted_mac(self._key, self._run_id, payload)}")
+        logger.warning("ttprun: the recovery asks for rank(s) %s of a lost node: waiting for a "
+                       "spare node to take them over", sorted(new))
+
+    def should_join(self, store) -> bool:
+        """A node waits and a takeover is wanted (by this agent, or signed on the store)."""
+        if self.pending:
+            return True
+        try:
+            if not store.check([WANTED_KEY]):
+                return False
+            payload, _, mac = store.get(WANTED_KEY)[:MAX_RECORD].decode(
+                "utf-8", "replace").rpartition("\n")
+        except Exception:  # noqa: BLE001 - a store that fails says no
+            return False
+        return hmac.compare_digest(mac, _wanted_mac(self._key, self._run_id, payload))
+
+    @property
+    def _run_id(self) -> str:
+        return self.handler.get_run_id()
+
+    def join_with_running_workers(self):
+        """The survivor's side: a new round with this node's workers left running."""
+        return self.handler.next_rendezvous()
+
+    def report_handed_over(self, run_dir: Path) -> None:
+        """Answer the requests a newcomer took: started (by that node)."""
+        for name, group_rank in self.handed_over.values():
+            report_started(run_dir, name,
+                           f"started by the node that took over group rank {group_rank}")
+        self.handed_over.clear()
+
+    # -- every round ----------------------------------------------------------------------------
     def _next_rendezvous(self):
         info = self._next()
-        me = self._me()
+        me = self._me({rank: env for rank, (_, env) in self.pending.items()})
         self.assignment, self.survived = None, me.running
         if me.running and info.rank == 0:
             _publish_bootstrap(info)
@@ -244,15 +347,14 @@ class NodeTakeover:
                            "%s of %d; the other nodes keep their workers", a.group_rank,
                            list(a.ranks), a.world_size)
         elif me.running:
-            taken = {plans[r].group_rank: r for r in plans}
+            for plan_ in plans.values():
+                for rank in plan_.ranks:
+                    if rank in self.pending:
+                        self.handed_over[rank] = (self.pending.pop(rank)[0], plan_.group_rank)
             logger.warning("ttprun: node(s) joined for lost group rank(s) %s; this node keeps "
-                           "its workers (group rank %d)", sorted(taken) or "none",
-                           me.group_rank)
+                           "its workers (group rank %d)",
+                           sorted(p.group_rank for p in plans.values()), me.group_rank)
         return info
-
-    def join_with_running_workers(self):
-        """The survivor's side: a new round with this node's workers left running."""
-        return self.handler.next_rendezvous()
 
 
 def _publish_bootstrap(info) -> None:
@@ -266,6 +368,71 @@ def _publish_bootstrap(info) -> None:
 
     info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, bootstrap.master_addr.encode())
     info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(bootstrap.master_port).encode())
+
+
+# -- the replacement requests (the files of launch/replace.py) ----------------------------------
+REPLACE_DIR = "replace"
+_REQUEST_NAME = re.compile(r"^r(\d+)-rank(\d+)$")
+
+
+def foreign_requests(run_dir: Path, own: Sequence[int]) -> Dict[int, Tuple[str, Dict[str, str]]]:
+    """The replacement requests in this launcher's run directory that name ranks it does not
+    run: ``{rank: (request name, env)}``. A request that cannot be read is left to the
+    launcher's own replacement desk, which reports it."""
+    found: Dict[int, Tuple[str, Dict[str, str]]] = {}
+    folder = Path(run_dir) / REPLACE_DIR
+    if not folder.is_dir():
+        return found
+    for path in folder.glob("r*-rank*.json"):
+        m = _REQUEST_NAME.match(path.stem)
+        if m is None or int(m.group(2)) in own:
+            continue
+        try:
+            raw = json.loads(path.read_bytes()[:MAX_RECORD])
+            env = {str(k): str(v) for k, v in dict(raw["env"]).items()}
+            if int(raw["rank"]) != int(m.group(2)):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found[int(m.group(2))] = (path.stem, env)
+    return found
+
+
+def report_started(run_dir: Path, name: str, detail: str) -> None:
+    """Tell the relay (through the status file launch/replace.py's relay reads) that a
+    takeover started the replacement it asked for."""
+    path = Path(run_dir) / REPLACE_DIR / f"{name}.status.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"state": "started", "pid": 0, "detail": detail,
+                               "time": time.time()}), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def replacement_workers(assignment: Assignment, pool) -> Iterator[None]:
+    """While torch starts the newcomer's workers: each gets its rank's request added to its
+    environment, and a warm spare when ``pool`` has one left."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = getattr(api, "get_subprocess_handler", None)
+    if original is None:
+        raise TakeoverRefused("this torch has no get_subprocess_handler: a takeover cannot "
+                              "give each replacement its own request")
+
+    def start(entrypoint, args, env, stdout, stderr, local_rank_id, *more, **kwargs):
+        env = {**env, **assignment.env[assignment.ranks[local_rank_id]]}
+        full = {**os.environ, **env}
+        proc = pool.start(local_rank_id, full, [entrypoint, *args], stdout, stderr)
+        if proc is None:
+            return original(entrypoint, args, env, stdout, stderr, local_rank_id, *more,
+                            **kwargs)
+        return AdoptedHandler(proc, local_rank_id)
+
+    api.get_subprocess_handler = start
+    try:
+        yield
+    finally:
+        api.get_subprocess_handler = original
 
 
 def workers_for(assignment: Assignment) -> List:

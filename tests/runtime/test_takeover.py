@@ -38,9 +38,10 @@ from testkit.netns import Nodes, made_nodes, namespaces_unavailable
 KEY = bytes(range(32))
 
 
-def survivor(group_rank: int, width: int = 2, nodes: int = 2) -> Member:
+def survivor(group_rank: int, width: int = 2, nodes: int = 2, asks=()) -> Member:
     return Member(True, width, group_rank, nodes, nodes * width,
-                  tuple(range(group_rank * width, (group_rank + 1) * width)), "10.0.0.1", 29500, 1)
+                  tuple(range(group_rank * width, (group_rank + 1) * width)), "10.0.0.1", 29500, 1,
+                  {str(r): {"TTP_RECOVERY_JOIN": "3", "WHO": str(r)} for r in asks})
 
 
 NEWCOMER = Member(False, 2)
@@ -52,15 +53,29 @@ def test_a_fresh_round_is_left_to_torch() -> None:
 
 
 def test_newcomers_take_the_lost_group_ranks_in_round_order() -> None:
-    members = {0: NEWCOMER, 1: survivor(1, nodes=4), 2: NEWCOMER, 3: survivor(2, nodes=4)}
+    """Any survivor may hold a request (the relay the controller chose); each rank a newcomer
+    takes gets its own."""
+    members = {0: NEWCOMER, 1: survivor(1, nodes=4, asks=(0, 7)), 2: NEWCOMER,
+               3: survivor(2, nodes=4, asks=(1, 6))}
+
+    def env(r: int) -> dict:
+        return {"TTP_RECOVERY_JOIN": "3", "WHO": str(r)}
+
     assert plan(members) == {
-        0: Assignment(0, 4, 8, (0, 1), "10.0.0.1", 29500, 1),
-        2: Assignment(3, 4, 8, (6, 7), "10.0.0.1", 29500, 1),
+        0: Assignment(0, 4, 8, (0, 1), "10.0.0.1", 29500, 1, {0: env(0), 1: env(1)}),
+        2: Assignment(3, 4, 8, (6, 7), "10.0.0.1", 29500, 1, {6: env(6), 7: env(7)}),
     }
 
 
+def test_a_rank_the_recovery_did_not_ask_for_is_not_taken_over() -> None:
+    """torch's view of membership can be wrong (a starved keep-alive): only the recovery's
+    requests let a newcomer start a rank, so a live node's ranks are never run twice."""
+    with pytest.raises(TakeoverRefused, match=r"no replacement request for rank\(s\) \[3\]"):
+        plan({0: survivor(0, asks=(2,)), 1: NEWCOMER})
+
+
 @pytest.mark.parametrize("members, reason", [
-    ({0: survivor(0), 1: Member(False, 4)}, "same number of workers"),
+    ({0: survivor(0, asks=(2, 3)), 1: Member(False, 4)}, "same number of workers"),
     ({0: survivor(0), 1: survivor(0)}, "held twice"),
     ({0: survivor(0), 1: NEWCOMER, 2: NEWCOMER}, "1 lost node"),
     ({0: survivor(0), 1: survivor(1, nodes=3)}, "disagree on the job"),
@@ -146,7 +161,8 @@ def test_member_records_are_validated_field_by_field() -> None:
     good = json.loads(survivor(0).to_json())
     assert Member.from_json(json.dumps(good)) == survivor(0)
     for bad in ({**good, "ranks": "0,1"}, {**good, "running": 1}, {**good, "extra": 1},
-                {**good, "master_port": 70000}, {**good, "local_world_size": 0}):
+                {**good, "master_port": 70000}, {**good, "local_world_size": 0},
+                {**good, "requests": {"x": {}}}, {**good, "requests": {"2": {"A": 1}}}):
         with pytest.raises(ValueError):
             Member.from_json(json.dumps(bad))
 
@@ -160,7 +176,7 @@ WORKER = textwrap.dedent(
 
     out, stop = Path(sys.argv[1]), Path(sys.argv[2])
     keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TTP_REPLACEMENT", "TORCHELASTIC_RESTART_COUNT")
+            "TTP_RECOVERY_JOIN", "TORCHELASTIC_RESTART_COUNT")
     record = {k: os.environ.get(k) for k in keys}
     record["pid"] = os.getpid()
     record["imported_by"] = takeover_test_mod.IMPORTED_BY
@@ -172,7 +188,9 @@ WORKER = textwrap.dedent(
     """
 )
 MODULE = "import os\nIMPORTED_BY = (os.getpid(), os.environ.get('RANK'))\n"
-KEEP_ALIVE = ["keep_alive_interval=1", "keep_alive_max_attempt=2"]
+# torch drops a node whose keep-alive is this old (1 s x 5): on a loaded 2-core machine a
+# shorter one drops live nodes too (which then, rightly, no takeover follows)
+KEEP_ALIVE = ["keep_alive_interval=1", "keep_alive_max_attempt=5"]
 TIMEOUT = 120.0
 
 
@@ -187,7 +205,7 @@ class SpareNodes(Nodes):
         (self.work / "worker.py").write_text(WORKER)
         env = dict(os.environ, TTP_AUTH_KEY=key, TTP_RECOVERY="in-memory",
                    PYTHONPATH=os.pathsep.join([str(self.work), os.environ.get("PYTHONPATH", "")]),
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", TTPRUN_RDZV_NOTICE_S="1")
         cmd = [sys.executable, "-m", "mindio_ttp.launch.agent",
                *self.ttprun_args(n, nproc=2, port=port, rdzv="c10d", nnodes=2,
                                  rdzv_conf=KEEP_ALIVE),
@@ -227,25 +245,35 @@ def test_a_spare_node_takes_over_a_lost_nodes_ranks_and_the_survivors_keep_their
     lost, kept = ["2", "3"], ["0", "1"]
 
     nodes.start_node(2, port, key, spares=2)  # the spare: its warm spares import meanwhile
+    nodes.wait_for_line(node2, "this node is a spare", TIMEOUT)  # on torch's redundancy list
     nodes.wait_until(lambda: _imported_ahead(nodes) >= 2, "node 2's warm spares", TIMEOUT)
     nodes.kill(lost_node)
     killed = time.monotonic()
+    # torch's rendezvous alone moves nothing: the waiting node stays a spare
+    nodes.wait_for_line(survivor_node, "no takeover is wanted: it stays a spare", TIMEOUT)
+    assert not _replacements(nodes, before)
+    # the recovery's relay (a survivor's worker, played by the test) asks its launcher for
+    # the lost ranks, in the request files of launch/replace.py
+    run_dir = next(nodes.run_dir(survivor_node).glob("ttprun-*"))
+    (run_dir / "replace").mkdir(mode=0o700, exist_ok=True)
+    for rank in lost:
+        request = {"recovery_id": 7, "rank": int(rank),
+                   "env": {"TTP_RECOVERY_JOIN": "7", "MASTER_PORT": "4242"}}
+        (run_dir / "replace" / f"r7-rank{rank}.json").write_text(json.dumps(request))
 
-    def replaced() -> bool:
-        return all(any(r["RANK"] == rank and r["pid"] != before[rank]["pid"]
-                       for r in nodes.reports()) for rank in lost)
-
-    nodes.wait_until(replaced, "ranks 2 and 3 replaced on node 2", TIMEOUT)
+    nodes.wait_until(lambda: len(_replacements(nodes, before)) == 2,
+                     "ranks 2 and 3 replaced on node 2", TIMEOUT)
     print(f"node lost -> both replacements running: {time.monotonic() - killed:.1f} s "
           f"(keep-alive {KEEP_ALIVE})")
     after = nodes.reports()
     for rank in lost:
         new = next(r for r in after if r["RANK"] == rank and r["pid"] != before[rank]["pid"])
         old = before[rank]
-        assert new["TTP_REPLACEMENT"] == "1", new
+        assert new["TTP_RECOVERY_JOIN"] == "7", new  # the request, on top of the worker's env
         assert (new["GROUP_RANK"], new["WORLD_SIZE"]) == (old["GROUP_RANK"], "4"), new
-        assert (new["MASTER_ADDR"], new["MASTER_PORT"]) == (old["MASTER_ADDR"],
-                                                              old["MASTER_PORT"])
+        assert (new["MASTER_ADDR"], new["MASTER_PORT"]) == (old["MASTER_ADDR"], "4242")
+        status = json.loads((run_dir / "replace" / f"r7-rank{rank}.status.json").read_text())
+        assert status["state"] == "started", status  # the relay hears it started
         assert new["TORCHELASTIC_RESTART_COUNT"] == old["TORCHELASTIC_RESTART_COUNT"]
         assert new["pid"] in {p.pid for p in _namespace_processes(node2)}
         # a warm spare of node 2: it imported the script's imports before it had a rank
@@ -267,6 +295,10 @@ def _namespace_processes(node) -> List[psutil.Process]:
 
     pids = [int(p) for p in ip("netns", "pids", node.ns, check=False).stdout.split()]
     return [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
+
+
+def _replacements(nodes: SpareNodes, before: Dict[str, dict]) -> List[dict]:
+    return [r for r in nodes.reports() if r["pid"] != before[r["RANK"]]["pid"]]
 
 
 def _node_of(nodes: SpareNodes, pid: int):
