@@ -41,6 +41,13 @@ ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
 ENV_WARM_SPARES = "TTP_WARM_SPARES"
 # "1": refuse to start when both holders of an optimizer shard share a host (default: warn)
 ENV_REQUIRE_CROSS_HOST_REPLICAS = "TTP_REQUIRE_CROSS_HOST_REPLICAS"
+# in-memory recovery (docs/recovery.md): "in-memory" (default) or "dying-checkpoint"
+ENV_RECOVERY = "TTP_RECOVERY"
+# seconds from the recovery order to every rank's READY; past it: the dying checkpoint
+ENV_RECOVER_TIMEOUT = "TTP_RECOVER_TIMEOUT"
+# set by ttprun in its workers: how it starts a lost rank's replacement ("cold"); unset: the
+# launcher cannot (torchrun), so a fault ends in the dying checkpoint
+ENV_REPLACEMENTS = "TTP_REPLACEMENTS"
 # test-only: the host name a rank reports for that check (one machine plays several hosts)
 ENV_TEST_HOSTNAME = "TTP_TEST_HOSTNAME"
 
@@ -78,7 +85,10 @@ DEFAULTS: dict[str, float] = {
     # of a large job connecting at once, short enough that a port held by another program ends
     # every rank within seconds instead of after TTP_CONNECT_TIMEOUT.
     ENV_HANDSHAKE_TIMEOUT: 10.0,
+    # a cold replacement imports torch and Megatron and builds its model inside this bound
+    ENV_RECOVER_TIMEOUT: 120.0,
 }
+RECOVERY_MODES = ("in-memory", "dying-checkpoint")
 
 
 class ExitCode(enum.IntEnum):
@@ -124,6 +134,13 @@ def _optional_float_env(env: Mapping[str, str], name: str) -> float:
     if raw in ("", "0"):
         return 0.0
     return _float_env({name: raw}, name)
+
+
+def _recovery_mode(env: Mapping[str, str]) -> str:
+    raw = env.get(ENV_RECOVERY, "").strip().lower() or RECOVERY_MODES[0]
+    if raw not in RECOVERY_MODES:
+        raise ValueError(f"{ENV_RECOVERY}={raw!r}: use {' or '.join(RECOVERY_MODES)}")
+    return raw
 
 
 def _port_env(env: Mapping[str, str]) -> Optional[int]:
@@ -225,6 +242,9 @@ class TTPConfig:
     auth_key: bytes
     step_timeout: float = 0.0  # 0: off
     handshake_timeout: float = DEFAULTS[ENV_HANDSHAKE_TIMEOUT]
+    recovery: str = RECOVERY_MODES[0]
+    recover_timeout: float = DEFAULTS[ENV_RECOVER_TIMEOUT]
+    replacements: str = ""  # what the launcher offers (ENV_REPLACEMENTS); "": none
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> TTPConfig:
@@ -243,6 +263,9 @@ class TTPConfig:
             auth_key=auth_key_from_env(env),
             step_timeout=_optional_float_env(env, ENV_STEP_TIMEOUT),
             handshake_timeout=_float_env(env, ENV_HANDSHAKE_TIMEOUT),
+            recovery=_recovery_mode(env),
+            recover_timeout=_float_env(env, ENV_RECOVER_TIMEOUT),
+            replacements=env.get(ENV_REPLACEMENTS, "").strip(),
         )
         if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
             raise ValueError(

@@ -97,7 +97,8 @@ class Controller:
         self._progress_at: Optional[float] = None  # last heartbeat showing a step change
         # the save store is hosted on our listening address, known once listen() ran
         self.flow = Flow(cfg, world_size, replica, host_rank, self.name, self.sm, self._cond,
-                         self._ranks, self._outbox, self._listen_host, claims)
+                         self._ranks, self._outbox, self._listen_host, claims,
+                         address=lambda: self.address)
 
     # -- what the flow found (read by tests, benchmarks and the API) ---------------------------
     @property
@@ -152,8 +153,8 @@ class Controller:
     def stop(self, wait_goodbyes: float = 0.0) -> None:
         """Normal end of training: wait (bounded) for every rank's goodbye, tell the rest the
         controller is closing on purpose, then stop. Refuses to cut a running flow short."""
-        if self.sm.is_in(S.COLLECTING, S.SAVING, S.RENAMING):
-            log.warning("%s: a dying-checkpoint flow is running; not stopping", self.name)
+        if self.sm.is_in(S.COLLECTING, S.RECOVERING, S.SAVING, S.RENAMING):
+            log.warning("%s: a fault flow is running; not stopping", self.name)
             return
         if self.sm.is_in(S.SERVING) and wait_goodbyes > 0:
             deadline = time.monotonic() + wait_goodbyes
@@ -175,6 +176,7 @@ class Controller:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
         self._close_all()
+        self.flow.recovery.close()
 
     def flush(self, timeout: float) -> bool:
         return self._outbox.flush(timeout)
@@ -358,7 +360,7 @@ class Controller:
                             "TTP_HANDSHAKE_TIMEOUT=%g s; closing", self.name, conn.peer,
                             self.cfg.handshake_timeout)
                 self._drop(conn, "no registration")
-        if not self.sm.is_in(S.SERVING, S.COLLECTING, S.SAVING, S.RENAMING):
+        if not self.sm.is_in(S.SERVING, S.COLLECTING, S.RECOVERING, S.SAVING, S.RENAMING):
             return
         stall = self.cfg.step_timeout
         if stall and self._progress_at is not None and now - self._progress_at > stall \
@@ -398,7 +400,14 @@ class Controller:
             self._flush(conn)
         elif isinstance(msg, P.FaultReport):
             with self._cond:
-                self.flow.fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}")
+                self.flow.fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}",
+                                rank=info.rank, kind=msg.kind)
+        elif isinstance(msg, P.RecoverReady):
+            with self._cond:
+                self.flow.recovery.ready(msg, info.rank)
+        elif isinstance(msg, P.ReplaceStatus):
+            with self._cond:
+                self.flow.recovery.replace_status(msg)
         elif isinstance(msg, P.StateReport):
             with self._cond:
                 self.flow.report(msg.flow_id, msg.phase, info.rank, msg.step, msg.updating)
@@ -437,10 +446,13 @@ class Controller:
         now = time.monotonic()
         with self._cond:
             old = self._ranks.get(m.rank)
-            if old is not None and old.status in ("dead", "hung"):
+            joining = self.sm.is_in(S.RECOVERING) and m.rank in self.flow.recovery.expecting
+            if old is not None and old.status in ("dead", "hung", "replaced") and not joining:
                 return self._refuse(conn, f"rank {m.rank} was already declared {old.note}")
+            if joining:
+                self.flow.recovery.replacement_registered(m.rank)
             if old is not None and old.conn is not None and old.conn is not conn:
-                if now - old.last_seen < self.cfg.heartbeat_timeout:
+                if now - old.last_seen < self.cfg.heartbeat_timeout and not joining:
                     # the rank's own connection is live and heartbeating: a second Register
                     # for it is a replay or an impostor, never a reason to drop the real one
                     log.warning("%s: refused a Register for rank %d from %s: that rank is "

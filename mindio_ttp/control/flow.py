@@ -23,11 +23,20 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set,
 from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.roster import Roster
-from mindio_ttp.control.selection import Layout, choose_step, savers_for, states_from
+from mindio_ttp.control.selection import (
+    Layout,
+    RankState,
+    choose_step,
+    savers_for,
+    states_from,
+)
 from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
 from mindio_ttp.faulttime import claim as C
 from mindio_ttp.faulttime import save_session
+from mindio_ttp.recovery.coordinator import RecoveryCoordinator
+from mindio_ttp.recovery.decision import plan_recovery
+from mindio_ttp.recovery.rank import RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
 
@@ -39,6 +48,9 @@ class Decision:
     ranks: List[int]
     reason: str
     seconds: float  # from the first fault to the exit orders
+
+
+RECOVERED = object()  # what _run_flow returns when the in-memory recovery committed
 
 
 class Outbox(Protocol):
@@ -62,7 +74,8 @@ class Flow:
     def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int, name: str,
                  sm: StateMachine, lock: threading.Condition, roster: Roster, outbox: Outbox,
                  store_host: Callable[[], str],
-                 claims: Callable[[], Optional[C.ClaimSpace]] = C.registered) -> None:
+                 claims: Callable[[], Optional[C.ClaimSpace]] = C.registered,
+                 address: Optional[Callable[[], Tuple[str, int]]] = None) -> None:
         self.cfg, self.world_size, self.replica = cfg, world_size, replica
         self.host_rank, self.name = host_rank, name
         self.sm = sm
@@ -86,15 +99,27 @@ class Flow:
         self._await_kind: Tuple[str, int] = ("", 0)
         self._claim: Optional[C.Claim] = None
         self._save_store: Any = None  # the TCPStore of the current save order
+        self._faulty: Set[int] = set()  # alive ranks that reported their own fault
+        self._preempted = False
+        self.known_hosts: Dict[int, str] = {}  # hosts of ranks that never registered here
+        self.recovery = RecoveryCoordinator(cfg, world_size, name, lock, roster, outbox,
+                                            store_host, address or (lambda: ("", 0)))
 
     # -- called by the controller's I/O thread, holding `lock` ----------------------------------
-    def fault(self, desc: str, promoted: bool = False) -> None:
+    def fault(self, desc: str, promoted: bool = False, rank: Optional[int] = None,
+              kind: str = "") -> None:
         """Record a fault; the first one while SERVING starts the flow thread. `promoted`: this
         controller is a standby that just took over, so slower processors may still fail over
-        to it before the flow freezes the membership."""
+        to it before the flow freezes the membership. `rank`/`kind`: a rank that reported its
+        own fault (an exception, a preemption), for the recovery's decision."""
         self.faults.append(desc)
+        if rank is not None and kind == "exception":
+            self._faulty.add(rank)
+        self._preempted = self._preempted or kind == "preempted"
         if self._thread is not None:
             log.warning("%s: further fault during the flow: %s", self.name, desc)
+            if self.sm.is_in(S.RECOVERING) and kind != "collective":  # not a casualty's report
+                self.recovery.fault(desc)
             return
         if not self.sm.is_in(S.SERVING):
             return
@@ -136,12 +161,25 @@ class Flow:
     # -- the flow thread -----------------------------------------------------------------------
     def _flow(self) -> None:
         try:
-            outcome, step, ranks, reason = self._run_flow()
+            result = self._run_flow()
         except Exception as exc:  # a bug must still end the job, not leave it hanging
             log.exception("%s: flow failed", self.name)
-            outcome, step, ranks, reason = (Outcome.SAVE_FAILED, None, [],
-                                            f"controller error: {exc!r}")
-        self._finish(outcome, step, ranks, reason)
+            result = (Outcome.SAVE_FAILED, None, [], f"controller error: {exc!r}")
+        if result is RECOVERED:
+            self._rearm()
+            return
+        self._finish(*result)
+
+    def _rearm(self) -> None:
+        """After a committed recovery: serve again, ready for the next fault."""
+        with self._cond:
+            self._thread = None
+            self._lock_msgs = []
+            self._reports = {1: {}, 2: {}}
+            self._faulty, self._preempted = set(), False
+            self.fault_at = None
+            self.sm.transition_to(S.SERVING, f"recovery {self.recovery.recovery_id} committed")
+            self._cond.notify_all()
 
     def _wait_until(self, done: Callable[[], bool], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -226,6 +264,11 @@ class Flow:
         except ValueError as exc:
             return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
         states = states_from(reports, range(self.world_size), notes)
+        recovered, replaced = self._try_recovery(fid, layout, states, reports)
+        if recovered:
+            return RECOVERED
+        for r in replaced:  # an abandoned recovery killed them: not savers
+            states[r] = RankState(False, None, False, "replaced by the abandoned recovery")
         step, reason = choose_step(layout, states, self.world_size)
         if step is None:
             log.error("%s: %s; nothing is saved", self.name, reason)
@@ -257,6 +300,32 @@ class Flow:
             return (Outcome.SAVE_FAILED, step, savers,
                     f"rename of step {step} failed: {why}; nothing marked latest")
         return Outcome.SAVED, step, savers, f"dying checkpoint of step {step} saved by {savers}"
+
+    def _try_recovery(self, fid: int, layout: Layout, states: Dict[int, Any],
+                      reports: Dict[int, Tuple[Optional[int], bool]]) -> Tuple[bool, Set[int]]:
+        """In-memory recovery when it can work (recovery/decision.py): (committed, ranks it
+        replaced). Not committed: the dying checkpoint (also after an abandoned recovery)."""
+        with self._cond:
+            lost = {r for r in range(self.world_size) if r not in reports} | self._faulty
+            hosts = {**self.known_hosts, **{i.rank: i.host for i in self._ranks.values()}}
+            self._lock_msgs = []  # a replacement registering now must not be locked
+        capable = RECOVERY.capability()
+        if capable[0] and not self.cfg.replacements:
+            capable = (False, "the launcher does not start replacements (ttprun does)")
+        plan, why = plan_recovery(mode=self.cfg.recovery, capable=capable,
+                                  preempted=self._preempted, world_size=self.world_size,
+                                  layout=layout, states=states, lost=lost, hosts=hosts)
+        if plan is None:
+            log.info("%s: no in-memory recovery (%s): the dying checkpoint", self.name, why)
+            return False, set()
+        self.sm.transition_to(S.RECOVERING, why)
+        self.timeline["recovering"] = time.monotonic()
+        ok, why = self.recovery.run(fid, plan)
+        self.timeline["recovered" if ok else "recovery_abandoned"] = time.monotonic()
+        if not ok:
+            log.error("%s: falling back to the dying checkpoint of step %d: %s", self.name,
+                      plan.step, why)
+        return ok, set(plan.lost)
 
     def _settle(self, fid: int, step: int, members: List[int]) -> Tuple[bool, str]:
         """May this flow order a save? With a claim directory, only if it wins this fault's

@@ -263,6 +263,67 @@ class Closing(Message):
     reason: str
 
 
+# -- in-memory recovery (docs/recovery.md) ------------------------------------------------------
+@_message(40)
+@dataclass
+class RecoverOrder(Message):
+    """Controller → every survivor: leave the step, roll back to `step`, rejoin the world on the
+    TCPStore at `store` ("host:port"); `lost` are replaced; READY is awaited `deadline` s."""
+    flow_id: int
+    recovery_id: int
+    step: int
+    lost: List[int]
+    store: str
+    deadline: float
+
+
+@_message(41)
+@dataclass
+class ReplaceOrder(Message):
+    """Controller → one survivor on the lost rank's host: ask that host's launcher (through
+    this rank's TTP_RUN_DIR) to start a replacement for `rank`; `controller` is the acting
+    controller's "host:port", where the replacement registers."""
+    recovery_id: int
+    flow_id: int
+    rank: int
+    step: int
+    lost: List[int]
+    store: str
+    controller: str
+    deadline: float
+
+
+@_message(42)
+@dataclass
+class ReplaceStatus(Message):
+    """Relay → controller: what the launcher did with the request (started, exited, failed)."""
+    recovery_id: int
+    rank: int
+    state: str
+    pid: int
+    detail: str
+
+
+@_message(43)
+@dataclass
+class RecoverReady(Message):
+    """Any rank → controller: it holds the recovery's step, checked against the other copies
+    by hash (`ok`), or why not; `digest` summarises its state for the log."""
+    recovery_id: int
+    rank: int
+    ok: bool
+    detail: str
+    digest: str
+    seconds: float
+
+
+@_message(44)
+@dataclass
+class RecoverCommit(Message):
+    """Controller → every rank: every rank is ready; train on."""
+    recovery_id: int
+
+
 # -- codec ---------------------------------------------------------------------------------------
 def encode_payload(msg: Message) -> bytes:
     """The JSON body alone, so one message sent to many connections is serialised once."""

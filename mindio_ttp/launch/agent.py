@@ -53,6 +53,7 @@ from mindio_ttp.config import (
     ENV_AUTH_KEY,
     ENV_AUTH_KEY_FILE,
     ENV_OT,
+    ENV_REPLACEMENTS,
     ENV_RUN_DIR,
     ENV_WARM_SPARES,
     FLOW_FINISHED_FILE,
@@ -65,6 +66,7 @@ from mindio_ttp.config import (
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
 from mindio_ttp.launch import takeover
+from mindio_ttp.launch.replace import ReplacementDesk, cold_start
 from mindio_ttp.launch.spares import pool_from_spec
 
 logger = logging.getLogger("ttprun")
@@ -143,6 +145,8 @@ class TTPElasticAgent(LocalElasticAgent):
         self._store_lost = False
         spec = self._worker_group.spec
         self._spares = pool_from_spec(warm_spares(), spec.entrypoint, spec.args)
+        # in-memory recovery (replace.py): a warm spare when one is left, else a cold start
+        self._replacements = ReplacementDesk(self._run_dir, (self._spares.start, cold_start))
         self._takeover: Optional[takeover.NodeTakeover] = None
         if takeover.wanted(spec.rdzv_handler, os.environ):
             self._takeover = takeover.NodeTakeover(
@@ -294,6 +298,7 @@ class TTPElasticAgent(LocalElasticAgent):
         pcontext = self._pcontext
         if not isinstance(pcontext, SubprocessContext):
             return super()._monitor_workers(worker_group)  # function entry points: stock policy
+        self._replacements.serve(pcontext, worker_group.workers)
         with _close_deferred(pcontext):
             result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.FAILED:
@@ -316,7 +321,8 @@ class TTPElasticAgent(LocalElasticAgent):
                 failed,
                 self._ot_s,
             )
-        self._hold_survivors(pcontext)
+        if self._hold_survivors(pcontext, worker_group):
+            return RunResult(state=WorkerState.HEALTHY)  # every failed worker was replaced
         with _close_deferred(pcontext):
             final = super()._monitor_workers(worker_group)
         if final.state != WorkerState.FAILED:
@@ -363,8 +369,11 @@ class TTPElasticAgent(LocalElasticAgent):
             self._spares.close()
 
     # -- the grace period -------------------------------------------------------------------
-    def _hold_survivors(self, pcontext: SubprocessContext) -> None:
-        """Wait for the flow to finish and the workers to exit; kill whatever is left after."""
+    def _hold_survivors(self, pcontext: SubprocessContext,
+                        worker_group: Optional[WorkerGroup] = None) -> bool:
+        """Wait for the flow to finish and the workers to exit; kill whatever is left after.
+        With `worker_group`, an in-memory recovery may replace the failed workers instead:
+        True when every worker runs again (nothing was killed)."""
         start = time.monotonic()
         deadline = start + self._ot_s
         marker = self._run_dir / FLOW_FINISHED_FILE
@@ -385,9 +394,15 @@ class TTPElasticAgent(LocalElasticAgent):
                         now - start,
                         _read_marker(marker),
                     )
+                if worker_group is not None and flow_done_at is None:
+                    self._replacements.serve(pcontext, worker_group.workers)
+                    if all(h.proc.poll() is None for h in pcontext.subprocess_handlers.values()):
+                        logger.warning("ttprun: in-memory recovery: every failed worker "
+                                       "replaced after %.2f s", time.monotonic() - start)
+                        return True
                 if not alive:
                     logger.warning("ttprun: every worker exited after %.2f s", now - start)
-                    return
+                    return False
                 if flow_done_at is not None:
                     for rank, pid in alive.items():
                         if _is_stopped(pid):
@@ -410,6 +425,7 @@ class TTPElasticAgent(LocalElasticAgent):
         for handler in pcontext.subprocess_handlers.values():
             with contextlib.suppress(Exception):
                 handler.proc.wait(timeout=10)
+        return False
 
 
 class _OffLoopQuery:
@@ -569,7 +585,7 @@ def ttp_environment() -> Iterator[Path]:
     made and removed at exit.
     """
     saved = {name: os.environ.get(name)
-             for name in (ENV_RUN_DIR, ENV_AUTH_KEY, *collective_env.NAMES)}
+             for name in (ENV_RUN_DIR, ENV_AUTH_KEY, ENV_REPLACEMENTS, *collective_env.NAMES)}
     parent = saved[ENV_RUN_DIR]
     if parent:
         Path(parent).mkdir(parents=True, exist_ok=True)
@@ -578,6 +594,7 @@ def ttp_environment() -> Iterator[Path]:
     if not saved[ENV_AUTH_KEY] and not os.environ.get(ENV_AUTH_KEY_FILE):
         os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)  # single node (check_key_source)
     collective_env.apply_defaults(os.environ)
+    os.environ[ENV_REPLACEMENTS] = "cold"  # this launcher starts a lost rank's replacement
     try:
         yield run_dir
     finally:

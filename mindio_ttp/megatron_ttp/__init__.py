@@ -21,6 +21,8 @@ __all__ = [
     "load_checkpoint",
     "ttp_save_checkpoint",
     "rename_save_result",
+    "in_memory_recovery",
+    "reuse_on_recovery",
 ]
 
 
@@ -46,6 +48,10 @@ def __getattr__(name: str) -> Any:
         from mindio_ttp.megatron_ttp.save import rename_save_result
 
         return rename_save_result
+    if name in ("in_memory_recovery", "reuse_on_recovery"):
+        from mindio_ttp.megatron_ttp import rejoin
+
+        return getattr(rejoin, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -164,11 +164,30 @@ def stock_gbuf_range(model, dtype, position: int, dp: int) -> dict:
 
 
 class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
-    """Drop-in for `DistributedOptimizer` (same constructor) that keeps each stripe twice."""
+    """Drop-in for `DistributedOptimizer` (same constructor) that keeps each stripe twice.
+
+    During a survivor's in-memory recovery (rejoin.py) Megatron's start-up builds the optimizer
+    again: the constructor then gives back the survivor's own optimizer, whose state is the
+    recovery's, with only its pair groups made anew on the new world."""
+
+    _reused = False  # set on an instance __new__ hands back during a recovery
+
+    def __new__(cls, *args, **kwargs):
+        from mindio_ttp.megatron_ttp.rejoin import kept_optimizer
+
+        kept = kept_optimizer()
+        if kept is not None:
+            kept._reused = True
+            return kept
+        return super().__new__(cls)
 
     def __init__(self, optimizer, clip_grad, log_num_zeros_in_grad, params_have_main_grad,
                  use_contiguous_buffers_in_local_ddp, fp16, bf16, params_dtype, grad_scaler,
                  models, replica_count: Optional[int] = None):
+        if self._reused:  # the survivor's own optimizer: only the groups are new
+            self._reused = False
+            self.pair_group = self._build_pair_groups()
+            return
         dp = mpu.get_data_parallel_world_size()
         replica_count = REPLICAS if replica_count is None else replica_count
         if replica_count != REPLICAS or dp % REPLICAS:

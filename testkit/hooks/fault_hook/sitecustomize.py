@@ -16,7 +16,10 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
   in a collective, the update window, the logging, or already in iteration k+1.
 
 ``TTP_FAULT_RECORD_DIR`` (optional) is where the plan records the fault time and coordinates
-ranks killed together.
+ranks killed together. With it, a planned fault fires once per job: after an in-memory
+recovery, the replacement of a killed rank (same plan, same rank) redoes the step the fault
+hit without firing it again, and later faults of the plan still fire (``1:5:sigkill:before,
+2:6:sigkill:before`` kills rank 1 at step 5, then, right after the recovery, rank 2 at step 6).
 
 ``TTP_STEP_RECORD_DIR`` (optional, also without a plan): every rank appends one JSON line per
 completed iteration to ``steps-<rank>.jsonl`` there (step, wall-clock start and end, pid,
@@ -34,6 +37,33 @@ import os
 TARGET = "megatron.training"
 
 
+def _fired(record_dir, rank, step, phase) -> bool:
+    """This planned fault already fired in this job (the record FaultPlan.check writes)."""
+    import json
+
+    if record_dir is None:
+        return False
+    try:
+        record = json.loads((record_dir / f"fault-{rank}.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return record.get("step") == step and record.get("phase") == phase.value
+
+
+class _Once:
+    """The plan, each fault firing at most once per job (see the module doc)."""
+
+    def __init__(self, plan) -> None:
+        self._plan = plan
+
+    def has(self, rank, step, phase, record_dir=None) -> bool:
+        return self._plan.has(rank, step, phase) and not _fired(record_dir, rank, step, phase)
+
+    def check(self, rank, step, phase, record_dir) -> None:
+        if not _fired(record_dir, rank, step, phase):
+            self._plan.check(rank, step, phase, record_dir)
+
+
 def _wrap_train_step(train_step, get_args, plan, record_dir, steps_dir=None):
     import json
     import random
@@ -44,6 +74,8 @@ def _wrap_train_step(train_step, get_args, plan, record_dir, steps_dir=None):
 
     from mindio_ttp.demo.faults import Phase
 
+    plan = _Once(plan)
+
     started = []  # monotonic start of every iteration this process ran
 
     def fault_injecting_train_step(forward_step_func, data_iterator, model, optimizer,
@@ -53,7 +85,7 @@ def _wrap_train_step(train_step, get_args, plan, record_dir, steps_dir=None):
         fired = []
         started.append(time.monotonic())
         started_at = time.time()
-        if plan.has(rank, step, Phase.ANYTIME) and len(started) >= 2:
+        if plan.has(rank, step, Phase.ANYTIME, record_dir) and len(started) >= 2:
             rng = random.Random(f"{os.environ.get('TTP_FAULT_SEED', '0')}:{rank}:{step}")
             delay = rng.uniform(0.0, started[-1] - started[-2])
             print(f"rank {rank} | fault timer: {delay:.3f} s into iteration {step}", flush=True)
