@@ -314,7 +314,8 @@ class Flow:
             capable = (False, "the launcher does not start replacements (ttprun does)")
         plan, why = plan_recovery(mode=self.cfg.recovery, capable=capable,
                                   preempted=self._preempted, world_size=self.world_size,
-                                  layout=layout, states=states, lost=lost, hosts=hosts)
+                                  layout=layout, states=states, lost=lost, hosts=hosts,
+                                  node_takeover="node" in self.cfg.replacements.split(","))
         if plan is None:
             log.info("%s: no in-memory recovery (%s): the dying checkpoint", self.name, why)
             return False, set()

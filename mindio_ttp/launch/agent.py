@@ -145,8 +145,6 @@ class TTPElasticAgent(LocalElasticAgent):
         self._store_lost = False
         spec = self._worker_group.spec
         self._spares = pool_from_spec(warm_spares(), spec.entrypoint, spec.args)
-        # in-memory recovery (replace.py): a warm spare when one is left, else a cold start
-        self._replacements = ReplacementDesk(self._run_dir, (self._spares.start, cold_start))
         self._takeover: Optional[takeover.NodeTakeover] = None
         if takeover.wanted(spec.rdzv_handler, os.environ):
             self._takeover = takeover.NodeTakeover(
@@ -154,7 +152,13 @@ class TTPElasticAgent(LocalElasticAgent):
                     self._worker_group, spec.max_restarts - self._remaining_restarts,
                     requests),
                 auth_key_from_env(os.environ))
+            os.environ[ENV_REPLACEMENTS] = "cold,node"  # the recovery may ask for a lost node
         self._spare_waiting_said = False
+        # in-memory recovery (replace.py): a warm spare when one is left, else a cold start;
+        # a lost node's ranks go to the takeover
+        self._replacements = ReplacementDesk(
+            self._run_dir, (self._spares.start, cold_start),
+            foreign=self._takeover.hold if self._takeover else None)
         self._guard_rendezvous()
 
     # -- the rendezvous ---------------------------------------------------------------------
@@ -271,7 +275,8 @@ class TTPElasticAgent(LocalElasticAgent):
                          type(exc).__name__, exc)
             return None
         self._store = worker_group.store = info.store  # the round this node now belongs to
-        self._takeover.report_handed_over(self._run_dir)
+        for request, detail in self._takeover.handed_over_requests():
+            self._replacements.answer(request, "started", detail)
         self._spare_waiting_said = False
         return None
 
@@ -292,13 +297,10 @@ class TTPElasticAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._spares.replenish()
-        if self._takeover is not None and worker_group.state == WorkerState.HEALTHY:
-            own = [w.global_rank for w in worker_group.workers]
-            self._takeover.want(self._store, takeover.foreign_requests(self._run_dir, own))
         pcontext = self._pcontext
         if not isinstance(pcontext, SubprocessContext):
             return super()._monitor_workers(worker_group)  # function entry points: stock policy
-        self._replacements.serve(pcontext, worker_group.workers)
+        self._serve_replacements(pcontext, worker_group)
         with _close_deferred(pcontext):
             result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.FAILED:
@@ -345,6 +347,15 @@ class TTPElasticAgent(LocalElasticAgent):
         for failure in failures:
             if failure.exitcode == consequence:
                 failure.timestamp = after
+
+    def _serve_replacements(self, pcontext: SubprocessContext, worker_group: WorkerGroup) -> None:
+        """The recovery's requests: this node's ranks started here; a lost node's held for a
+        spare node (failed at once when none waits)."""
+        self._replacements.serve(pcontext, worker_group.workers)
+        if self._takeover is not None:
+            for request in self._takeover.announce(self._store):
+                self._replacements.answer(request, "failed", "no spare node waits in the "
+                                          "rendezvous to take over the lost node")
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         self._spares.close()
@@ -395,7 +406,7 @@ class TTPElasticAgent(LocalElasticAgent):
                         _read_marker(marker),
                     )
                 if worker_group is not None and flow_done_at is None:
-                    self._replacements.serve(pcontext, worker_group.workers)
+                    self._serve_replacements(pcontext, worker_group)
                     if all(h.proc.poll() is None for h in pcontext.subprocess_handlers.values()):
                         logger.warning("ttprun: in-memory recovery: every failed worker "
                                        "replaced after %.2f s", time.monotonic() - start)

@@ -28,7 +28,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence
 
 logger = logging.getLogger("ttprun")
 
@@ -125,8 +125,9 @@ def cold_start(local_rank: int, env: Mapping[str, str], args: Sequence[str],
     return proc
 
 
-class _Handler:
-    """What torch's SubprocessContext needs of a worker's handler: `proc`, `close()`."""
+class AdoptedHandler:
+    """torch's SubprocessHandler for a worker torch did not spawn (a replacement, cold or a
+    warm spare): what its SubprocessContext needs of a handler, `proc` and `close()`."""
 
     def __init__(self, proc: subprocess.Popen, local_rank: int) -> None:
         self.proc = proc
@@ -147,11 +148,17 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 class ReplacementDesk:
-    """Serves this launcher's replacement requests (call `serve` from its monitor loop)."""
+    """Serves this launcher's replacement requests (call `serve` from its monitor loop).
 
-    def __init__(self, run_dir: Path, starters: Sequence[ReplacementStarter] = (cold_start,)):
+    `foreign` takes a request for a rank this launcher does not run (a lost node's, for a
+    spare node to take over: launch/takeover.py) and says whether it will see to it; without
+    it, or when it will not, such a request fails at once."""
+
+    def __init__(self, run_dir: Path, starters: Sequence[ReplacementStarter] = (cold_start,),
+                 foreign: Optional[Callable[[ReplacementRequest], bool]] = None):
         self.dir = Path(run_dir) / REPLACE_DIR
         self.starters = list(starters)
+        self.foreign = foreign
         self._done: Dict[str, Optional[subprocess.Popen]] = {}  # request name -> its process
         self._exit_reported: set = set()
 
@@ -191,11 +198,17 @@ class ReplacementDesk:
     def _status(self, request_name: str, status: ReplacementStatus) -> None:
         _write_json(self.dir / f"{request_name}.status.json", asdict(status))
 
+    def answer(self, request: ReplacementRequest, state: str, detail: str) -> None:
+        """The answer to a request handed to `foreign` (its replacement runs elsewhere)."""
+        self._status(request.name, ReplacementStatus(state, 0, detail, time.time()))
+
     def _start(self, request: ReplacementRequest, pcontext: Any,
                workers: Sequence[Any]) -> Optional[int]:
         name = request.name
         self._done[name] = None
         local = next((i for i, w in enumerate(workers) if w.global_rank == request.rank), None)
+        if local is None and self.foreign is not None and self.foreign(request):
+            return None
         if local is None:
             self._status(name, ReplacementStatus(FAILED, 0, f"rank {request.rank} is not a "
                                                  "worker of this launcher", time.time()))
@@ -220,7 +233,7 @@ class ReplacementDesk:
                          request.rank, why)
             self._status(name, ReplacementStatus(FAILED, 0, why, time.time()))
             return None
-        pcontext.subprocess_handlers[local] = _Handler(proc, local)
+        pcontext.subprocess_handlers[local] = AdoptedHandler(proc, local)
         failures = getattr(pcontext, "_failures", None)
         if failures is not None:
             failures.pop(local, None)

@@ -449,20 +449,6 @@ class SparePool:
             self._discard(spare)
 
 
-class AdoptedHandler:
-    """torch's SubprocessHandler, for a worker torch did not spawn (a warm spare given a rank):
-    what torch's SubprocessContext uses of a handler, ``proc`` and ``close``."""
-
-    def __init__(self, proc: subprocess.Popen, local_rank: int) -> None:
-        self.proc = proc
-        self.local_rank_id = local_rank
-        self._stdout = self._stderr = None
-
-    def close(self, death_sig: Optional[signal.Signals] = None) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
-
-
 def pool_from_spec(size: int, entrypoint: object, args: Sequence[str]) -> SparePool:
     """The pool for a worker spec: empty when the workers are not Python entries."""
     entry = None

@@ -52,15 +52,12 @@ import hmac
 import json
 import logging
 import os
-import re
 import secrets
-import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from mindio_ttp.launch.spares import AdoptedHandler
+from mindio_ttp.launch.replace import AdoptedHandler, ReplacementRequest
 
 logger = logging.getLogger("ttprun")
 
@@ -254,6 +251,16 @@ def is_spare(handler) -> bool:
     return state.complete and (node in state.redundancy_list or node in state.wait_list)
 
 
+def spares_known(handler) -> Optional[bool]:
+    """Whether any node waits beside the complete round (as of the handler's last sync);
+    None when the handler does not say (torch internals)."""
+    try:
+        state = handler._state_holder.state
+        return bool(state.redundancy_list or state.wait_list)
+    except AttributeError:
+        return None
+
+
 def wanted(handler, env: Mapping[str, str]) -> bool:
     """Take over lost nodes (instead of restarting every node) when the rendezvous can admit a
     spare node (c10d and the other dynamic backends; not static) and the job recovers in
@@ -277,24 +284,39 @@ class NodeTakeover:
         self._key = key
         self.assignment: Optional[Assignment] = None
         self.survived = False  # the last round kept this node's workers
-        # requests this agent holds for ranks it does not run: {rank: (request name, env)}
-        self.pending: Dict[int, Tuple[str, Mapping[str, str]]] = {}
-        self.handed_over: Dict[int, Tuple[str, int]] = {}  # rank -> (request, group rank)
+        # requests this agent holds for ranks it does not run (a lost node's), by rank
+        self.pending: Dict[int, ReplacementRequest] = {}
+        self._fresh: List[ReplacementRequest] = []  # held, not yet announced on the store
+        self.handed_over: Dict[int, Tuple[ReplacementRequest, int]] = {}  # -> group rank
         self._next = handler.next_rendezvous
         handler.next_rendezvous = self._next_rendezvous
 
     # -- the survivor's side ------------------------------------------------------------------
-    def want(self, store, requests: Mapping[int, Tuple[str, Mapping[str, str]]]) -> None:
-        """Hold replacement requests for ranks of another node, and say on the round's store
-        (signed) that a takeover is wanted, so every survivor joins the next round."""
-        new = {rank: req for rank, req in requests.items() if rank not in self.pending}
-        if not new:
-            return
-        self.pending.update(new)
+    def hold(self, request: ReplacementRequest) -> bool:
+        """The replacement desk's ``foreign``: keep a request for a rank of another node."""
+        self.pending[request.rank] = request
+        self._fresh.append(request)
+        return True
+
+    def announce(self, store) -> List[ReplacementRequest]:
+        """Say on the round's store (signed) that a takeover is wanted, so every survivor
+        joins the next round, once per batch of new requests. Returns the new requests that no
+        spare node can take (none waits beside the round): the recovery should not wait."""
+        fresh, self._fresh = self._fresh, []
+        if not fresh:
+            return []
+        if spares_known(self.handler) is False:
+            for request in fresh:
+                self.pending.pop(request.rank, None)
+            logger.error("ttprun: the recovery asks for rank(s) %s of a lost node, and no spare "
+                         "node waits in the rendezvous", sorted(r.rank for r in fresh))
+            return fresh
         payload = json.dumps(sorted(self.pending), separators=(",", ":"))
         store.set(WANTED_KEY, f"{payload}\n{_wanted_mac(self._key, self._run_id, payload)}")
-        logger.warning("ttprun: the recovery asks for rank(s) %s of a lost node: waiting for a "
-                       "spare node to take them over", sorted(new))
+        logger.warning("ttprun: the recovery asks for rank(s) %s of a lost node: a spare node "
+                       "takes them over once the rendezvous has dropped the lost one",
+                       sorted(r.rank for r in fresh))
+        return []
 
     def should_join(self, store) -> bool:
         """A node waits and a takeover is wanted (by this agent, or signed on the store)."""
@@ -317,17 +339,17 @@ class NodeTakeover:
         """The survivor's side: a new round with this node's workers left running."""
         return self.handler.next_rendezvous()
 
-    def report_handed_over(self, run_dir: Path) -> None:
-        """Answer the requests a newcomer took: started (by that node)."""
-        for name, group_rank in self.handed_over.values():
-            report_started(run_dir, name,
-                           f"started by the node that took over group rank {group_rank}")
+    def handed_over_requests(self) -> List[Tuple[ReplacementRequest, str]]:
+        """The requests a newcomer took since the last call, with the answer for the relay."""
+        done = [(request, f"started by the node that took over group rank {group_rank}")
+                for request, group_rank in self.handed_over.values()]
         self.handed_over.clear()
+        return done
 
     # -- every round ----------------------------------------------------------------------------
     def _next_rendezvous(self):
         info = self._next()
-        me = self._me({rank: env for rank, (_, env) in self.pending.items()})
+        me = self._me({rank: request.env for rank, request in self.pending.items()})
         self.assignment, self.survived = None, me.running
         if me.running and info.rank == 0:
             _publish_bootstrap(info)
@@ -350,7 +372,7 @@ class NodeTakeover:
             for plan_ in plans.values():
                 for rank in plan_.ranks:
                     if rank in self.pending:
-                        self.handed_over[rank] = (self.pending.pop(rank)[0], plan_.group_rank)
+                        self.handed_over[rank] = (self.pending.pop(rank), plan_.group_rank)
             logger.warning("ttprun: node(s) joined for lost group rank(s) %s; this node keeps "
                            "its workers (group rank %d)",
                            sorted(p.group_rank for p in plans.values()), me.group_rank)
@@ -368,44 +390,6 @@ def _publish_bootstrap(info) -> None:
 
     info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, bootstrap.master_addr.encode())
     info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(bootstrap.master_port).encode())
-
-
-# -- the replacement requests (the files of launch/replace.py) ----------------------------------
-REPLACE_DIR = "replace"
-_REQUEST_NAME = re.compile(r"^r(\d+)-rank(\d+)$")
-
-
-def foreign_requests(run_dir: Path, own: Sequence[int]) -> Dict[int, Tuple[str, Dict[str, str]]]:
-    """The replacement requests in this launcher's run directory that name ranks it does not
-    run: ``{rank: (request name, env)}``. A request that cannot be read is left to the
-    launcher's own replacement desk, which reports it."""
-    found: Dict[int, Tuple[str, Dict[str, str]]] = {}
-    folder = Path(run_dir) / REPLACE_DIR
-    if not folder.is_dir():
-        return found
-    for path in folder.glob("r*-rank*.json"):
-        m = _REQUEST_NAME.match(path.stem)
-        if m is None or int(m.group(2)) in own:
-            continue
-        try:
-            raw = json.loads(path.read_bytes()[:MAX_RECORD])
-            env = {str(k): str(v) for k, v in dict(raw["env"]).items()}
-            if int(raw["rank"]) != int(m.group(2)):
-                continue
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        found[int(m.group(2))] = (path.stem, env)
-    return found
-
-
-def report_started(run_dir: Path, name: str, detail: str) -> None:
-    """Tell the relay (through the status file launch/replace.py's relay reads) that a
-    takeover started the replacement it asked for."""
-    path = Path(run_dir) / REPLACE_DIR / f"{name}.status.json"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"state": "started", "pid": 0, "detail": detail,
-                               "time": time.time()}), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager

@@ -27,8 +27,12 @@ class RecoveryPlan:
 
 def plan_recovery(*, mode: str, capable: Tuple[bool, str], preempted: bool, world_size: int,
                   layout: Layout, states: Mapping[int, RankState], lost: Set[int],
-                  hosts: Mapping[int, str]) -> Tuple[Optional[RecoveryPlan], str]:
-    """The recovery to run, or None and why not (see docs/recovery.md, "Who decides")."""
+                  hosts: Mapping[int, str],
+                  node_takeover: bool = False) -> Tuple[Optional[RecoveryPlan], str]:
+    """The recovery to run, or None and why not (see docs/recovery.md, "Who decides").
+    `node_takeover`: the launchers can hand a lost node's ranks to a spare node
+    (launch/takeover.py), so a lost rank with no survivor on its host is relayed by a survivor
+    elsewhere."""
     if mode != IN_MEMORY:
         return None, f"TTP_RECOVERY={mode}"
     ok, why = capable
@@ -69,10 +73,11 @@ def plan_recovery(*, mode: str, capable: Tuple[bool, str], preempted: bool, worl
         if host is None:
             return None, f"the host of lost rank {r} is unknown: no launcher to ask"
         on_host = [s for s in survivors if hosts.get(s) == host]
-        if not on_host:
+        if not on_host and not node_takeover:
             return None, (f"no rank survives on lost rank {r}'s host {host} (a lost node): no "
-                          "launcher there to start its replacement")
-        relays[r] = min(on_host)
+                          "launcher there to start its replacement, and no spare node can "
+                          "take it over (ttprun with c10d rendezvous can)")
+        relays[r] = min(on_host or survivors)
     return (RecoveryPlan(step, tuple(sorted(lost)), partners, relays, survivors),
             f"every survivor is clean at step {step}; lost {sorted(lost)} refilled from "
             f"{[partners[r] for r in sorted(lost)]}")

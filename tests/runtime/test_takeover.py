@@ -315,3 +315,36 @@ def _imported_ahead(nodes: SpareNodes) -> int:
         except psutil.NoSuchProcess:
             continue
     return count
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_without_a_spare_node_the_recovery_hears_at_once_that_nothing_can_take_over(
+        spare_nodes: SpareNodes) -> None:
+    """No node waits beside the round: the relay's launcher fails the requests at once, so the
+    recovery falls back to the dying checkpoint instead of waiting out its timeout."""
+    nodes = spare_nodes
+    port, key = 40000 + secrets.randbelow(20000), secrets.token_hex(32)
+    nodes.start_node(0, port, key)
+    nodes.start_node(1, port, key)
+    nodes.wait_until(lambda: len(nodes.reports()) == 4, "4 workers up", TIMEOUT)
+    before = {r["RANK"]: r for r in nodes.reports()}
+    lost_node = _node_of(nodes, before["2"]["pid"])
+    survivor_node = nodes.nodes[0] if lost_node is nodes.nodes[1] else nodes.nodes[1]
+    nodes.kill(lost_node)
+    run_dir = next(nodes.run_dir(survivor_node).glob("ttprun-*"))
+    (run_dir / "replace").mkdir(mode=0o700, exist_ok=True)
+    asked = time.monotonic()
+    for rank in (2, 3):
+        request = {"recovery_id": 1, "rank": rank, "env": {"TTP_RECOVERY_JOIN": "1"}}
+        (run_dir / "replace" / f"r1-rank{rank}.json").write_text(json.dumps(request))
+    statuses = [run_dir / "replace" / f"r1-rank{rank}.status.json" for rank in (2, 3)]
+    nodes.wait_until(lambda: all(p.is_file() for p in statuses), "both requests answered", 30)
+    took = time.monotonic() - asked
+    for path in statuses:
+        status = json.loads(path.read_text())
+        assert status["state"] == "failed", status
+        assert "no spare node waits" in status["detail"], status
+    assert took < 10, took  # a monitor tick, not the recovery's timeout
+    assert [r["pid"] for r in nodes.reports() if r["RANK"] in ("0", "1")] == [
+        before["0"]["pid"], before["1"]["pid"]]  # nothing restarted
