@@ -19,12 +19,14 @@ fault hook, testkit/hooks/fault_hook). Measured, all wall-clock on this one mach
   TTP_STEP_RECORD_DIR); a cold start: the launch to the end of its first iteration;
 * iterations lost: the newest iteration every rank had completed before the fault minus the
   one training went on from (0 when nothing done is thrown away);
-* the split, from the lines the runtime logs anyway (TTP_LOG_PATH, one file per rank):
-  detect (fault -> the controller's FAULT line), stop (-> the survivors stopped: the recovery's
-  stop line, or the dying checkpoint's flow finished), regroup (-> every rank in the new
-  groups: the recovery's regroup line, or every rank of the restart registered with the
-  controller), refill (-> the replacement refilled from its holders), first step (-> that
-  iteration ended on every rank). A phase with no mark of its own is counted in the next one:
+* the split, from the lines the runtime logs anyway (TTP_LOG_PATH, one file per rank; each
+  boundary is when the last rank concerned logged it): detect (fault -> the controller's FAULT
+  line), stop (-> every survivor out of the step, groups destroyed: the recovery's "stopping
+  -> regrouping"; a restart: the dying checkpoint's flow finished), regroup (-> every rank,
+  the replacement included, through Megatron's start-up on the new store: "regrouping ->
+  refilling"; a restart: every rank of the new attempt registered), refill (-> every rank
+  refilled and verified: "verifying -> ready"), first step (-> the first iteration after the
+  fault ended on every rank). A phase with no mark of its own is counted in the next one:
   a restart's runtime starts after Megatron has built the model and loaded the checkpoint, so
   its regroup holds the refill, and its refill shows "—"; a cold start has only regroup
   (launch -> every rank registered, after the model build), refill "—" and first step.
@@ -80,14 +82,16 @@ PATH_KEYS = {"warm": WARM, "cold": COLD, "restart": RESTART, "fresh": FRESH}
 _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[ttp rank (\d+)\] \w+ (.*)$")
 _PARAMS = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank "
                      r"\(0, 0\): (\d+)")
-# The runtime's own log lines that mark the phases (the recovery logs them anyway).
+# The runtime's own log lines that mark the phases: the controller's FAULT line, each rank's
+# registration, and the recovery state machine's transitions (recovery/machine.py).
 MARKS = {
     "detect": re.compile(r"mindio_ttp\.controller: .*FAULT"),
-    "stop": re.compile(r"recovery: .*survivors stopped"),
-    "regroup": re.compile(r"recovery: .*groups re-created"),
-    "refill": re.compile(r"recovery: .*refilled"),
     "registered": re.compile(r"mindio_ttp\.processor: rank \d+: processor registered"),
+    "stopped": re.compile(r"mindio_ttp\.recovery: recovery: stopping -> regrouping"),
+    "regrouped": re.compile(r"mindio_ttp\.recovery: recovery: regrouping -> refilling"),
+    "refilled": re.compile(r"mindio_ttp\.recovery: recovery: verifying -> ready"),
 }
+Marks = Dict[str, List[Tuple[float, int]]]  # mark -> [(time, rank)], in time order
 
 
 @dataclass
@@ -107,9 +111,9 @@ def _stamp(text: str) -> float:
     return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def _log_marks(log_dir: Path) -> Dict[str, List[float]]:
-    """Times of every marked runtime log line, all ranks together."""
-    found: Dict[str, List[float]] = {name: [] for name in MARKS}
+def _log_marks(log_dir: Path) -> Marks:
+    """Time and rank of every marked runtime log line."""
+    found: Marks = {name: [] for name in MARKS}
     for path in log_dir.glob("ttp-rank*.log"):
         for line in path.read_text(errors="replace").splitlines():
             m = _LOG_LINE.match(line)
@@ -117,8 +121,17 @@ def _log_marks(log_dir: Path) -> Dict[str, List[float]]:
                 continue
             for name, pattern in MARKS.items():
                 if pattern.search(m.group(3)):
-                    found[name].append(_stamp(m.group(1)))
+                    found[name].append((_stamp(m.group(1)), int(m.group(2))))
     return {name: sorted(times) for name, times in found.items()}
+
+
+def _last_of_each(marks: Marks, name: str, after: float, ranks: Sequence[int]) -> Optional[float]:
+    """When the last of ``ranks`` logged ``name`` (its first time after ``after``)."""
+    first: Dict[int, float] = {}
+    for t, rank in marks.get(name, []):
+        if t >= after and rank in ranks:
+            first.setdefault(rank, t)
+    return max(first.values()) if len(first) == len(ranks) else None
 
 
 def _steps(record_dir: Path) -> List[dict]:
@@ -138,7 +151,7 @@ def _complete(steps: List[dict], world: int) -> Dict[int, Tuple[float, float]]:
             for step, ranks in by_step.items() if len(ranks) == world}
 
 
-def measure_fault(run: Run, fault_at: float, steps: List[dict], marks: Dict[str, List[float]],
+def measure_fault(run: Run, fault_at: float, steps: List[dict], marks: Marks,
                   world: int) -> Run:
     """Fill ``run`` from the records of a faulted launch (see the module doc)."""
     before = [s for s in steps if s["end"] < fault_at]
@@ -155,18 +168,16 @@ def measure_fault(run: Run, fault_at: float, steps: List[dict], marks: Dict[str,
     durations = sorted(end - start for start, end in done_before.values())
     run.step_s = statistics.median(durations) if durations else float("nan")
 
-    def next_mark(name: str, after_t: float) -> Optional[float]:
-        return next((t for t in marks.get(name, []) if t >= after_t), None)
-
-    detected = next_mark("detect", fault_at)
-    if run.path in (WARM, COLD):
-        stopped = next_mark("stop", detected or fault_at)
-        regrouped = next_mark("regroup", stopped or fault_at)
-        refilled = next_mark("refill", regrouped or fault_at)
+    everyone = list(range(world))
+    detected = next((t for t, _ in marks.get("detect", []) if t >= fault_at), None)
+    if run.path in (WARM, COLD):  # the state machine's transitions, the last rank's
+        survivors = [r for r in everyone if r != FAULT_RANK]
+        stopped = _last_of_each(marks, "stopped", fault_at, survivors)
+        regrouped = _last_of_each(marks, "regrouped", fault_at, everyone)
+        refilled = _last_of_each(marks, "refilled", fault_at, everyone)
     else:  # the runtime starts after Megatron's build and load: regroup holds the refill too
         stopped = run.flow_at
-        registered = [t for t in marks.get("registered", []) if t >= (stopped or fault_at)]
-        regrouped = registered[world - 1] if len(registered) >= world else None
+        regrouped = _last_of_each(marks, "registered", stopped or fault_at, everyone)
         refilled = None
     points = [("detect", detected), ("stop", stopped), ("regroup", regrouped),
               ("refill", refilled), ("first step", first_end)]
@@ -178,17 +189,17 @@ def measure_fault(run: Run, fault_at: float, steps: List[dict], marks: Dict[str,
     return run
 
 
-def measure_cold(run: Run, launched_at: float, steps: List[dict],
-                 marks: Dict[str, List[float]], world: int) -> Run:
+def measure_cold(run: Run, launched_at: float, steps: List[dict], marks: Marks,
+                 world: int) -> Run:
     done = _complete(steps, world)
     if not done:
         raise RuntimeError("cold start: no iteration completed on every rank")
     first_end = done[min(done)][1]
     run.lost_s = first_end - launched_at
-    registered = marks.get("registered", [])
-    if len(registered) >= world:
-        run.split["regroup"] = registered[world - 1] - launched_at
-        run.split["first step"] = first_end - registered[world - 1]
+    registered = _last_of_each(marks, "registered", launched_at, list(range(world)))
+    if registered is not None:
+        run.split["regroup"] = registered - launched_at
+        run.split["first step"] = first_end - registered
     return run
 
 
