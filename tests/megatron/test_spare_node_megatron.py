@@ -1,0 +1,179 @@
+"""A whole node lost from a real Megatron-LM 285068c job (patched `--device cpu`, gloo), with
+three `ttprun` nodes in network namespaces (testkit.netns): with a spare node, the spare takes
+over the lost node's ranks and the job goes on in memory; without one, the job falls back to
+the dying checkpoint and a restart. Either way the final state is bit-identical to an
+uninterrupted run. Needs TTP_MEGATRON_DIR and root.
+
+The tiny GPT runs DP4 with --use-distributed-optimizer, 2 ranks per node, c10d rendezvous on
+node 0 (`--nnodes=2`): nodes 0 and 1 form the round, node 2 is the spare (torch keeps it on its
+redundancy list). ReplicatedOptimizer's replicas are positions i and i + 2, so node 0 holds a
+replica of every shard that node 1 held.
+
+The moment of the loss is pinned with the fault hook: rank 3 (node 1) stops itself in the
+forward step of iteration 5; the test then kills every process of node 1. Survivors have
+finished iteration 4.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from megatron_e2e import FAULT_HOOK_DIR, N_ITERS, loss_table, run_job
+
+from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
+from mindio_ttp.demo.rehearsal.data import TinyDataset
+from mindio_ttp.demo.rehearsal.launch import parse_losses, tiny_gpt_args, worker_env
+from testkit.hooks import pythonpath
+from testkit.netns import Node, Nodes, made_nodes, namespaces_unavailable
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+LAST_DONE = 4  # rank 3 stops in iteration 5's forward step
+STOPPER = 3
+ENV = {
+    "TTP_OT": "90",
+    "TTP_HEARTBEAT_INTERVAL": "0.5",
+    "TTP_HEARTBEAT_TIMEOUT": "6",
+    "TTP_SAVE_TIME_LIMIT": "60",
+    "TTP_RENAME_TIME_LIMIT": "20",
+    "TTP_RECOVER_TIMEOUT": "180",  # the spare's replacements build Megatron on 2 loaded cores
+    "TTPRUN_RDZV_NOTICE_S": "2",
+}
+# torch drops a node whose keep-alive is 1 s x 5 old: the takeover starts a few seconds after
+# the loss (a shorter one drops live nodes of a loaded 2-core machine too)
+RDZV_CONF = ("keep_alive_interval=1", "keep_alive_max_attempt=5")
+START_TIMEOUT = 300.0
+END_TIMEOUT = 400.0
+TEST_TIMEOUT = 1200
+
+
+class MegatronSpareNodes(Nodes):
+    """Three namespaced nodes for the tiny GPT: 2 ranks per node, a shared checkpoint dir."""
+
+    def setup(self, tree: Path, data: TinyDataset) -> None:
+        self.tree, self.data = tree, data
+        self.faults = self.work / "faults"
+        self.faults.mkdir(parents=True, exist_ok=True)
+        self.ckpt.mkdir(parents=True, exist_ok=True)
+        self.key = secrets.token_hex(32)
+        self.port = 40000 + secrets.randbelow(20000)
+        self.controller_port = 20000 + secrets.randbelow(20000)
+
+    def start(self, index: int, *, plan: str = "", spares: int = 0,
+              launcher: tuple = ()) -> Node:
+        n = self.nodes[index]
+        env = worker_env({
+            **ENV,
+            "PYTHONPATH": pythonpath(FAULT_HOOK_DIR),
+            "TTP_AUTH_KEY": self.key,  # multi-node: the user's key, on every node
+            "TTP_CONTROLLER_PORT": str(self.controller_port),
+            "TTP_FAULT_PLAN": plan,
+            "TTP_FAULT_RECORD_DIR": str(self.faults),
+        })
+        args = tiny_gpt_args(self.data, train_iters=N_ITERS, save=self.ckpt, load=self.ckpt,
+                             save_interval=N_ITERS)
+        cmd = [sys.executable, "-m", "mindio_ttp.launch.agent",
+               *self.ttprun_args(n, nproc=2, port=self.port, rdzv="c10d", nnodes=2,
+                                 rdzv_conf=RDZV_CONF),
+               f"--warm-spares={spares}", *launcher, str(self.tree / "pretrain_gpt.py"), *args]
+        self.launch(n, cmd, env, cwd=self.tree)
+        return n
+
+    def lose_node_1(self) -> None:
+        """Wait for rank 3's stop in iteration 5, then kill node 1 whole."""
+        self.wait_until((self.faults / f"fault-{STOPPER}.json").is_file,
+                        f"rank {STOPPER}'s stop at iteration {LAST_DONE + 1}", START_TIMEOUT)
+        self.kill(self.nodes[1])
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("spare_node_megatron")
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, patched_megatron_tree: Path,
+          tiny_dataset: TinyDataset) -> Iterator[MegatronSpareNodes]:
+    why = namespaces_unavailable()
+    if why:
+        pytest.skip(why)
+    with made_nodes(tmp_path, 3, MegatronSpareNodes) as made:
+        made.setup(patched_megatron_tree, tiny_dataset)
+        yield made
+
+
+@pytest.fixture(scope="module")
+def reference(patched_megatron_tree: Path, tiny_dataset: TinyDataset, work: Path):
+    """N uninterrupted iterations, one node, the same DP4 layout, saved at the end."""
+    ckpt = work / "ref_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "ref.log", ckpt, load=False,
+                     save_interval=N_ITERS)
+    assert result.returncode == 0, result.tail()
+    assert sorted(result.losses) == list(range(1, N_ITERS + 1)), result.tail()
+    return result.losses, ckpt
+
+
+def _losses(nodes: MegatronSpareNodes, after: int) -> dict:
+    """Megatron's printed losses (the last rank prints them: rank 3, wherever it runs)."""
+    found = {}
+    for n in nodes.nodes:
+        found.update({i: v for i, v in parse_losses(n.output()).items() if i > after})
+    return found
+
+
+def _check_final_state(nodes: MegatronSpareNodes, reference, label: str) -> None:
+    ref_losses, ref_ckpt = reference
+    losses = _losses(nodes, LAST_DONE)
+    print(loss_table({"uninterrupted": ref_losses, label: losses}))
+    assert losses == {i: v for i, v in ref_losses.items() if i > LAST_DONE}, nodes.outputs()
+    comparison = compare_checkpoints(nodes.ckpt, ref_ckpt, N_ITERS)
+    assert comparison.bit_exact, comparison.summary()
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_a_spare_node_takes_over_a_lost_node_and_training_goes_on_bit_exact(
+        nodes: MegatronSpareNodes, reference) -> None:
+    node0 = nodes.start(0, plan=f"{STOPPER}:{LAST_DONE + 1}:sigstop:before")
+    nodes.start(1, plan=f"{STOPPER}:{LAST_DONE + 1}:sigstop:before")
+    node2 = nodes.start(2, plan=f"{STOPPER}:{LAST_DONE + 1}:sigstop:before", spares=2)
+    nodes.wait_for_line(node2, "this node is a spare", START_TIMEOUT)
+    nodes.lose_node_1()
+    assert nodes.wait(node0, END_TIMEOUT) == 0, nodes.outputs()
+    assert nodes.wait(node2, END_TIMEOUT) == 0, nodes.outputs()
+    out0, out2 = node0.output(), node2.output()
+    assert "this node takes over group rank 1 of a lost node: ranks [2, 3]" in out2, out2
+    assert re.search(r"local rank [01] replaced by warm spare pid \d+", out2), out2
+    assert "keeps its workers (group rank 0)" in out0, out0
+    assert "closing signal" not in out0, out0  # node 0's workers were never restarted
+    assert not nodes.flows()[0], nodes.flows()  # no dying-checkpoint flow ran
+    assert re.search(r"recovery \d+ committed", out0), out0
+    assert [p.name for p in sorted(nodes.ckpt.glob("iter_*"))] == [f"iter_{N_ITERS:07d}"]
+    _check_final_state(nodes, reference, "node 1 lost, spare took over")
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_without_a_spare_node_a_lost_node_ends_in_the_dying_checkpoint_and_a_restart(
+        nodes: MegatronSpareNodes, reference) -> None:
+    """No spare waits: the recovery hears it at once (the relay's launcher fails the request),
+    the survivors save iteration 4, and `--max-restarts 1` restarts the job from it once a
+    second node joins the rendezvous (here node 2, started after the loss, as a scheduler would
+    start a new node)."""
+    plan = f"{STOPPER}:{LAST_DONE + 1}:sigstop:before"
+    node0 = nodes.start(0, plan=plan, launcher=("--max-restarts=1",))
+    nodes.start(1, plan=plan, launcher=("--max-restarts=1",))
+    nodes.lose_node_1()
+    nodes.wait_until(lambda: nodes.flow(node0) is not None, "node 0's dying checkpoint",
+                     END_TIMEOUT)
+    flow = nodes.flow(node0)
+    assert flow["outcome"] == "saved" and flow["step"] == LAST_DONE, flow
+    assert "no spare node waits" in node0.output(), node0.output()
+    node2 = nodes.start(2, plan=plan, launcher=("--max-restarts=1",))
+    assert nodes.wait(node0, END_TIMEOUT) == 0, nodes.outputs()
+    assert nodes.wait(node2, END_TIMEOUT) == 0, nodes.outputs()
+    _check_final_state(nodes, reference, "node 1 lost, no spare: restart")
+
