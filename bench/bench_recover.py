@@ -125,13 +125,16 @@ def _log_marks(log_dir: Path) -> Marks:
     return {name: sorted(times) for name, times in found.items()}
 
 
-def _last_of_each(marks: Marks, name: str, after: float, ranks: Sequence[int]) -> Optional[float]:
-    """When the last of ``ranks`` logged ``name`` (its first time after ``after``)."""
+def _last_of_each(marks: Marks, name: str, after: float, ranks: Sequence[int],
+                  others: Sequence[int] = ()) -> Optional[float]:
+    """When the last of ``ranks`` (and of ``others`` that logged it) logged ``name``, its
+    first time after ``after``; None unless every one of ``ranks`` did. (A replacement logs
+    through the runtime only once its processor has started, after its first transitions.)"""
     first: Dict[int, float] = {}
     for t, rank in marks.get(name, []):
-        if t >= after and rank in ranks:
+        if t >= after and (rank in ranks or rank in others):
             first.setdefault(rank, t)
-    return max(first.values()) if len(first) == len(ranks) else None
+    return max(first.values()) if all(r in first for r in ranks) else None
 
 
 def _steps(record_dir: Path) -> List[dict]:
@@ -173,7 +176,8 @@ def measure_fault(run: Run, fault_at: float, steps: List[dict], marks: Marks,
     if run.path in (WARM, COLD):  # the state machine's transitions, the last rank's
         survivors = [r for r in everyone if r != FAULT_RANK]
         stopped = _last_of_each(marks, "stopped", fault_at, survivors)
-        regrouped = _last_of_each(marks, "regrouped", fault_at, everyone)
+        # survivors leave regrouping only once the replacement has joined them
+        regrouped = _last_of_each(marks, "regrouped", fault_at, survivors, [FAULT_RANK])
         refilled = _last_of_each(marks, "refilled", fault_at, everyone)
     else:  # the runtime starts after Megatron's build and load: regroup holds the refill too
         stopped = run.flow_at

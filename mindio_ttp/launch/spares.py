@@ -2,9 +2,10 @@
 
 A cold replacement for a lost rank starts an interpreter, imports torch, Megatron and the rest
 of the training script's imports (seconds on a CPU, 11-22 s for torch alone in some
-containers), and only then builds its model. A warm spare did the first part while the job
-trained: a process of the workers' interpreter, with the workers' flags, that imported torch
-and the entry's module-level imports and now blocks on a private socket. Given a rank it becomes
+containers), imports what torch loads lazily at the first optimizer (torch._dynamo: seconds
+more), and only then builds its model. A warm spare did the imports while the job trained: a
+process of the workers' interpreter, with the workers' flags, that imported torch, the entry's
+module-level imports and torch._dynamo, and now blocks on a private socket. Given a rank it becomes
 that rank's worker in place: the environment torch would have given it, its argv, sys.path[0],
 its log files, then the entry through :mod:`runpy`, as ``python -u script.py`` or
 ``python -u -m module`` would have run it.
@@ -66,6 +67,12 @@ _FLAGS_WITHOUT_VALUE = frozenset("-u -O -OO -B -E -s -S -I -b -bb -d -q -v".spli
 _FLAGS_WITH_VALUE = frozenset(("-X", "-W"))
 # Rank-specific variables torch sets per worker; never part of a spare's own environment.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK", "TORCHELASTIC_ERROR_FILE")
+# What a worker imports whatever its script: torch and its distributed package first; after
+# the script's own imports (which may patch torch, as a device adaptor does), torch._dynamo,
+# which every torch.optim optimizer imports on first use: some 800 modules, sympy among them,
+# 4-8 s of a cold start on a loaded CPU (torch >= 2.0).
+TORCH_MODULES = ("torch", "torch.distributed")
+LATE_TORCH_MODULES = ("torch._dynamo",)
 MAX_MESSAGE = 16 * 1024 * 1024  # an assignment carries one environment: far below this
 PR_SET_PDEATHSIG = 1
 CLOSE_WAIT_S = 5.0
@@ -168,7 +175,8 @@ class PreloadReport:
 
 
 def preload(entry: Entry) -> PreloadReport:
-    """Import torch, then the entry's leading imports, as its worker would (see the module doc).
+    """Import torch, the entry's leading imports, then what torch imports lazily at the first
+    optimizer (TORCH_MODULES, LATE_TORCH_MODULES), as the worker would (see the module doc).
 
     sys.path[0] is what the worker's interpreter would have put there: the script's folder, or
     for ``-m`` the working directory (which the spare already has)."""
@@ -177,12 +185,13 @@ def preload(entry: Entry) -> PreloadReport:
     path = entry.source()
     if not entry.module and path is not None:
         sys.path[0] = str(path.parent)
-    wanted: List[Tuple[str, Tuple[str, ...]]] = [("torch", ()), ("torch.distributed", ())]
+    wanted: List[Tuple[str, Tuple[str, ...]]] = [(name, ()) for name in TORCH_MODULES]
     if path is not None:
         try:
             wanted += leading_imports(path.read_text(encoding="utf-8"))
         except (OSError, SyntaxError, ValueError) as exc:
             report.failed.append(f"{path}: {exc}")
+    wanted += [(name, ()) for name in LATE_TORCH_MODULES]
     for name, names in wanted:
         try:
             module = importlib.import_module(name)
