@@ -312,10 +312,14 @@ class Flow:
         capable = RECOVERY.capability()
         if capable[0] and not self.cfg.replacements:
             capable = (False, "the launcher does not start replacements (ttprun does)")
+        claimed = False
+        if capable[0] and 2 * len(lost) == self.world_size:
+            claimed = self._claim_half(fid, sorted(set(range(self.world_size)) - lost))
         plan, why = plan_recovery(mode=self.cfg.recovery, capable=capable,
                                   preempted=self._preempted, world_size=self.world_size,
                                   layout=layout, states=states, lost=lost, hosts=hosts,
-                                  node_takeover="node" in self.cfg.replacements.split(","))
+                                  node_takeover="node" in self.cfg.replacements.split(","),
+                                  claimed=claimed)
         if plan is None:
             log.info("%s: no in-memory recovery (%s): the dying checkpoint", self.name, why)
             return False, set()
@@ -323,17 +327,47 @@ class Flow:
         self.timeline["recovering"] = time.monotonic()
         ok, why = self.recovery.run(fid, plan)
         self.timeline["recovered" if ok else "recovery_abandoned"] = time.monotonic()
+        if ok and self._claim is not None:
+            try:
+                self._claim.update(C.DONE, outcome="recovered", reason=why[:500])
+            except OSError as exc:
+                log.warning("%s: cannot record the recovery in the claim: %s", self.name, exc)
+            self._claim = None
         if not ok:
             log.error("%s: falling back to the dying checkpoint of step %d: %s", self.name,
                       plan.step, why)
         return ok, set(plan.lost)
+
+    def _claim_space(self) -> Optional[C.ClaimSpace]:
+        """This fault's claim: the launch's fault id, and after in-memory recoveries (the same
+        launch goes on) their count, which both halves of a split job share."""
+        space = self._claims()
+        if space is not None and RECOVERY.epoch:
+            space = C.ClaimSpace(space.directory, f"{space.fault_id}-e{RECOVERY.epoch}")
+        return space
+
+    def _claim_half(self, fid: int, survivors: List[int]) -> bool:
+        """Exactly half the ranks survive: a split job's other half may be running. Only the
+        half that wins this fault's claim may recover (the claim is the one decision both
+        halves see); the other one's dying checkpoint is then refused by the same claim."""
+        space = self._claim_space()
+        if space is None:
+            return False
+        won, why = C.acquire(space, self.name, flow=fid, ranks=survivors[:64],
+                             answered=len(survivors), world_size=self.world_size,
+                             purpose="in-memory recovery")
+        log.info("%s: half the ranks survive: %s", self.name, why)
+        self._claim = won
+        return won is not None
 
     def _settle(self, fid: int, step: int, members: List[int]) -> Tuple[bool, str]:
         """May this flow order a save? With a claim directory, only if it wins this fault's
         claim (whatever its size: a split job's halves cannot count each other, the claim file
         is the one decision both see). Without one, only with a strict majority of the world
         answering: two disjoint parts cannot both have one."""
-        space = self._claims()
+        if self._claim is not None:  # won for a recovery that was abandoned
+            return True, f"this flow holds fault claim {self._claim.space.path}"
+        space = self._claim_space()
         if space is None:
             if 2 * len(members) > self.world_size:
                 return True, f"{len(members)} of {self.world_size} ranks answered (a majority)"

@@ -357,6 +357,13 @@ class TTPElasticAgent(LocalElasticAgent):
                 self._replacements.answer(request, "failed", "no spare node waits in the "
                                           "rendezvous to take over the lost node")
 
+    def run(self, role: str = "default") -> RunResult:
+        result = super().run(role)
+        if result is None:  # torch: the rendezvous closed while this node waited (a spare)
+            logger.warning("ttprun: the job ended while this node waited as a spare; exit 0")
+            return RunResult(state=WorkerState.SUCCEEDED)
+        return result
+
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         self._spares.close()
         super()._shutdown(death_sig, timeout)

@@ -27,12 +27,13 @@ class RecoveryPlan:
 
 def plan_recovery(*, mode: str, capable: Tuple[bool, str], preempted: bool, world_size: int,
                   layout: Layout, states: Mapping[int, RankState], lost: Set[int],
-                  hosts: Mapping[int, str],
-                  node_takeover: bool = False) -> Tuple[Optional[RecoveryPlan], str]:
+                  hosts: Mapping[int, str], node_takeover: bool = False,
+                  claimed: bool = False) -> Tuple[Optional[RecoveryPlan], str]:
     """The recovery to run, or None and why not (see docs/recovery.md, "Who decides").
     `node_takeover`: the launchers can hand a lost node's ranks to a spare node
     (launch/takeover.py), so a lost rank with no survivor on its host is relayed by a survivor
-    elsewhere."""
+    elsewhere. `claimed`: this controller won the fault's claim, so exactly half the ranks
+    may recover (the other half of a split job cannot win it too)."""
     if mode != IN_MEMORY:
         return None, f"TTP_RECOVERY={mode}"
     ok, why = capable
@@ -43,9 +44,10 @@ def plan_recovery(*, mode: str, capable: Tuple[bool, str], preempted: bool, worl
     if not lost:
         return None, "no rank is lost (a stall or a preemption): nothing to replace"
     survivors = tuple(r for r in range(world_size) if r not in lost)
-    if 2 * len(survivors) <= world_size:
+    if 2 * len(survivors) < world_size or (2 * len(survivors) == world_size and not claimed):
         return None, (f"only {len(survivors)} of {world_size} ranks survive: in-memory recovery "
-                      "needs a strict majority (two halves of a split job must not both go on)")
+                      "needs a strict majority, or exactly half and the fault's claim (two "
+                      "halves of a split job must not both go on)")
     steps: Dict[int, Set[int]] = {}
     for r in survivors:
         st = states.get(r)

@@ -5,23 +5,27 @@ the dying checkpoint and a restart. Either way the final state is bit-identical 
 uninterrupted run. Needs TTP_MEGATRON_DIR and root.
 
 The tiny GPT runs DP4 with --use-distributed-optimizer, 2 ranks per node, c10d rendezvous on
-node 0 (`--nnodes=2`): nodes 0 and 1 form the round, node 2 is the spare (torch keeps it on its
-redundancy list). ReplicatedOptimizer's replicas are positions i and i + 2, so node 0 holds a
-replica of every shard that node 1 held.
+node 0 (`--nnodes=2`): the first two launchers in the rendezvous form the job, a third waits as
+the spare (torch keeps it on its redundancy list). ReplicatedOptimizer's replicas are positions
+i and i + 2, so each node holds a replica of every shard the other held. Exactly half the ranks
+survive the loss of a node, so the survivors' controller recovers only after winning the
+fault's claim in the shared checkpoint directory (the other half of a split job cannot win it).
 
-The moment of the loss is pinned with the fault hook: rank 3 (node 1) stops itself in the
-forward step of iteration 5; the test then kills every process of node 1. Survivors have
-finished iteration 4.
+The moment of the loss is pinned with the fault hook: rank 3 stops itself in the forward step
+of iteration 5; the test then kills every process of its node. Survivors have finished
+iteration 4.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 import sys
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 import pytest
 from megatron_e2e import FAULT_HOOK_DIR, N_ITERS, loss_table, run_job
 
@@ -29,7 +33,7 @@ from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
 from mindio_ttp.demo.rehearsal.data import TinyDataset
 from mindio_ttp.demo.rehearsal.launch import parse_losses, tiny_gpt_args, worker_env
 from testkit.hooks import pythonpath
-from testkit.netns import Node, Nodes, made_nodes, namespaces_unavailable
+from testkit.netns import Node, Nodes, ip, made_nodes, namespaces_unavailable
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -84,11 +88,23 @@ class MegatronSpareNodes(Nodes):
         self.launch(n, cmd, env, cwd=self.tree)
         return n
 
-    def lose_node_1(self) -> None:
-        """Wait for rank 3's stop in iteration 5, then kill node 1 whole."""
+    def node_of_rank(self, rank: int) -> Node:
+        """The node whose namespace runs global rank ``rank`` (read from its environment)."""
+        for n in self.nodes:
+            for pid in ip("netns", "pids", n.ns, check=False).stdout.split():
+                with contextlib.suppress(psutil.Error):
+                    env = psutil.Process(int(pid)).environ()
+                    if env.get("RANK") == str(rank) and "LOCAL_RANK" in env:
+                        return n
+        raise AssertionError(f"no node runs rank {rank}:\n{self.outputs()}")
+
+    def lose_the_stoppers_node(self) -> Node:
+        """Wait for rank 3's stop in iteration 5, then kill its node whole; that node."""
         self.wait_until((self.faults / f"fault-{STOPPER}.json").is_file,
                         f"rank {STOPPER}'s stop at iteration {LAST_DONE + 1}", START_TIMEOUT)
-        self.kill(self.nodes[1])
+        lost = self.node_of_rank(STOPPER)
+        self.kill(lost)
+        return lost
 
 
 @pytest.fixture(scope="module")
@@ -138,22 +154,27 @@ def _check_final_state(nodes: MegatronSpareNodes, reference, label: str) -> None
 @pytest.mark.timeout(TEST_TIMEOUT)
 def test_a_spare_node_takes_over_a_lost_node_and_training_goes_on_bit_exact(
         nodes: MegatronSpareNodes, reference) -> None:
-    node0 = nodes.start(0, plan=f"{STOPPER}:{LAST_DONE + 1}:sigstop:before")
-    nodes.start(1, plan=f"{STOPPER}:{LAST_DONE + 1}:sigstop:before")
-    node2 = nodes.start(2, plan=f"{STOPPER}:{LAST_DONE + 1}:sigstop:before", spares=2)
-    nodes.wait_for_line(node2, "this node is a spare", START_TIMEOUT)
-    nodes.lose_node_1()
-    assert nodes.wait(node0, END_TIMEOUT) == 0, nodes.outputs()
-    assert nodes.wait(node2, END_TIMEOUT) == 0, nodes.outputs()
-    out0, out2 = node0.output(), node2.output()
-    assert "this node takes over group rank 1 of a lost node: ranks [2, 3]" in out2, out2
-    assert re.search(r"local rank [01] replaced by warm spare pid \d+", out2), out2
-    assert "keeps its workers (group rank 0)" in out0, out0
-    assert "closing signal" not in out0, out0  # node 0's workers were never restarted
-    assert not nodes.flows()[0], nodes.flows()  # no dying-checkpoint flow ran
-    assert re.search(r"recovery \d+ committed", out0), out0
+    """All three launchers start at once: the first two in the rendezvous form the job, the
+    third waits as the spare (with 2 warm spares). The node running ranks 2 and 3 is lost."""
+    plan = f"{STOPPER}:{LAST_DONE + 1}:sigstop:before"
+    for i in range(3):
+        nodes.start(i, plan=plan, spares=2)
+    nodes.wait_until(lambda: any(n.printed("this node is a spare") for n in nodes.nodes),
+                     "a spare node", START_TIMEOUT)
+    spare = next(n for n in nodes.nodes if n.printed("this node is a spare"))
+    lost = nodes.lose_the_stoppers_node()
+    survivor = next(n for n in nodes.nodes if n not in (spare, lost))
+    assert nodes.wait(survivor, END_TIMEOUT) == 0, nodes.outputs()
+    assert nodes.wait(spare, END_TIMEOUT) == 0, nodes.outputs()
+    out_survivor, out_spare = survivor.output(), spare.output()
+    assert "this node takes over group rank 1 of a lost node: ranks [2, 3]" in out_spare
+    assert re.search(r"local rank [01] replaced by warm spare pid \d+", out_spare), out_spare
+    assert "keeps its workers (group rank 0)" in out_survivor, out_survivor
+    assert "closing signal" not in out_survivor, out_survivor  # never restarted
+    assert nodes.flow(survivor) is None, nodes.flows()  # no dying-checkpoint flow ran
+    assert re.search(r"recovery \d+ committed", out_survivor), out_survivor
     assert [p.name for p in sorted(nodes.ckpt.glob("iter_*"))] == [f"iter_{N_ITERS:07d}"]
-    _check_final_state(nodes, reference, "node 1 lost, spare took over")
+    _check_final_state(nodes, reference, "a node lost, the spare took over")
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
@@ -164,16 +185,17 @@ def test_without_a_spare_node_a_lost_node_ends_in_the_dying_checkpoint_and_a_res
     second node joins the rendezvous (here node 2, started after the loss, as a scheduler would
     start a new node)."""
     plan = f"{STOPPER}:{LAST_DONE + 1}:sigstop:before"
-    node0 = nodes.start(0, plan=plan, launcher=("--max-restarts=1",))
-    nodes.start(1, plan=plan, launcher=("--max-restarts=1",))
-    nodes.lose_node_1()
-    nodes.wait_until(lambda: nodes.flow(node0) is not None, "node 0's dying checkpoint",
-                     END_TIMEOUT)
-    flow = nodes.flow(node0)
+    for i in (0, 1):
+        nodes.start(i, plan=plan, launcher=("--max-restarts=1",))
+    lost = nodes.lose_the_stoppers_node()
+    survivor = nodes.nodes[1 - lost.index]
+    nodes.wait_until(lambda: nodes.flow(survivor) is not None, "the survivor's dying "
+                     "checkpoint", END_TIMEOUT)
+    flow = nodes.flow(survivor)
     assert flow["outcome"] == "saved" and flow["step"] == LAST_DONE, flow
-    assert "no spare node waits" in node0.output(), node0.output()
-    node2 = nodes.start(2, plan=plan, launcher=("--max-restarts=1",))
-    assert nodes.wait(node0, END_TIMEOUT) == 0, nodes.outputs()
-    assert nodes.wait(node2, END_TIMEOUT) == 0, nodes.outputs()
-    _check_final_state(nodes, reference, "node 1 lost, no spare: restart")
+    assert "no spare node waits" in survivor.output(), survivor.output()
+    new = nodes.start(2, plan=plan, launcher=("--max-restarts=1",))
+    assert nodes.wait(survivor, END_TIMEOUT) == 0, nodes.outputs()
+    assert nodes.wait(new, END_TIMEOUT) == 0, nodes.outputs()
+    _check_final_state(nodes, reference, "a node lost, no spare: restart")
 
