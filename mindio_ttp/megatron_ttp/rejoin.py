@@ -140,7 +140,6 @@ def _survivor_leaves_the_world() -> Rejoin:
         raise RuntimeError(f"this rank holds step {getattr(optimizer, 'current_step', None)}, "
                            f"not the recovery's step {order.step}")
     import torch.distributed as dist
-
     from megatron import get_args
 
     rejoin = Rejoin(order, SURVIVOR, dist.get_rank(), model, optimizer,
