@@ -310,6 +310,10 @@ def to_persist(func: F) -> F:
                 _shielded(rt.report_exception, exc)
             _wait_for_verdict(rt)  # raises TTPRecovering when a recovery was ordered
             log.error("no exit order within TTP_OT=%g s: re-raising", rt.ot)
+            try:
+                exc._ttp_waited = True  # type: ignore[attr-defined] # callers: do not wait again
+            except AttributeError:
+                pass
             raise
         rt = RUNTIME
         if rt is not None:

@@ -29,7 +29,7 @@ from mindio_ttp.control import protocol as P
 from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.flow_record import FlowRecord
 from mindio_ttp.control.handlers import HANDLERS, Handlers, Job
-from mindio_ttp.control.hooks import STATE, TTPError
+from mindio_ttp.control.hooks import STATE, TTPError, fault_kind
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 from mindio_ttp.launch import replace as R
@@ -128,9 +128,10 @@ class Processor:
         self._restore_signals()
 
     # -- called from the training thread -------------------------------------------------------
-    def report_exception(self, exc: BaseException, kind: str = "exception") -> None:
-        """`kind`: "exception" (this rank's own fault) or "collective" (a collective failed
-        because of another rank's fault; hooks.fault_kind)."""
+    def report_exception(self, exc: BaseException) -> None:
+        """Reported as "exception" (this rank's own fault) or "collective" (a collective failed
+        because of another rank's fault: hooks.fault_kind)."""
+        kind = fault_kind(exc, self.fault_seen)
         tb = traceback.extract_tb(exc.__traceback__)
         where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
         self._mail.put("fault", kind, f"{type(exc).__name__}: {exc}{where}"[:2000])

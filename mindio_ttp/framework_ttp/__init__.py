@@ -394,7 +394,7 @@ class _Runtime:
 
     def report_exception(self, exc: BaseException) -> None:
         if _processor is not None:
-            _processor.report_exception(exc, _hooks.fault_kind(exc, _processor.fault_seen))
+            _processor.report_exception(exc)
 
     @property
     def recovery_ordered(self) -> bool:

@@ -80,6 +80,13 @@ def load_in_memory(model, optimizer, scheduler) -> int:
         raise RuntimeError(f"recovery {order.recovery_id} not committed: {why}")
     hooks.STATE.resume(step, (step, model, optimizer, scheduler))
     rejoin.finished()
+    if args.save and args.save_interval and step % args.save_interval == 0:
+        # The fault may have cut Megatron's own periodic save of `step` short (the loop goes on
+        # at step + 1 and would never write it): write it again, as the loop would have. If it
+        # had finished, the same bytes are written over it.
+        from megatron.checkpointing import save_checkpoint
+
+        save_checkpoint(step, model, optimizer, scheduler)
     log.warning("rank %d: in-memory recovery %d done (%s): training goes on from step %d", me,
                 order.recovery_id, job.role, step + 1)
     return step

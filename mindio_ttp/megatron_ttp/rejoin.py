@@ -27,6 +27,7 @@ import functools
 import gc
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
@@ -114,9 +115,8 @@ def in_memory_recovery(pretrain: F) -> F:
             except TTPRecovering:
                 pass  # leave the except block first: its traceback holds the old groups
             except BaseException as exc:
-                if RECOVERY.active:
-                    _fail_and_wait(exc)
-                raise
+                if not _hold_for_verdict(exc):
+                    raise
             try:
                 _current = _survivor_leaves_the_world()
             except BaseException as exc:
@@ -140,7 +140,6 @@ def _survivor_leaves_the_world() -> Rejoin:
         raise RuntimeError(f"this rank holds step {getattr(optimizer, 'current_step', None)}, "
                            f"not the recovery's step {order.step}")
     import torch.distributed as dist
-
     from megatron import get_args
 
     rejoin = Rejoin(order, SURVIVOR, dist.get_rank(), model, optimizer,
@@ -167,6 +166,8 @@ def _destroy_groups(rejoin: Rejoin) -> None:
     except ImportError:
         abort_all = None
     rejoin.model_groups = _detach_model_groups(rejoin.model)
+    alive = [(weakref.ref(pg), name) for pg, name in
+             dict(getattr(dist.distributed_c10d._world, "pg_names", {})).items()]
     if abort_all is not None:
         report = abort_all(destroy=True)
         log.warning("recovery: %s", report.describe())
@@ -174,7 +175,63 @@ def _destroy_groups(rejoin: Rejoin) -> None:
         dist.destroy_process_group()
     mpu.destroy_model_parallel()
     rejoin.optimizer.pair_group = None
+    _release_default_arguments(dist.ProcessGroup)
     gc.collect()
+    held = [(ref(), name) for ref, name in alive if ref() is not None]
+    for pg, name in held:  # on gloo its sockets stay open: a peer waiting on it hangs
+        log.warning("recovery: process group %s is still referenced after its destruction "
+                    "(by %s)", name, _referrers(pg))
+    del held
+
+
+def _release_default_arguments(kind: type) -> None:
+    """Functions whose default arguments hold a process group: torch.distributed.nn.functional
+    writes `group=group.WORLD`, bound to the default group when the module is imported after
+    `init_process_group` (pipeline parallelism does, here). That reference alone keeps the old
+    world's sockets open; None means the default group to those functions."""
+    import types
+
+    for fn in gc.get_objects():
+        if not isinstance(fn, types.FunctionType):
+            continue
+        if fn.__defaults__ and any(isinstance(d, kind) for d in fn.__defaults__):
+            fn.__defaults__ = tuple(None if isinstance(d, kind) else d for d in fn.__defaults__)
+        if fn.__kwdefaults__ and any(isinstance(d, kind) for d in fn.__kwdefaults__.values()):
+            fn.__kwdefaults__ = {k: None if isinstance(d, kind) else d
+                                 for k, d in fn.__kwdefaults__.items()}
+
+
+def _referrers(obj: Any, depth: int = 3) -> str:
+    """Who holds `obj` (for the warning above): attributes, frames, closures, containers."""
+    import types
+
+    out = []
+    for ref in gc.get_referrers(obj):
+        if isinstance(ref, dict):
+            out += [f"attribute {k!r}" for k, v in ref.items() if v is obj]
+        elif isinstance(ref, types.FrameType):
+            out.append(f"frame of {ref.f_code.co_name} ({ref.f_code.co_filename}:"
+                       f"{ref.f_lineno})")
+        elif isinstance(ref, types.FunctionType):
+            out.append(f"function {ref.__qualname__} ({ref.__code__.co_filename})")
+        elif isinstance(ref, types.CellType) or isinstance(ref, tuple):
+            inner = _referrers(ref, depth - 1) if depth > 0 else "..."
+            out.append(f"{type(ref).__name__} in [{inner}]")
+        elif not isinstance(ref, list):  # lists: gc.get_referrers' own results
+            out.append(type(ref).__name__)
+    for fn in gc.get_objects():  # closures holding it, directly or in a tuple
+        if isinstance(fn, types.FunctionType) and fn.__closure__:
+            for cell in fn.__closure__:
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                if v is obj or (isinstance(v, (tuple, list)) and any(x is obj for x in v)):
+                    out.append(f"closure of {fn.__qualname__} ({fn.__code__.co_filename})")
+        elif isinstance(fn, types.GeneratorType) and fn.gi_frame is not None:
+            if any(v is obj for v in fn.gi_frame.f_locals.values()):
+                out.append(f"generator {fn.__qualname__}")
+    return ", ".join(out[:8]) or "a running frame or native code"
 
 
 # which mpu getter gives each group a module may hold, in the order to try them (the first that
@@ -230,6 +287,29 @@ def _forget_megatron_globals() -> None:
     for name in _MEGATRON_GLOBALS:
         if hasattr(gv, name):
             setattr(gv, name, None)
+
+
+def _hold_for_verdict(exc: BaseException) -> bool:
+    """An exception out of Megatron's start-up or `train` with the runtime running: like the
+    decorated `train` does, report it and wait for the controller's verdict (the process ends
+    on the exit order). True when the verdict is another in-memory recovery instead (a fault
+    right after a recovery, while Megatron rebuilds its data loaders, say)."""
+    rt = hooks.RUNTIME
+    if rt is None or not rt.running or getattr(exc, "_ttp_waited", False):
+        return False
+    if RECOVERY.active:
+        _fail_and_wait(exc)
+        return False
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not rt.fault_seen:
+        return False
+    log.error("exception in Megatron's start-up or train(): %r; reporting it and waiting for "
+              "the controller's verdict", exc)
+    hooks._shielded(rt.report_exception, exc)
+    try:
+        hooks._wait_for_verdict(rt)
+    except TTPRecovering:
+        return True
+    return False
 
 
 def _fail_and_wait(exc: BaseException) -> None:

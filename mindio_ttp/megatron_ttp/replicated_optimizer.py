@@ -51,6 +51,7 @@ from megatron.optimizer.optimizer import _zero_grad_group_helper
 
 from mindio_ttp import config as ttp_config
 from mindio_ttp import framework_ttp
+from mindio_ttp.megatron_ttp.manifest import ParallelLayout
 from mindio_ttp.megatron_ttp.step_record import StepRecord
 
 REPLICAS = 2  # the striped layout keeps every stripe on exactly two ranks
@@ -70,6 +71,16 @@ def loading_from(iter_dir: Optional[Path], optim_file) -> Iterator[None]:
         yield
     finally:
         _load_source = previous
+
+
+@dataclass(frozen=True)
+class Place:
+    """This rank's global, tensor- and pipeline-parallel rank and the job's layout."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    layout: ParallelLayout
 
 
 @dataclass
@@ -201,6 +212,12 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         # One source for the layout: the runtime refuses a `replica` that disagrees.
         framework_ttp.declare_optimizer_shards(self.num_shards)
         self.dp_size = dp
+        # where this rank sits, kept for the dying checkpoint: after a survivor left the world
+        # for an in-memory recovery that then fails, torch.distributed and mpu know nothing
+        self.place = Place(torch.distributed.get_rank(), mpu.get_tensor_model_parallel_rank(),
+                           mpu.get_pipeline_model_parallel_rank(),
+                           ParallelLayout(mpu.get_tensor_model_parallel_world_size(),
+                                          mpu.get_pipeline_model_parallel_world_size(), dp))
         self.dp_position = mpu.get_data_parallel_rank()
         self.partner_position = (self.dp_position + self.num_shards) % dp
         self.shard_index = self.dp_position % self.num_shards
@@ -428,7 +445,7 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
                     f"save ranks {sorted(save_ranks)} hold no copy of shard {k} of DP group "
                     f"{self.dp_ranks} (positions {k} and {k + self.num_shards})")
         if self.dp_position not in chosen:
-            raise RuntimeError(f"rank {torch.distributed.get_rank()} is not among the save "
+            raise RuntimeError(f"rank {self.place.rank} is not among the save "
                                f"ranks {sorted(save_ranks)}")
         positions = [self.dp_position]
         if self.partner_position not in chosen:

@@ -58,7 +58,8 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     meta = optimizer.step_meta(step)
     positions, writes_model = optimizer.save_plan(save_ranks)
     tag = exchange.attempt_tag(step, save_ranks)
-    me = torch.distributed.get_rank()
+    place = optimizer.place  # not mpu / torch.distributed: see ReplicatedOptimizer.place
+    me = place.rank
 
     root = manifest.tmp_root(args.save, step, _order_tag(step))
     # this order's own directory: nothing to clear, and another flow's is never touched. The
@@ -68,11 +69,10 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
                                  optimizer.params_gathered_at(step))
     full = None if gathered else _exchange_main_params(optimizer, save_ranks, tag)
 
-    par = parallel_layout()
+    par = place.layout
     iter_dir = root / manifest.iter_dir_name(step)
     iter_dir.mkdir(parents=True, exist_ok=True)
-    tp_rank = mpu.get_tensor_model_parallel_rank()
-    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    tp_rank, pp_rank = place.tp_rank, place.pp_rank
     written: Dict[str, Dict[str, object]] = {}
     if writes_model:
         state = _model_state(step, model, optimizer, full, meta, args)
@@ -86,7 +86,7 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
                  "opt_param_scheduler": sched}
         rel = par.optim_file(tp_rank, pp_rank, position)
         written[rel] = _save(iter_dir, rel, state)
-    manifest.write_part(iter_dir, torch.distributed.get_rank(), written)
+    manifest.write_part(iter_dir, me, written)
 
 
 def rename_save_result(step: int, ckpt_args: tuple) -> None:
@@ -95,7 +95,7 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     save_dir = Path(args.save)
     root = manifest.tmp_root(args.save, step, _order_tag(step))
     staged = root / manifest.iter_dir_name(step)
-    manifest.merge_parts(staged, step, parallel_layout())
+    manifest.merge_parts(staged, step, ckpt_args[2].place.layout)
     final = save_dir / manifest.iter_dir_name(step)
     if final.exists():  # another flow's checkpoint, or a periodic save: never replaced
         raise RuntimeError(f"{final} already exists: not replacing it with the dying "
@@ -172,7 +172,7 @@ def _exchange_main_params(optimizer: ReplicatedOptimizer, save_ranks: Sequence[i
         mine = _stripe_chunks(optimizer)
     own, partner = optimizer.dp_position, optimizer.partner_position
     packed = torch.cat(mine[own] + mine[partner])
-    group = exchange.gloo_group(chosen, torch.distributed.get_rank(),
+    group = exchange.gloo_group(chosen, optimizer.place.rank,
                                 f"{tag}/dp-{'-'.join(map(str, chosen))}/")
     parts = exchange.allgather(group, packed, len(chosen))  # in global-rank order
     keys = [(mi, dtype) for mi, model in enumerate(optimizer.models)

@@ -13,7 +13,14 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
 * ``after``: after ``ttp_end_updating_os(k)``, before the parameter all-gather;
 * ``anytime``: a timer armed when iteration k starts fires after a random delay, uniform in
   [0, the wall time of iteration k-1) (``TTP_FAULT_SEED`` seeds it), wherever the rank then is:
-  in a collective, the update window, the logging, or already in iteration k+1.
+  in a collective, the update window, the logging, or already in iteration k+1;
+* ``eval``: in the first forward step of the evaluation after iteration k;
+* ``periodic-save``: inside Megatron's periodic save of iteration k, once this rank wrote its
+  first file;
+* ``refill``: on a rank of an in-memory recovery to step k, as it starts refilling;
+* ``replacement``: in the process ttprun starts to replace rank r in a recovery to step k,
+  first thing (before torch is imported): ``sigkill`` for a replacement that fails to start,
+  ``sigstop`` for one that never gets ready.
 
 ``TTP_FAULT_RECORD_DIR`` (optional) is where the plan records the fault time and coordinates
 ranks killed together. With it, a planned fault fires once per job: after an in-memory
@@ -37,21 +44,18 @@ import os
 TARGET = "megatron.training"
 
 
-def _fired(record_dir, rank, step, phase) -> bool:
-    """This planned fault already fired in this job (the record FaultPlan.check writes)."""
-    import json
+def _marker(record_dir, rank, step, phase):
+    return record_dir / f"fired-{rank}-{step}-{phase.value}"
 
-    if record_dir is None:
-        return False
-    try:
-        record = json.loads((record_dir / f"fault-{rank}.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return record.get("step") == step and record.get("phase") == phase.value
+
+def _fired(record_dir, rank, step, phase) -> bool:
+    """This planned fault already fired in this job."""
+    return record_dir is not None and _marker(record_dir, rank, step, phase).exists()
 
 
 class _Once:
-    """The plan, each fault firing at most once per job (see the module doc)."""
+    """The plan, each fault firing at most once per job (see the module doc): a marker file per
+    fault in the record directory, written just before it fires."""
 
     def __init__(self, plan) -> None:
         self._plan = plan
@@ -60,8 +64,11 @@ class _Once:
         return self._plan.has(rank, step, phase) and not _fired(record_dir, rank, step, phase)
 
     def check(self, rank, step, phase, record_dir) -> None:
-        if not _fired(record_dir, rank, step, phase):
-            self._plan.check(rank, step, phase, record_dir)
+        if not self._plan.has(rank, step, phase) or _fired(record_dir, rank, step, phase):
+            return
+        if record_dir is not None:
+            _marker(record_dir, rank, step, phase).touch()
+        self._plan.check(rank, step, phase, record_dir)
 
 
 def _wrap_train_step(train_step, get_args, plan, record_dir, steps_dir=None):
@@ -73,8 +80,6 @@ def _wrap_train_step(train_step, get_args, plan, record_dir, steps_dir=None):
     import torch
 
     from mindio_ttp.demo.faults import Phase
-
-    plan = _Once(plan)
 
     started = []  # monotonic start of every iteration this process ran
 
@@ -145,6 +150,77 @@ def _wrap_train_step(train_step, get_args, plan, record_dir, steps_dir=None):
     return fault_injecting_train_step
 
 
+def _wrap_evaluate(evaluate, get_args, plan, record_dir):
+    import torch
+
+    from mindio_ttp.demo.faults import Phase
+
+    def fault_injecting_evaluate(forward_step_func, *args, **kwargs):
+        step = get_args().curr_iteration + 1
+        rank = torch.distributed.get_rank()
+        fired = []
+
+        def forward_step(*a, **kw):
+            if not fired:
+                fired.append(True)
+                plan.check(rank, step, Phase.EVAL, record_dir)
+            return forward_step_func(*a, **kw)
+
+        return evaluate(forward_step, *args, **kwargs)
+
+    return fault_injecting_evaluate
+
+
+def _wrap_save(save_checkpoint, plan, record_dir):
+    import torch
+
+    from mindio_ttp.demo.faults import Phase
+
+    def fault_injecting_save(iteration, *args, **kwargs):
+        rank = torch.distributed.get_rank()
+        if not plan.has(rank, iteration, Phase.PERIODIC_SAVE, record_dir):
+            return save_checkpoint(iteration, *args, **kwargs)
+        real_save = torch.save
+
+        def save(*a, **kw):
+            real_save(*a, **kw)
+            plan.check(rank, iteration, Phase.PERIODIC_SAVE, record_dir)
+
+        torch.save = save
+        try:
+            return save_checkpoint(iteration, *args, **kwargs)
+        finally:
+            torch.save = real_save
+
+    return fault_injecting_save
+
+
+def _wrap_refill(load_in_memory, plan, record_dir):
+    from mindio_ttp.demo.faults import Phase
+
+    def fault_injecting_refill(model, optimizer, scheduler):
+        from mindio_ttp.megatron_ttp import rejoin
+
+        job = rejoin.current()
+        if job is not None:
+            plan.check(job.rank, job.order.step, Phase.REFILL, record_dir)
+        return load_in_memory(model, optimizer, scheduler)
+
+    return fault_injecting_refill
+
+
+def _replacement_fault(plan, record_dir) -> None:
+    """In a replacement process (the launcher set TTP_RECOVERY_JOIN), first thing."""
+    import json
+
+    from mindio_ttp.demo.faults import Phase
+
+    text = os.environ.get("TTP_RECOVERY_JOIN")
+    if text:
+        join = json.loads(text)
+        plan.check(int(join["rank"]), int(join["step"]), Phase.REPLACEMENT, record_dir)
+
+
 def _install() -> None:
     plans = os.environ.get("TTP_FAULT_PLAN", "").split("|")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -158,13 +234,20 @@ def _install() -> None:
     from testkit.import_hooks import after_import
 
     record = os.environ.get("TTP_FAULT_RECORD_DIR")
-    plan, record_dir = FaultPlan.from_text(text), Path(record) if record else None
+    plan, record_dir = _Once(FaultPlan.from_text(text)), Path(record) if record else None
+    _replacement_fault(plan, record_dir)
 
     def wrap(module) -> None:
         module.train_step = _wrap_train_step(module.train_step, module.get_args, plan, record_dir,
                                              Path(steps) if steps else None)
+        module.evaluate = _wrap_evaluate(module.evaluate, module.get_args, plan, record_dir)
+        module.save_checkpoint = _wrap_save(module.save_checkpoint, plan, record_dir)
+
+    def wrap_refill(module) -> None:
+        module.load_in_memory = _wrap_refill(module.load_in_memory, plan, record_dir)
 
     after_import(TARGET, wrap)
+    after_import("mindio_ttp.megatron_ttp.refill", wrap_refill)
 
 
 _install()
