@@ -40,6 +40,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 LAST_DONE = 4  # rank 3 stops in iteration 5's forward step
 STOPPER = 3
 ENV = {
+    "TTP_RECOVERY": "in-memory",
     "TTP_OT": "90",
     "TTP_HEARTBEAT_INTERVAL": "0.5",
     "TTP_HEARTBEAT_TIMEOUT": "6",
