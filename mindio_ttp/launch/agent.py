@@ -146,6 +146,8 @@ class TTPElasticAgent(LocalElasticAgent):
         spec = self._worker_group.spec
         self._spares = pool_from_spec(warm_spares(), spec.entrypoint, spec.args)
         self._takeover: Optional[takeover.NodeTakeover] = None
+        if spec.rdzv_handler.get_backend() != "static":
+            takeover.republish_bootstrap(spec.rdzv_handler)
         if takeover.wanted(spec.rdzv_handler, os.environ):
             self._takeover = takeover.NodeTakeover(
                 spec.rdzv_handler, lambda requests: takeover.member_of(
@@ -223,7 +225,7 @@ class TTPElasticAgent(LocalElasticAgent):
         """
         spec = worker_group.spec
         self._spares.replenish()  # warm while this node waits for the others
-        with _say_what_we_wait_for(spec):
+        with _say_what_we_wait_for(spec, may_be_spare=self._attempt == 0):
             super()._rendezvous(worker_group)
         taking = self._takeover.assignment if self._takeover else None
         if taking is not None:  # a lost node's place, not the round's numbering
@@ -482,7 +484,7 @@ class _OffLoopQuery:
 
 
 @contextlib.contextmanager
-def _say_what_we_wait_for(spec) -> Iterator[None]:
+def _say_what_we_wait_for(spec, may_be_spare: bool = False) -> Iterator[None]:
     """While the rendezvous blocks (torch waits up to 600 s for absent nodes, silently), say
     every RDZV_WAIT_NOTICE_S what it waits for, where, and how to bound the wait."""
     done = threading.Event()
@@ -497,7 +499,7 @@ def _say_what_we_wait_for(spec) -> Iterator[None]:
         waited = 0.0
         while not done.wait(RDZV_WAIT_NOTICE_S):
             waited += RDZV_WAIT_NOTICE_S
-            if takeover.is_spare(handler):
+            if may_be_spare and takeover.is_spare(handler):
                 logger.warning("ttprun: this node is a spare: the rendezvous of run %r is full; "
                                "it waits, with no deadline, to take over a lost node",
                                handler.get_run_id())

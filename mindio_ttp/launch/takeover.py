@@ -351,8 +351,6 @@ class NodeTakeover:
         info = self._next()
         me = self._me({rank: request.env for rank, request in self.pending.items()})
         self.assignment, self.survived = None, me.running
-        if me.running and info.rank == 0:
-            _publish_bootstrap(info)
         try:
             members = exchange(info.store, info.rank, info.world_size,
                                self.handler.get_run_id(), self._key, me)
@@ -379,17 +377,26 @@ class NodeTakeover:
         return info
 
 
-def _publish_bootstrap(info) -> None:
+def republish_bootstrap(handler) -> None:
     """torch's rank 0 of a round publishes its workers' store address in the round, and every
-    other agent waits for it inside next_rendezvous; a rank 0 that already had one from an
-    earlier round (a survivor) skips that, so publish it for the newcomers."""
-    bootstrap = getattr(info, "bootstrap_store_info", None)
-    if bootstrap is None:
-        return
+    agent without one waits for it inside next_rendezvous; but a rank 0 that already had one
+    from an earlier round (a survivor, or a node restarting its workers) skips that, so a node
+    new to the job (a spare, or one a scheduler started after a loss) would wait forever.
+    Wrap the handler's next_rendezvous so such a rank 0 publishes it again."""
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-    info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, bootstrap.master_addr.encode())
-    info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(bootstrap.master_port).encode())
+    next_rendezvous = handler.next_rendezvous
+
+    def wrapped():
+        info = next_rendezvous()
+        bootstrap = getattr(info, "bootstrap_store_info", None)
+        if info.rank == 0 and bootstrap is not None:
+            info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, bootstrap.master_addr.encode())
+            info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY,
+                           str(bootstrap.master_port).encode())
+        return info
+
+    handler.next_rendezvous = wrapped
 
 
 @contextlib.contextmanager
