@@ -35,7 +35,7 @@ from mindio_ttp.control.state import StateMachine
 from mindio_ttp.faulttime import claim as C
 from mindio_ttp.faulttime import save_session
 from mindio_ttp.recovery.coordinator import RecoveryCoordinator
-from mindio_ttp.recovery.decision import plan_recovery
+from mindio_ttp.recovery.decision import IN_MEMORY, plan_recovery
 from mindio_ttp.recovery.rank import RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
@@ -313,7 +313,7 @@ class Flow:
         if capable[0] and not self.cfg.replacements:
             capable = (False, "the launcher does not start replacements (ttprun does)")
         claimed = False
-        if capable[0] and 2 * len(lost) == self.world_size:
+        if capable[0] and self.cfg.recovery == IN_MEMORY and 2 * len(lost) == self.world_size:
             claimed = self._claim_half(fid, sorted(set(range(self.world_size)) - lost))
         plan, why = plan_recovery(mode=self.cfg.recovery, capable=capable,
                                   preempted=self._preempted, world_size=self.world_size,
