@@ -235,6 +235,10 @@ class TTPElasticAgent(LocalElasticAgent):
                                                                    taking.master_port)
             self._remaining_restarts = spec.max_restarts - taking.restart_count
             return
+        if self._takeover is not None and self._takeover.restart_count > (
+                spec.max_restarts - self._remaining_restarts):
+            logger.warning("ttprun: joining a job at restart %d", self._takeover.restart_count)
+            self._remaining_restarts = spec.max_restarts - self._takeover.restart_count
         restart = spec.max_restarts - self._remaining_restarts
         if restart == 0 or spec.rdzv_handler.get_backend() != "static":
             return  # the first attempt uses torch's store; c10d makes a new one per round

@@ -226,7 +226,7 @@ def member_of(worker_group, restart_count: int,
 
     spec = worker_group.spec
     if worker_group.state != WorkerState.HEALTHY or not worker_group.workers:
-        return Member(False, spec.local_world_size)
+        return Member(False, spec.local_world_size, restart_count=restart_count)
     return Member(True, spec.local_world_size, worker_group.group_rank,
                   worker_group.group_world_size, worker_group.workers[0].world_size,
                   tuple(w.global_rank for w in worker_group.workers),
@@ -284,6 +284,10 @@ class NodeTakeover:
         self._key = key
         self.assignment: Optional[Assignment] = None
         self.survived = False  # the last round kept this node's workers
+        # the highest restart count in the last round: a node new to a job that restarted
+        # (started after a loss) must start its workers at the same attempt as the others, or
+        # torch's env:// store prefix (/worker/attempt_N) differs and gloo reads stale keys
+        self.restart_count = 0
         # requests this agent holds for ranks it does not run (a lost node's), by rank
         self.pending: Dict[int, ReplacementRequest] = {}
         self._fresh: List[ReplacementRequest] = []  # held, not yet announced on the store
@@ -354,6 +358,7 @@ class NodeTakeover:
         try:
             members = exchange(info.store, info.rank, info.world_size,
                                self.handler.get_run_id(), self._key, me)
+            self.restart_count = max(m.restart_count for m in members.values())
             plans = plan(members)
         except TakeoverRefused as exc:
             logger.error("ttprun: no takeover in this rendezvous round: %s", exc)
