@@ -214,14 +214,15 @@ class TTPElasticAgent(LocalElasticAgent):
 
     # -- worker lifecycle -------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        """Give every restarted attempt a store of its own (static rendezvous).
+        """Give every restarted attempt a store of its own.
 
-        torch's static rendezvous keeps one TCPStore for the whole run and its workers use it
-        without a per-attempt prefix, so a restarted attempt reads the previous attempt's keys
-        (Gloo's peer addresses: "connectFullMesh failed ... Connection refused"; NCCL's unique
-        id). Node 0's agent hosts a fresh store per restart on a free port and publishes the
-        port in the rendezvous store under the attempt's own key; every node's workers get it
-        as MASTER_PORT.
+        torch's static rendezvous keeps one TCPStore for the whole run, and c10d's shared one
+        lives as long as the agent of the round's rank 0 (torch assumes a new store per retry);
+        workers use it without a per-attempt prefix, so a restarted attempt reads the previous
+        attempt's keys (Gloo's peer addresses: "connectFullMesh failed ... Connection
+        refused"; NCCL's unique id). Group rank 0's agent hosts a fresh store per restart on a
+        free port and publishes the port in the rendezvous store under the attempt's own key;
+        every node's workers get it as MASTER_PORT.
         """
         spec = worker_group.spec
         self._spares.replenish()  # warm while this node waits for the others
@@ -240,8 +241,8 @@ class TTPElasticAgent(LocalElasticAgent):
             logger.warning("ttprun: joining a job at restart %d", self._takeover.restart_count)
             self._remaining_restarts = spec.max_restarts - self._takeover.restart_count
         restart = spec.max_restarts - self._remaining_restarts
-        if restart == 0 or spec.rdzv_handler.get_backend() != "static":
-            return  # the first attempt uses torch's store; c10d makes a new one per round
+        if restart == 0:
+            return  # the first attempt uses torch's store
         from torch.distributed import TCPStore
 
         key = f"ttprun/attempt{restart}/store_port"

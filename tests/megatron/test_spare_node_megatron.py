@@ -193,7 +193,8 @@ def test_without_a_spare_node_a_lost_node_ends_in_the_dying_checkpoint_and_a_res
     nodes.wait_until(lambda: nodes.flow(survivor) is not None, "the survivor's dying "
                      "checkpoint", END_TIMEOUT)
     flow = nodes.flow(survivor)
-    assert flow["outcome"] == "saved" and flow["step"] == LAST_DONE, (flow, nodes.outputs())
+    if flow["outcome"] != "saved" or flow["step"] != LAST_DONE:
+        pytest.fail(f"{flow}\n{nodes.outputs()}")
     assert "no spare node waits" in survivor.output(), survivor.output()
     new = nodes.start(2, plan=plan, launcher=("--max-restarts=1",))
     assert nodes.wait(survivor, END_TIMEOUT) == 0, nodes.outputs()

@@ -348,3 +348,69 @@ def test_without_a_spare_node_the_recovery_hears_at_once_that_nothing_can_take_o
     assert took < 10, took  # a monitor tick, not the recovery's timeout
     assert [r["pid"] for r in nodes.reports() if r["RANK"] in ("0", "1")] == [
         before["0"]["pid"], before["1"]["pid"]]  # nothing restarted
+
+
+GROUP_WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from pathlib import Path
+    import torch, torch.distributed as dist
+
+    out, stop = Path(sys.argv[1]), Path(sys.argv[2])
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    record = {k: os.environ.get(k) for k in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
+    record.update(attempt=attempt, sum=float(t), pid=os.getpid())
+    (out / f"group-{attempt}-{record['RANK']}.json").write_text(json.dumps(record))
+    try:
+        while not stop.exists():
+            dist.all_reduce(torch.ones(1))  # fails once a peer's node is lost
+            time.sleep(0.05)
+    except RuntimeError:
+        os._exit(83)  # what the dying checkpoint's survivors do
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_started_after_a_loss_joins_the_restarted_job(spare_nodes: SpareNodes) -> None:
+    """No spare: the survivors' workers exit (as after a dying checkpoint), `--max-restarts 1`
+    restarts them, and a node started later (as a scheduler would) completes the rendezvous.
+    torch alone fails this twice: the surviving rank 0 does not republish its workers' store
+    address, and the new node's workers would start at attempt 0 (another env:// prefix)."""
+    nodes = spare_nodes
+    (nodes.work / "group_worker.py").write_text(GROUP_WORKER)
+    (nodes.work / "out").mkdir(exist_ok=True)
+    port, key = 40000 + secrets.randbelow(20000), secrets.token_hex(32)
+
+    def start(i: int) -> None:
+        n = nodes.nodes[i]
+        env = dict(os.environ, TTP_AUTH_KEY=key, TTP_RECOVERY="in-memory",
+                   PYTHONUNBUFFERED="1", TTPRUN_RDZV_NOTICE_S="1")
+        cmd = [sys.executable, "-m", "mindio_ttp.launch.agent",
+               *nodes.ttprun_args(n, nproc=2, port=port, rdzv="c10d", nnodes=2,
+                                  rdzv_conf=KEEP_ALIVE),
+               "--max-restarts=1", str(nodes.work / "group_worker.py"),
+               str(nodes.work / "out"), str(nodes.work / "stop")]
+        nodes.launch(n, cmd, env)
+
+    def groups(attempt: str) -> List[dict]:
+        return [json.loads(p.read_text())
+                for p in sorted((nodes.work / "out").glob(f"group-{attempt}-*.json"))]
+
+    start(0)
+    start(1)
+    nodes.wait_until(lambda: len(groups("0")) == 4, "the job's first group", TIMEOUT)
+    lost = _node_of(nodes, int(next(g["pid"] for g in groups("0") if g["RANK"] == "2")))
+    survivor = nodes.nodes[1 - lost.index]
+    nodes.kill(lost)
+    start(2)
+    nodes.wait_until(lambda: len(groups("1")) == 4, "the restarted job's group", TIMEOUT)
+    assert all(g["sum"] == 4.0 for g in groups("1")), groups("1")
+    (nodes.work / "stop").touch()
+    assert nodes.wait(survivor, TIMEOUT) == 0, nodes.outputs()
+    assert nodes.wait(nodes.nodes[2], TIMEOUT) == 0, nodes.outputs()
