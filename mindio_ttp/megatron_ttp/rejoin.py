@@ -70,6 +70,19 @@ def current() -> Optional[Rejoin]:
     return _current if _current is not None and RECOVERY.active else None
 
 
+def megatron_args() -> Any:
+    """Megatron's arguments; between a survivor's leaving the world and its re-run parsing them
+    again (when a fallback to the dying checkpoint may need them), the ones it trained with."""
+    from megatron import get_args
+
+    try:
+        return get_args()
+    except AssertionError:
+        if _current is not None and _current.args is not None:
+            return _current.args
+        raise
+
+
 def finished() -> None:
     global _current
     _current = None
