@@ -101,7 +101,7 @@ def load_in_memory(model, optimizer, scheduler) -> int:
 def _start_processor(optimizer, controller: str) -> None:
     """A replacement joins the control plane at the acting controller (maybe a standby)."""
     from mindio_ttp import framework_ttp as ttp
-    from mindio_ttp.faulttime.save_session import parse_address
+    from mindio_ttp.recovery.coordinator import parse_address
 
     dp_ranks = list(optimizer.dp_ranks)
     ttp.ttp_init_processor(dist.get_rank(), dp_ranks, len(dp_ranks), dist.get_world_size(),

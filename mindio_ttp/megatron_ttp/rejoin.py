@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Tuple, TypeVar
 
 from mindio_ttp.control import hooks
 from mindio_ttp.control.hooks import TTPRecovering
-from mindio_ttp.faulttime.save_session import parse_address
+from mindio_ttp.recovery.coordinator import parse_address
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, SURVIVOR, RecoveryOrder, join_order
 
