@@ -210,6 +210,7 @@ class Controller:
 
     def start(self) -> None:
         assert self._listener is not None, "listen() first"
+        self.flow.recovery.preload()
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
         self.sm.transition_to(S.STANDBY if self.standby else S.SERVING,

@@ -29,7 +29,7 @@ import hashlib
 import json
 import logging
 import random
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from mindio_ttp.control import hooks
 from mindio_ttp.megatron_ttp import rejoin, transfer
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT
+from mindio_ttp.recovery.verify import check_digests
 
 log = logging.getLogger("mindio_ttp.recovery")
 
@@ -252,28 +253,3 @@ def _model_tensors(model) -> List[torch.Tensor]:
         sd = chunk.state_dict_for_save_checkpoint()
         out += [t for t in _leaves(sd) if torch.is_tensor(t)]
     return out
-
-
-def check_digests(everyone: List[Dict[str, Any]]) -> List[str]:
-    """What differs among the ranks' digests (pure; every rank computes the same list)."""
-    problems = []
-    globals_ = {d["global"] for d in everyone if "global" in d}
-    if len(globals_) > 1:
-        problems.append(f"step/consumed samples/scheduler differ: {sorted(globals_)}")
-    by_group: Dict[Tuple[int, ...], List[Dict[str, Any]]] = {}
-    for d in everyone:
-        by_group.setdefault(tuple(d["dp_ranks"]), []).append(d)
-    for group, members in sorted(by_group.items()):
-        holders: Dict[int, Dict[int, str]] = {}
-        for d in members:
-            for position, digest in d.get("stripes", {}).items():
-                holders.setdefault(int(position), {})[d["rank"]] = digest
-        for position, copies in sorted(holders.items()):
-            if len(set(copies.values())) > 1:
-                problems.append(f"DP group {list(group)[:8]}: stripe {position} differs between "
-                                f"ranks {sorted(copies)}")
-        replicas = {d["rank"]: d["replica"] for d in members if "replica" in d}
-        if len(set(replicas.values())) > 1:
-            problems.append(f"DP group {list(group)[:8]}: weights or RNG differ between ranks "
-                            f"{sorted(replicas)}")
-    return problems

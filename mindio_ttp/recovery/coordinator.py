@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 from mindio_ttp.config import TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.roster import Roster
-from mindio_ttp.recovery.decision import RecoveryPlan
+from mindio_ttp.recovery.decision import IN_MEMORY, RecoveryPlan
 from mindio_ttp.recovery.rank import RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
@@ -44,6 +44,13 @@ class RecoveryCoordinator:
         self._ready: Dict[int, P.RecoverReady] = {}
         self._failed = ""
         self.timeline: Dict[str, float] = {}
+
+    def preload(self) -> None:
+        """Import torch.distributed now, if this controller may order a recovery (it hosts the
+        new world's TCPStore): the import holds the GIL for seconds, which inside a flow would
+        starve the controller's I/O thread and make live ranks look hung."""
+        if self.cfg.recovery == IN_MEMORY and self.cfg.replacements:
+            import torch.distributed  # noqa: F401
 
     # -- called by the controller's I/O thread, holding the condition ---------------------------
     @property
