@@ -479,7 +479,7 @@ class Processor:
     # -- in-memory recovery (docs/recovery.md) --------------------------------------------------
     def _on_recover(self, m: P.RecoverOrder) -> None:
         self._note_fault()
-        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.store, "",
+        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous, "",
                               m.deadline)
         if RECOVERY.ordered(order):
             STATE.stop()  # the training thread leaves the step at its next update, if not yet
@@ -500,9 +500,9 @@ class Processor:
     def _relay_replacement(self, m: P.ReplaceOrder) -> None:
         """Ask this host's launcher for a replacement of rank `m.rank`, and forward what it
         answers until the recovery ends."""
-        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.store,
+        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous,
                               m.controller, m.deadline)
-        host, port = parse_address(m.store)
+        host, port = parse_address(m.rendezvous)
         env = {"MASTER_ADDR": host, "MASTER_PORT": str(port),
                "TTP_RECOVERY_JOIN": order.to_env(m.rank)}
         run_dir = self.cfg.run_dir

@@ -451,22 +451,22 @@ ADDRESS = text(80, r"(?:\[[0-9A-Fa-f:.]+\]|[0-9.]+):[0-9]{1,5}")
 REPLACE_STATES = ("started", "exited", "failed")
 
 
-@_message(40, flow_id=NONNEG, recovery_id=ints(1, 2**62), step=ints(1, MAX_STEP), lost=ranks,
-          store=ADDRESS, deadline=seconds)
+@_message(40, flow_id=NONNEG, recovery_id=ints(1, 2**62), step=ints(0, MAX_STEP), lost=ranks,
+          rendezvous=ADDRESS, deadline=seconds)
 @dataclass
 class RecoverOrder(Message):
     """Controller → every survivor: leave the step, roll back to `step`, rejoin the world on the
-    TCPStore at `store` ("host:port"); `lost` are replaced; READY is awaited `deadline` s."""
+    TCPStore at `rendezvous` ("host:port"); `lost` are replaced; READY is awaited `deadline` s."""
     flow_id: int
     recovery_id: int
     step: int
     lost: List[int]
-    store: str
+    rendezvous: str
     deadline: float
 
 
-@_message(41, recovery_id=ints(1, 2**62), flow_id=NONNEG, rank=RANK, step=ints(1, MAX_STEP),
-          lost=ranks, store=ADDRESS, controller=ADDRESS, deadline=seconds)
+@_message(41, recovery_id=ints(1, 2**62), flow_id=NONNEG, rank=RANK, step=ints(0, MAX_STEP),
+          lost=ranks, rendezvous=ADDRESS, controller=ADDRESS, deadline=seconds)
 @dataclass
 class ReplaceOrder(Message):
     """Controller → one survivor on the lost rank's host: ask that host's launcher (through
@@ -477,7 +477,7 @@ class ReplaceOrder(Message):
     rank: int
     step: int
     lost: List[int]
-    store: str
+    rendezvous: str
     controller: str
     deadline: float
 

@@ -114,7 +114,7 @@ def test_committed_recovery_sends_no_exit_and_serves_the_next_fault():
     order, replace = out.sent[2][2], out.sent[3][2]
     assert (order.step, order.lost, order.recovery_id) == (4, [1], 1)
     assert replace.rank == 1 and replace.controller == "127.0.0.1:8000"
-    assert replace.store == order.store and order.store.startswith("127.0.0.1:")
+    assert replace.rendezvous == order.rendezvous and order.rendezvous.startswith("127.0.0.1:")
     assert [b for _, b, _ in flow.sm.history] == [S.SERVING, S.COLLECTING, S.RECOVERING,
                                                   S.SERVING]
     # rearmed: the next fault runs a flow of its own
