@@ -1,4 +1,4 @@
-"""Which Megatron-LM commits `ttp-patch apply --allow-modified` patches, over a date range.
+"""Which Megatron-LM commits `ttp-patch apply --allow-modified` patches, builds and trains.
 
 For every commit reachable from REF with a committer date in [SINCE, UNTIL] (the default range is
 2022-10-01 .. 2023-06-30; `--first-parent` restricts it to the main line's merge commits), the
@@ -13,8 +13,16 @@ Counts are per commit (each inherits its key's result) and per distinct key. Bes
 runs, every edit is assessed in-process on each key's HEAD bytes, so the table can say, per
 anchor, the first commit after the pin where it is not found exactly once.
 
+With `--train`, every commit that applies and compiles is also trained through a fault
+(bench/survey_train.py: tiny GPT, 4 CPU ranks under ttprun, rank 1 SIGKILLed in iteration 5),
+once per distinct *code*: the tree of `megatron/` and the blob of `pretrain_gpt.py`, all the
+Python a run executes from the checkout. Two more columns: the optimizer was built (Megatron's
+"... scheduler are built" line), and the dying checkpoint of step 4 was written and verified.
+That takes one job per code (about 250 over the default range; 10-60 s each on 2 cores), so
+each result is appended to `--train-cache` as it comes and a rerun skips what it holds.
+
     python bench/survey_commits.py REPO [--ref main] [--since 2022-10-01] [--until 2023-06-30]
-        [--out docs/commit-survey.md] [--json results.json]
+        [--train --train-cache train.json] [--out docs/commit-survey.md] [--json results.json]
 
 REPO is a Megatron-LM clone or bare mirror with the history (e.g. a `git clone --bare`).
 """
@@ -39,8 +47,13 @@ from patcher.errors import PatchError
 from patcher.launch_script import EXAMPLE
 from patcher.options import Device, Options
 from patcher.pin import PINNED_BLOBS, PINNED_COMMIT
+from patcher.prerequisites import DISTRIB_OPTIMIZER
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from survey_train import TrainResult, train_one  # noqa: E402
 
 Key = Tuple[Optional[str], ...]
+Code = Tuple[Optional[str], Optional[str]]  # tree id of megatron/, blob id of pretrain_gpt.py
 TIMEOUT_S = 300  # one CLI command on one checkout; a real one takes seconds
 
 
@@ -52,6 +65,7 @@ class Commit:
     key: Key
     after_pin: bool = False  # 285068c is one of its ancestors (it is not 285068c)
     main_line: bool = False  # on REF's first-parent chain
+    code: Code = (None, None)
 
 
 @dataclass
@@ -76,6 +90,12 @@ class Result:
     @property
     def all_anchors(self) -> bool:
         return self.anchors_ok == len(ALL_EDITS)
+
+    @property
+    def builds(self) -> bool:
+        """Applies and compiles: apply, verify and py_compile of the four files all pass."""
+        return self.applied and self.verified and self.compiled
+
     seconds: float = 0.0
 
 
@@ -115,16 +135,26 @@ def list_commits(
     for line in git(repo, *args, ref).splitlines():
         sha, date, subject = line.split("\0", 2)
         commits.append(
-            Commit(sha, date, subject, blob_key(repo, sha), sha in descendants, sha in main_line)
+            Commit(sha, date, subject, blob_key(repo, sha), sha in descendants, sha in main_line,
+                   code_key(repo, sha))
         )
     return commits
 
 
-KEYED = [*TARGET_FILES, EXAMPLE]  # apply also reads the example launch script
+def code_key(repo: Path, sha: str) -> Code:
+    """What a training run executes from the checkout: megatron/'s tree, pretrain_gpt.py's blob."""
+    out = git(repo, "ls-tree", sha, "--", "megatron", "pretrain_gpt.py")
+    found = {line.split("\t", 1)[1]: line.split()[2] for line in out.splitlines()}
+    return found.get("megatron"), found.get("pretrain_gpt.py")
+
+
+# apply also reads the example launch script (it derives its own from it) and the optimizer
+# ReplicatedOptimizer subclasses (patcher/prerequisites.py)
+KEYED = [*TARGET_FILES, EXAMPLE, DISTRIB_OPTIMIZER]
 
 
 def blob_key(repo: Path, sha: str) -> Key:
-    """The four targets' blob ids, then the example script's (apply derives the script from it)."""
+    """The blob ids of the files apply reads: the four targets, then the two it checks."""
     out = git(repo, "ls-tree", sha, "--", *KEYED)
     found = {line.split("\t", 1)[1]: line.split()[2] for line in out.splitlines()}
     return tuple(found.get(p) for p in KEYED)
@@ -137,7 +167,6 @@ def cli(*args: str, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
         text=True,
         timeout=TIMEOUT_S,
         cwd=cwd,
-        env={k: v for k, v in os.environ.items() if k != "TTP_PATCH_COMMIT"},
     )
 
 
@@ -221,6 +250,41 @@ def survey(repo: Path, commits: Sequence[Commit], log=print) -> Dict[Key, Result
     return results
 
 
+def _code_id(code: Code) -> str:
+    return f"{code[0]}:{code[1]}"
+
+
+def train_all(
+    repo: Path, commits: Sequence[Commit], results: Dict[Key, Result], cache: Optional[Path],
+    log=print,
+) -> Dict[Code, TrainResult]:
+    """One training run per distinct code among the commits that apply and compile (the
+    oldest commit of each), results kept in `cache` (JSON) as they come."""
+    known: Dict[str, dict] = {}
+    if cache is not None and cache.exists():
+        known = json.loads(cache.read_text())
+    out: Dict[Code, TrainResult] = {}
+    todo = [c for c in commits if results[c.key].builds]
+    codes = len({c.code for c in todo})
+    for c in todo:
+        if c.code in out:
+            continue
+        cid = _code_id(c.code)
+        if cid in known:
+            out[c.code] = TrainResult(**known[cid])
+            continue
+        with tempfile.TemporaryDirectory(prefix="ttp-survey-train-") as tmp:
+            r = train_one(repo, c.sha, Path(tmp))
+        out[c.code], known[cid] = r, asdict(r)
+        if cache is not None:
+            tmp_path = cache.with_name(cache.name + ".tmp")
+            tmp_path.write_text(json.dumps(known, indent=1))
+            os.replace(tmp_path, cache)
+        log(f"train {len(out)}/{codes} {c.sha[:10]} {c.date[:10]} built={r.optimizer_built} "
+            f"passed={r.passed} {r.wall_s}s {'' if r.passed else r.error[-200:]}")
+    return out
+
+
 def _when(iso: str) -> dt.datetime:
     return dt.datetime.fromisoformat(iso)
 
@@ -254,6 +318,7 @@ def render(
     results: Dict[Key, Result],
     pin_when: str,
     elapsed: float,
+    trained: Optional[Dict[Code, TrainResult]] = None,
 ) -> str:
     main = [c for c in commits if c.main_line]
     after = [c for c in commits if c.after_pin]
@@ -278,14 +343,15 @@ def render(
     lines = [
         f"# Commit survey: `ttp-patch apply --allow-modified` over Megatron-LM {since} .. {until}",
         "",
+        *(_three_columns(commits, results, trained) if trained is not None else []),
         f"Run {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} by "
         f"`bench/survey_commits.py` on {repo_name}, ref `{ref}`: every commit reachable from it "
         f"with a committer date in the range: {n} commits, {k4} distinct sets of the four target "
-        f"blobs, {k} once the example launch script `{EXAMPLE}` (which apply also reads) is "
-        f"counted; one checkout per set ({elapsed:.0f} s in all). Pinned commit 285068c is "
-        f"dated {pin_when[:10]}.",
+        f"blobs, {k} once the two files apply also reads (the example launch script "
+        f"`{EXAMPLE}` and `{DISTRIB_OPTIMIZER}`) are counted; one checkout per set "
+        f"({elapsed:.0f} s in all). Pinned commit 285068c is dated {pin_when[:10]}.",
         "",
-        "Commits (distinct sets of the 4 targets + example script in parentheses); "
+        "Commits (distinct sets of the 4 targets + the 2 files read in parentheses); "
         "*main line*: on the first-parent chain of the ref; *after 285068c*: 285068c is an "
         "ancestor.",
         "",
@@ -360,6 +426,59 @@ def render(
     return "\n".join(lines) + "\n"
 
 
+def _three_columns(
+    commits: Sequence[Commit], results: Dict[Key, Result], trained: Dict[Code, TrainResult]
+) -> List[str]:
+    """The summary: per commit, how far it gets (each column needs the one before)."""
+
+    def stages(c: Commit) -> Tuple[bool, bool, bool]:
+        builds = results[c.key].builds
+        run = trained.get(c.code) if builds else None
+        built = run is not None and run.optimizer_built
+        return builds, built, built and run is not None and run.passed
+
+    subsets = [
+        ("all in range", commits),
+        ("main line (first parent)", [c for c in commits if c.main_line]),
+        ("after 285068c (descendants)", [c for c in commits if c.after_pin]),
+    ]
+    lines = [
+        "Commits (distinct codes, `megatron/` + `pretrain_gpt.py`, in parentheses) that get "
+        "this far; each column needs the one before:",
+        "",
+        "| commits | in range | applies and compiles | builds the optimizer | trains through a "
+        "fault |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for label, subset in subsets:
+        cells = [f"{len(subset)} ({len({c.code for c in subset})})"]
+        for i in range(3):
+            got = [c for c in subset if stages(c)[i]]
+            cells.append(f"{len(got)} ({len({c.code for c in got})})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    why: Dict[str, List[Commit]] = {}
+    for c in commits:
+        builds, built, passed = stages(c)
+        if builds and not passed:
+            run = trained[c.code]
+            stage = "optimizer not built" if not built else "no dying checkpoint"
+            why.setdefault(f"{stage}: {run.error.splitlines()[-1] if run.error else '?'}",
+                           []).append(c)
+    if why:
+        lines += [
+            "",
+            "Why the others stop (the error the job printed first; the oldest commit of each):",
+            "",
+            "| stops at | commits (codes) | oldest | dates |",
+            "|---|---:|---|---|",
+        ]
+        for reason, cs in sorted(why.items(), key=lambda kv: -len(kv[1])):
+            text = reason.replace("|", "\\|")[:220]
+            lines.append(f"| {text} | {len(cs)} ({len({c.code for c in cs})}) | "
+                         f"`{cs[0].sha[:12]}` | {cs[0].date[:10]} .. {cs[-1].date[:10]} |")
+    return lines + [""]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("repo", type=Path, help="a Megatron-LM clone or bare mirror with its history")
@@ -370,16 +489,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", type=Path, help="write the Markdown table here")
     p.add_argument("--json", type=Path, help="write every commit's and key's result here")
     p.add_argument("--name", default="NVIDIA/Megatron-LM", help="how the table names the repo")
+    p.add_argument("--train", action="store_true",
+                   help="also train every distinct code through a fault (hours on 2 cores)")
+    p.add_argument("--train-cache", type=Path,
+                   help="JSON of finished training runs: kept up to date, reused on a rerun")
     args = p.parse_args(argv)
     repo = git_dir(args.repo)
     t0 = time.monotonic()
     commits = list_commits(repo, args.ref, args.since, args.until, args.first_parent)
     keys = {c.key for c in commits}
     print(f"{len(commits)} commits, {len(keys)} distinct blob sets", file=sys.stderr)
-    results = survey(repo, commits, log=lambda s: print(s, file=sys.stderr, flush=True))
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    results = survey(repo, commits, log=say)
+    trained = train_all(repo, commits, results, args.train_cache, say) if args.train else None
     text = render(
         args.name, args.ref, args.since, args.until, commits, results, pin_date(repo),
-        time.monotonic() - t0,
+        time.monotonic() - t0, trained,
     )
     if args.out:
         args.out.write_text(text)
@@ -389,6 +514,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         doc = {
             "commits": [asdict(c) for c in commits],
             "results": {",".join(str(b) for b in k): asdict(r) for k, r in results.items()},
+            "trained": {_code_id(k): asdict(r) for k, r in (trained or {}).items()},
         }
         args.json.write_text(json.dumps(doc, indent=1))
     return 0

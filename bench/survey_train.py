@@ -1,14 +1,18 @@
-"""Train the tiny GPT on a few surveyed Megatron-LM commits and kill a rank: is the dying
-checkpoint there?
+"""Train the tiny GPT on surveyed Megatron-LM commits and kill a rank: does Megatron build the
+optimizer, and is the dying checkpoint there?
 
-The expensive half of the commit survey (bench/survey_commits.py checks every commit's patch;
-this runs a real job on a handful). Per commit: a `git clone --shared` of REPO at it (REPO is
-never written), `ttp-patch apply --allow-modified --device cpu`, the tiny dataset built with that
-tree's own Megatron classes, then 4 CPU ranks under `ttprun` (gloo, --use-distributed-optimizer,
-periodic save every 3) with rank 1 SIGKILLed in the forward step of iteration 5, driven by the
-test-only fault hook of testkit/hooks/fault_hook. Passing means what
+The expensive half of the commit survey (`bench/survey_commits.py --train` calls
+:func:`train_one` once per distinct code of `megatron/` + `pretrain_gpt.py`). Per commit: a `git
+clone --shared` of REPO at it (REPO is never written), `ttp-patch apply --allow-modified
+--device cpu`, the tiny dataset built with that tree's own Megatron classes, then 4 CPU ranks
+under `ttprun` (gloo, --use-distributed-optimizer, periodic save every 3) with rank 1 SIGKILLed
+in the forward step of iteration 5, driven by the test-only fault hook of
+testkit/hooks/fault_hook. Two results: *optimizer built* when rank 0 logged Megatron's "after
+model, optimizer, and learning rate scheduler are built" (the ReplicatedOptimizer of the patch
+constructed on every rank), and *passed* (trains through a fault) when the job did what
 tests/megatron/test_e2e_dying_checkpoint.py asserts at 285068c: the launcher fails, the tracker
-names step 4, and iter_0000004 verifies against its manifest for the DP4 layout.
+names step 4, iter_0000004 verifies against its manifest for the DP4 layout, and losses 1-4 were
+logged.
 
     python bench/survey_train.py REPO COMMIT [COMMIT ...] [--json OUT]
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,17 +30,26 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
-from mindio_ttp.demo.rehearsal.launch import Launcher, PretrainJob, pick_free_port, tiny_gpt_args
-from mindio_ttp.megatron_ttp import manifest
-from mindio_ttp.megatron_ttp.manifest import ParallelLayout
-from testkit.hooks import FAULT_HOOK_DIR, pythonpath
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit: the repository's rig
+
+from mindio_ttp.demo.rehearsal.data import make_tiny_dataset  # noqa: E402
+from mindio_ttp.demo.rehearsal.launch import (  # noqa: E402
+    Launcher,
+    PretrainJob,
+    pick_free_port,
+    tiny_gpt_args,
+)
+from mindio_ttp.megatron_ttp import manifest  # noqa: E402
+from mindio_ttp.megatron_ttp.manifest import ParallelLayout  # noqa: E402
+from testkit.hooks import FAULT_HOOK_DIR, pythonpath  # noqa: E402
 
 TTP_OT_S = 40  # as the e2e tests: seconds ttprun keeps survivors alive after a fault
 N_ITERS = 10
 PLAN = "1:5:sigkill:before"
 JOB_TIMEOUT_S = 420.0
 DP4 = ParallelLayout(tp=1, pp=1, dp=4)
+BUILT_LINE = "after model, optimizer, and learning rate scheduler are built"
+_ERROR_LINE = re.compile(r"^(?:\S+: )?(\w+(?:\.\w+)*(?:Error|Exception)\b.*)$", re.M)
 
 
 @dataclass
@@ -44,6 +57,7 @@ class TrainResult:
     commit: str
     applied: bool = False
     dataset: bool = False
+    optimizer_built: bool = False
     returncode: Optional[int] = None
     tracker_step: Optional[int] = None
     manifest_ok: bool = False
@@ -51,6 +65,12 @@ class TrainResult:
     passed: bool = False
     wall_s: float = 0.0
     error: str = ""
+
+
+def first_error(log: str) -> str:
+    """The first exception line of a log (ranks print the same one), '' when none."""
+    found = _ERROR_LINE.search(log)
+    return found.group(1).strip()[:300] if found else ""
 
 
 def train_one(repo: Path, commit: str, work: Path) -> TrainResult:
@@ -61,10 +81,9 @@ def train_one(repo: Path, commit: str, work: Path) -> TrainResult:
                    check=True, timeout=300)
     subprocess.run(["git", "-C", str(tree), "checkout", "-q", "--detach", commit],
                    check=True, timeout=300)
-    env = {k: v for k, v in os.environ.items() if k != "TTP_PATCH_COMMIT"}
     applied = subprocess.run([sys.executable, "-m", "patcher", "apply", str(tree),
                               "--allow-modified", "--device", "cpu"],
-                             capture_output=True, text=True, timeout=300, env=env)
+                             capture_output=True, text=True, timeout=300)
     res.applied = applied.returncode == 0
     if not res.applied:
         res.error = applied.stderr[-1000:]
@@ -91,6 +110,7 @@ def train_one(repo: Path, commit: str, work: Path) -> TrainResult:
         result = job.wait(JOB_TIMEOUT_S)
     res.returncode = result.returncode
     res.losses = result.losses
+    res.optimizer_built = BUILT_LINE in result.log
     if result.timed_out:
         res.error = f"timed out after {JOB_TIMEOUT_S} s: {result.tail(1500)}"
     elif ckpt.is_dir():
@@ -105,7 +125,7 @@ def train_one(repo: Path, commit: str, work: Path) -> TrainResult:
         and sorted(res.losses or {}) == [1, 2, 3, 4]
     )
     if not res.passed and not res.error:
-        res.error = result.tail(1500)
+        res.error = first_error(result.log) or result.tail(1500)
     res.wall_s = round(time.monotonic() - t0, 1)
     return res
 
@@ -121,7 +141,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         with tempfile.TemporaryDirectory(prefix="ttp-survey-train-") as tmp:
             r = train_one(args.repo, commit, Path(tmp))
         results.append(r)
-        print(f"{commit[:12]} applied={r.applied} dataset={r.dataset} rc={r.returncode} "
+        print(f"{commit[:12]} applied={r.applied} dataset={r.dataset} "
+              f"optimizer_built={r.optimizer_built} rc={r.returncode} "
               f"tracker={r.tracker_step} manifest_ok={r.manifest_ok} "
               f"losses={sorted(r.losses or {})} passed={r.passed} {r.wall_s}s "
               f"{r.error[-300:] if not r.passed else ''}", file=sys.stderr, flush=True)

@@ -1,20 +1,26 @@
-"""Every knob of the runtime in one place: env-variable names, their defaults, exit codes.
+"""Every setting of the runtime in one table (`SETTINGS`), its exit codes, and the one check.
 
-Other modules (and `ttprun`) import the names from here so a spelling lives once. All times are
-seconds as floats; `TTPConfig.from_env()` reads and validates them once at start-up so a typo in
-an env variable fails loudly before training starts, not in the middle of a fault.
+Each ``TTP_*`` variable is one `Setting` row: name, type, default, allowed range, meaning and
+the parser that turns its text into a value or says, in a ValueError, what is wrong. The same
+`problems` runs in ``ttprun`` before any worker starts (exit 2, one message naming every bad
+value) and in every rank (`TTPConfig.from_env`), so the two cannot disagree; `--help`, the
+docs table (docs/settings.md, printed by ``python -m mindio_ttp.config``) and the README read
+the same rows. Adding a setting is adding a row (and, if the runtime reads it, a field).
+All times are seconds as floats.
 """
 
 from __future__ import annotations
 
+import difflib
 import enum
 import hashlib
 import logging
 import math
 import os
 import stat
-from dataclasses import dataclass
-from typing import Mapping, Optional
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 log = logging.getLogger("mindio_ttp")
 
@@ -35,7 +41,11 @@ ENV_UPDATE_GRACE = "TTP_UPDATE_GRACE"
 ENV_CONNECT_TIMEOUT = "TTP_CONNECT_TIMEOUT"
 ENV_HANDSHAKE_TIMEOUT = "TTP_HANDSHAKE_TIMEOUT"
 ENV_CONTROLLER_PORT = "TTP_CONTROLLER_PORT"
+ENV_LISTEN_PORTS = "TTP_LISTEN_PORTS"
 ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
+ENV_CHECKPOINT_KEY = "TTP_CHECKPOINT_KEY"
+ENV_CPU_BUILD_DIR = "TTP_CPU_BUILD_DIR"
+ENV_RDZV_NOTICE = "TTPRUN_RDZV_NOTICE_S"
 # ttprun: warm spares per node (processes that imported torch and the entry's imports and wait
 # to replace a lost rank); 0 = none. `ttprun --warm-spares N` sets it.
 ENV_WARM_SPARES = "TTP_WARM_SPARES"
@@ -48,6 +58,8 @@ ENV_RECOVER_TIMEOUT = "TTP_RECOVER_TIMEOUT"
 # set by ttprun in its workers: how it starts a lost rank's replacement ("cold"); unset: the
 # launcher cannot (torchrun), so a fault ends in the dying checkpoint
 ENV_REPLACEMENTS = "TTP_REPLACEMENTS"
+# set by ttprun in a replacement's environment: the recovery it joins (recovery/rank.py)
+ENV_RECOVERY_JOIN = "TTP_RECOVERY_JOIN"
 # test-only: the host name a rank reports for that check (one machine plays several hosts)
 ENV_TEST_HOSTNAME = "TTP_TEST_HOSTNAME"
 
@@ -55,40 +67,57 @@ ENV_TEST_HOSTNAME = "TTP_TEST_HOSTNAME"
 # one range everything holds a port to: the port argument, TTP_CONTROLLER_PORT, `ttp-patch
 # apply --port` and its record.
 CONTROLLER_PORT_RANGE = (1024, 65535)
+# Longest time any setting may name: a week. Larger values are typos (or inf in disguise) and
+# would overflow the deadlines computed from them on some platforms.
+MAX_SECONDS = 7 * 24 * 3600.0
+KEY_BYTES = (16, 512)  # TTP_AUTH_KEY: at least 128 bits; at most what a key file may hold
+# TTP_SAVE_TIME_LIMIT, when unset: what TTP_OT leaves after collecting the ranks' state and
+# renaming, minus this margin for detection and the exit orders (90 s at the default TTP_OT).
+SAVE_LIMIT_MARGIN_S = 5.0
 
 FLOW_FINISHED_FILE = "flow-finished.json"
+# The largest world the runtime accepts (the API's checks and the wire format's rank ranges).
+MAX_WORLD = 100_000
 # Bytes a listener holds in partial frames of all not-yet-registered connections together.
 # Per connection the cap is protocol.pre_auth_max_payload (a Register carries 8 B per rank), so
 # without a total, (world_size + 64) connections could pin ~560 MiB at 8192 ranks. A real
 # Register arrives whole and is consumed at once; only a flood fills this.
 PRE_AUTH_BUFFER_BUDGET = 64 * 1024 * 1024
+# The authenticated store (control/keyspace.py): what one rank's writes may hold at the acting
+# controller (keys, values and bookkeeping, over every namespace), what all ranks' writes may
+# hold together, and how many gets/waits one rank may leave pending. A gloo group's rendezvous
+# costs each member about 8 B per member of the group, so 4 MiB is ~500k peers' worth per rank.
+STORE_RANK_BUDGET = 4 * 1024 * 1024
+STORE_TOTAL_BUDGET = 256 * 1024 * 1024
+STORE_WAITS_PER_RANK = 64
 # The save handler waits at most this long for the device event recorded at the end of the
 # update it saves (device_copy.py) before it refuses: that update's kernels normally finished
 # long before a fault is handled; one that has not in this time waits on a hung kernel.
 DEVICE_READY_TIMEOUT_S = 30.0
+# How long the fault-time abort (faulttime/abort.py) waits for every communicator's abort (and
+# NPU's stop/restart) before it reports the stragglers as timed out and the save reads anyway,
+# on its private stream: an abort can hang in NCCL's proxy thread (nccl #1013, #1777).
+ABORT_TIMEOUT_S = 10.0
 # In TTP_RUN_DIR: one empty file per rank whose processor started (rank-N). The launcher holds
 # survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
 # rank holds anything a dying checkpoint could use.
 RUNTIME_STARTED_DIR = "runtime-started"
 
-DEFAULTS: dict[str, float] = {
-    ENV_OT: 120.0,
-    ENV_HEARTBEAT_INTERVAL: 2.0,
-    ENV_HEARTBEAT_TIMEOUT: 6.0,
-    ENV_SAVE_TIME_LIMIT: 90.0,
-    ENV_RENAME_TIME_LIMIT: 15.0,
-    ENV_COLLECT_TIMEOUT: 10.0,
-    ENV_UPDATE_GRACE: 5.0,
-    ENV_CONNECT_TIMEOUT: 60.0,
-    # A listener closes a connection that has not completed the handshake (challenge, Register,
-    # ack) within this; a rank gives up on a listener that has not. Long enough for every rank
-    # of a large job connecting at once, short enough that a port held by another program ends
-    # every rank within seconds instead of after TTP_CONNECT_TIMEOUT.
-    ENV_HANDSHAKE_TIMEOUT: 10.0,
-    # a cold replacement imports torch and Megatron and builds its model inside this bound
-    ENV_RECOVER_TIMEOUT: 120.0,
-}
-RECOVERY_MODES = ("in-memory", "dying-checkpoint")
+
+# Megatron-LM 285068c's process-group timeout, hard-coded at 10 minutes
+# (megatron/initialize.py:174-177; the --distributed-timeout-minutes flag came later). A
+# survivor's collective hung on a dead peer fails when it runs out, and with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING the watchdog then aborts the communicators, so it must outlast
+# TTP_OT by the time from the collective's start to the fault's detection: the step that was
+# running when the peer died, plus TTP_HEARTBEAT_TIMEOUT. PG_TIMEOUT_MARGIN_S bounds that.
+MEGATRON_PG_TIMEOUT_S = 600.0
+PG_TIMEOUT_MARGIN_S = 300.0
+
+
+def process_group_timeout_s(ot_s: float, floor_s: float = MEGATRON_PG_TIMEOUT_S) -> float:
+    """The process-group timeout a patched tree runs with: Megatron's own unless TTP_OT needs
+    more (the launcher checks other trees against the same rule)."""
+    return max(floor_s, ot_s + PG_TIMEOUT_MARGIN_S)
 
 
 class ExitCode(enum.IntEnum):
@@ -114,93 +143,378 @@ class Outcome(str, enum.Enum):
         return int(ExitCode[self.name])
 
 
-def _float_env(env: Mapping[str, str], name: str) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return DEFAULTS[name]
+# -- parsers: text -> value, or ValueError(what is wrong) -------------------------------------
+Parser = Callable[[str], Any]
+
+
+def seconds(raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number: set it to seconds, e.g. "
-                         f"{name}={DEFAULTS[name]:g}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+        raise ValueError("is not a number: give seconds, e.g. 10 or 2.5") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"must be a positive number of seconds, at most {MAX_SECONDS:.0f}")
     return value
 
 
-def _optional_float_env(env: Mapping[str, str], name: str) -> float:
-    """Like _float_env, but 0 or unset means 'off'."""
-    raw = env.get(name, "").strip()
-    if raw in ("", "0"):
-        return 0.0
-    return _float_env({name: raw}, name)
+def seconds_or_off(raw: str) -> float:
+    try:
+        if float(raw) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return seconds(raw)
 
 
-def _recovery_mode(env: Mapping[str, str]) -> str:
-    raw = env.get(ENV_RECOVERY, "").strip().lower() or RECOVERY_MODES[0]
-    if raw not in RECOVERY_MODES:
-        raise ValueError(f"{ENV_RECOVERY}={raw!r}: use {' or '.join(RECOVERY_MODES)}")
+def port(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("is not an integer port") from None
+    lo, hi = CONTROLLER_PORT_RANGE
+    if not lo <= value <= hi:
+        raise ValueError(f"is out of range: use {lo}..{hi}")
+    return value
+
+
+def port_range(raw: str) -> Tuple[int, int]:
+    parts = raw.replace(":", "-").split("-")
+    if len(parts) != 2:
+        raise ValueError("must be a range LOW-HIGH, e.g. 29600-29663")
+    try:
+        lo, hi = port(parts[0].strip()), port(parts[1].strip())
+    except ValueError as exc:
+        raise ValueError(f"must be a range LOW-HIGH of ports: one {exc}") from None
+    if lo > hi:
+        raise ValueError(f"is empty: {lo} > {hi}")
+    return lo, hi
+
+
+def flag(raw: str) -> bool:
+    if raw.strip() not in ("0", "1"):
+        raise ValueError("must be 1 (on) or 0 (off)")
+    return raw.strip() == "1"
+
+
+def hex_key(raw: str) -> bytes:
+    try:
+        key = bytes.fromhex(raw.strip())
+    except ValueError:
+        raise ValueError("must be hex (e.g. from `python -c \"import secrets; "
+                         "print(secrets.token_hex(32))\"`)") from None
+    lo, hi = KEY_BYTES
+    if len(key) < lo:
+        raise ValueError(f"is {len(key)} bytes: use at least {lo} ({2 * lo} hex chars)")
+    if len(key) > hi:
+        raise ValueError(f"is {len(key)} bytes: use at most {hi}")
+    return key
+
+
+def key_file(path: str) -> bytes:
+    return read_key_file(path)
+
+
+def log_level(raw: str) -> int:
+    level = logging.getLevelName(raw.strip().upper())
+    if not isinstance(level, int):
+        raise ValueError("is not a level: use DEBUG, INFO, WARNING or ERROR")
+    return level
+
+
+def text(raw: str) -> str:
     return raw
 
 
+def count(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("is not a whole number: give a count, e.g. 1") from None
+    if value < 0:
+        raise ValueError("is negative: use 0 (none) or more")
+    return value
+
+
+RECOVERY_MODES = ("in-memory", "dying-checkpoint")
+
+
+def recovery_mode(raw: str) -> str:
+    mode = raw.strip().lower()
+    if mode not in RECOVERY_MODES:
+        raise ValueError(f"must be {' or '.join(RECOVERY_MODES)}")
+    return mode
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: what the docs, ``ttprun --help`` and the check say of it."""
+
+    name: str
+    type: str
+    default: str  # as documented ("" when unset has a meaning given in `meaning`)
+    range: str
+    meaning: str
+    parse: Parser = text
+    value: Any = None  # the parsed default the runtime uses when the variable is unset
+    detail: str = ""  # more, for the docs table
+
+
+SETTINGS: Tuple[Setting, ...] = (
+    Setting(ENV_OT, "seconds", "120", "(0, 604800]",
+            "grace period after a fault: survivors stay up this long to save",
+            seconds, 120.0,
+            "ttprun holds the survivors, the runtime waits for its exit order; past it a rank "
+            "exits 86. The generated script sets 360"),
+    Setting(ENV_AUTH_KEY, "hex", "made by ttprun on one node",
+            f"{KEY_BYTES[0]}..{KEY_BYTES[1]} bytes",
+            "the job's control-plane secret, the same on every node", hex_key, None,
+            "HMAC-SHA256 of every control frame; never sent over the network"),
+    Setting(ENV_AUTH_KEY_FILE, "path", "", "owner-only regular file",
+            f"instead of {ENV_AUTH_KEY}: a file holding it", key_file, None,
+            "owned by you (or root), mode 600 or 400, symlinks followed: a Kubernetes Secret "
+            "volume works with `defaultMode: 0400`"),
+    Setting(ENV_INSECURE, "0/1", "0", "0 or 1",
+            "1: run without a secret (one node only)", flag, False,
+            "a key derived from MASTER_ADDR/MASTER_PORT/run id: anyone on the network can end "
+            "the job"),
+    Setting(ENV_CONTROLLER_PORT, "port", "training.py's (apply --port, 8000)", "1024..65535",
+            "the controller's TCP port on MASTER_ADDR", port, None,
+            "overrides the port the start calls pass; must differ from MASTER_PORT"),
+    Setting(ENV_LISTEN_PORTS, "port range", "(ephemeral)", "LOW-HIGH in 1024..65535",
+            "ports for the ranks' standby listeners", port_range, None,
+            "each rank listens on one port of this range on its own address, for a standby "
+            "controller; give at least as many ports as ranks per node, and open them between "
+            "nodes"),
+    Setting(ENV_HEARTBEAT_INTERVAL, "seconds", "2", "(0, 604800]",
+            "between a rank's heartbeats and the controller's acks", seconds, 2.0),
+    Setting(ENV_HEARTBEAT_TIMEOUT, "seconds", "6", f"> {ENV_HEARTBEAT_INTERVAL}",
+            "silence after which a rank is hung (or the controller lost)", seconds, 6.0),
+    Setting(ENV_STEP_TIMEOUT, "seconds", "0 (off)", "0 or (0, 604800]",
+            "a job-wide stall this long is a fault", seconds_or_off, 0.0,
+            "every rank heartbeats but no rank's step changed for this long; set it above your "
+            "longest step plus evaluation and checkpoint pauses"),
+    Setting(ENV_COLLECT_TIMEOUT, "seconds", "10", f"> {ENV_UPDATE_GRACE}",
+            "how long the controller waits for every rank's state", seconds, 10.0),
+    Setting(ENV_UPDATE_GRACE, "seconds", "5", "(0, 604800]",
+            "how long a rank inside its optimizer update may take to finish it", seconds, 5.0),
+    Setting(ENV_SAVE_TIME_LIMIT, "seconds",
+            f"{ENV_OT} - {ENV_COLLECT_TIMEOUT} - {ENV_RENAME_TIME_LIMIT} - "
+            f"{SAVE_LIMIT_MARGIN_S:g}", "(0, 604800]",
+            "limit of the save handler (writing the dying checkpoint)", seconds, None,
+            "90 s at the default TTP_OT, 330 s at the generated script's 360, never below "
+            "TTP_OT/4; a save past it fails (exit 85)"),
+    Setting(ENV_RENAME_TIME_LIMIT, "seconds", "15", "(0, 604800]",
+            "limit of the rename handler (moving the checkpoint into place)", seconds, 15.0),
+    Setting(ENV_CONNECT_TIMEOUT, "seconds", "60", "(0, 604800]",
+            "how long a rank retries reaching the controller at start", seconds, 60.0),
+    # A listener closes a connection that has not completed the handshake (challenge, Register,
+    # ack) within this; a rank gives up on a listener that has not. Long enough for every rank
+    # of a large job connecting at once, short enough that a port held by another program ends
+    # every rank within seconds instead of after TTP_CONNECT_TIMEOUT.
+    Setting(ENV_HANDSHAKE_TIMEOUT, "seconds", "10", "(0, 604800]",
+            "a connection must finish its handshake within this", seconds, 10.0),
+    Setting(ENV_REQUIRE_CROSS_HOST_REPLICAS, "0/1", "0", "0 or 1",
+            "1: refuse to start when both copies of a shard share a host", flag, False,
+            "0 warns instead"),
+    Setting(ENV_RECOVERY, "mode", RECOVERY_MODES[0], " or ".join(RECOVERY_MODES),
+            "after a fault, go on in memory (replace the lost rank) or save and exit",
+            recovery_mode, RECOVERY_MODES[0],
+            "in-memory needs ttprun, --load and the patched tree's recovery hooks; whenever it "
+            "cannot work or fails half-way, the dying checkpoint is written (docs/recovery.md)"),
+    # a cold replacement imports torch and Megatron and builds its model inside this bound
+    Setting(ENV_RECOVER_TIMEOUT, "seconds", "120", "(0, 604800]",
+            "an in-memory recovery not finished within this falls back to the dying "
+            "checkpoint", seconds, 120.0,
+            "from the recovery order to every rank (the replacement too) refilled and checked; "
+            "TTP_OT then counts again for the dying checkpoint"),
+    Setting(ENV_REPLACEMENTS, "text", "set by ttprun", "",
+            "how the launcher starts a lost rank's replacement (cold)", text, None,
+            "set by ttprun for its workers, not by you: unset (another launcher), a fault ends "
+            "in the dying checkpoint"),
+    Setting(ENV_RECOVERY_JOIN, "JSON", "set by ttprun", "",
+            "in a replacement process: the recovery it joins", text, None,
+            "set by ttprun for a replacement only (its step, store, acting controller), not by "
+            "you"),
+    Setting(ENV_WARM_SPARES, "count", "0", ">= 0",
+            "ttprun: warm spares per node, processes ready to replace a lost rank", count, 0,
+            "each has imported torch, the training script's imports and torch._dynamo and "
+            "waits; `ttprun --warm-spares N` sets it (docs/spares.md)"),
+    Setting(ENV_CHECKPOINT_KEY, "text", "", "non-empty",
+            "HMAC every checkpoint manifest with this secret", text, None,
+            "a checkpoint without a valid MAC is then refused at load"),
+    Setting(ENV_RUN_DIR, "directory", "made by ttprun", "",
+            "where the outcome, flow-finished.json, is written", text, None,
+            "set it to keep that file: ttprun makes a folder per launch inside it"),
+    Setting(ENV_LOG_LEVEL, "level", "INFO", "DEBUG, INFO, WARNING, ERROR",
+            "the runtime's log level", log_level, logging.INFO),
+    Setting(ENV_LOG_PATH, "directory", "(stderr)", "",
+            "each rank logs to ttp-rank<R>.log here", text),
+    Setting(ENV_CPU_BUILD_DIR, "directory", "<tmp>/ttp_cpu_adaptor_build", "",
+            "CPU rehearsals: where Megatron's dataset helpers are built", text),
+    Setting(ENV_RDZV_NOTICE, "seconds", "10", "(0, 604800]",
+            "how often ttprun says it waits for other nodes", seconds, 10.0),
+)
+BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
+DEFAULTS: Dict[str, float] = {s.name: s.value for s in SETTINGS
+                              if s.parse in (seconds, seconds_or_off) and s.value is not None}
+
+
+class SettingsError(ValueError):
+    """Every bad setting at once: one message, one line per problem."""
+
+    def __init__(self, problems: List[str]) -> None:
+        self.problems = list(problems)
+        if len(problems) == 1:
+            super().__init__(problems[0])
+        else:
+            super().__init__(f"{len(problems)} settings are wrong:\n  "
+                             + "\n  ".join(problems))
+
+
+def _raw(env: Mapping[str, str], name: str) -> Optional[str]:
+    raw = env.get(name)
+    return None if raw is None or raw.strip() == "" else raw
+
+
+def _parse_all(env: Mapping[str, str]) -> Tuple[Dict[str, Any], List[str]]:
+    values: Dict[str, Any] = {}
+    problems: List[str] = []
+    for s in SETTINGS:
+        raw = _raw(env, s.name)
+        if raw is None:
+            values[s.name] = s.value
+            continue
+        try:
+            values[s.name] = s.parse(raw)
+        except ValueError as exc:
+            why = str(exc)
+            if not why.startswith(s.name):  # the key itself is never printed
+                why = f"{s.name} {why}" if s.parse is hex_key else f"{s.name}={raw!r} {why}"
+            problems.append(why)
+            values[s.name] = None
+    return values, problems
+
+
+def _cross_checks(env: Mapping[str, str], v: Dict[str, Any]) -> List[str]:
+    out = []
+    hb, hb_to = v[ENV_HEARTBEAT_INTERVAL], v[ENV_HEARTBEAT_TIMEOUT]
+    if hb is not None and hb_to is not None and hb_to <= hb:
+        out.append(f"{ENV_HEARTBEAT_TIMEOUT}={hb_to:g} must be larger than "
+                   f"{ENV_HEARTBEAT_INTERVAL}={hb:g} (3 intervals is typical)")
+    collect, grace = v[ENV_COLLECT_TIMEOUT], v[ENV_UPDATE_GRACE]
+    if collect is not None and grace is not None and collect <= grace:
+        out.append(f"{ENV_COLLECT_TIMEOUT}={collect:g} must exceed {ENV_UPDATE_GRACE}="
+                   f"{grace:g}: a rank inside its update window needs the grace to answer")
+    if _raw(env, ENV_AUTH_KEY) and _raw(env, ENV_AUTH_KEY_FILE):
+        out.append(f"both {ENV_AUTH_KEY} and {ENV_AUTH_KEY_FILE} are set: set one")
+    return out
+
+
+def problems(env: Mapping[str, str]) -> List[str]:
+    """Every bad setting in `env`, one sentence each (empty: all fine). A missing key is not
+    a problem here: ttprun makes one on a single node; the runtime asks for it itself."""
+    values, found = _parse_all(env)
+    return found + _cross_checks(env, values)
+
+
+def unknown_names(env: Mapping[str, str]) -> List[str]:
+    """Warnings for TTP_* names that look like a misspelt setting (they are ignored)."""
+    out = []
+    for name in sorted(env):
+        if name.startswith(("TTP_", "TTPRUN_")) and name not in BY_NAME:
+            close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.85)
+            if close:
+                out.append(f"{name} is not a setting (ignored): did you mean {close[0]}?")
+    return out
+
+
+def derived_save_limit(ot: float, collect: float, rename: float) -> float:
+    """TTP_SAVE_TIME_LIMIT when unset: the part of TTP_OT left to the save, never below a
+    quarter of TTP_OT (a short TTP_OT, e.g. in tests, still gives the save some time)."""
+    return max(ot - collect - rename - SAVE_LIMIT_MARGIN_S, ot / 4)
+
+
+def overtime_s(env: Optional[Mapping[str, str]] = None) -> float:
+    """TTP_OT in seconds (ValueError naming the variable when it is bad)."""
+    env = os.environ if env is None else env
+    raw = _raw(env, ENV_OT)
+    if raw is None:
+        return BY_NAME[ENV_OT].value
+    try:
+        return seconds(raw)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_OT}={raw!r} {exc}") from None
+
+
+def _float_env(env: Mapping[str, str], name: str) -> float:
+    raw = _raw(env, name)
+    if raw is None:
+        return BY_NAME[name].value
+    try:
+        return BY_NAME[name].parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} {exc}") from None
+
+
 def _port_env(env: Mapping[str, str]) -> Optional[int]:
-    raw = env.get(ENV_CONTROLLER_PORT)
-    if raw is None or raw.strip() == "":
+    raw = _raw(env, ENV_CONTROLLER_PORT)
+    if raw is None:
         return None
     try:
-        port = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is not an integer port") from None
-    lo, hi = CONTROLLER_PORT_RANGE
-    if not lo <= port <= hi:
-        raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} is out of range: use {lo}..{hi}")
-    return port
+        return port(raw)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_CONTROLLER_PORT}={raw!r} {exc}") from None
 
 
 def warm_spares(env: Optional[Mapping[str, str]] = None) -> int:
     """``TTP_WARM_SPARES``: how many warm spares ``ttprun`` keeps per node (default 0)."""
-    raw = (os.environ if env is None else env).get(ENV_WARM_SPARES, "").strip()
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_WARM_SPARES}={raw!r} is not a whole number: set the number of "
-                         f"warm spares per node, e.g. {ENV_WARM_SPARES}=1") from None
-    if value < 0:
-        raise ValueError(f"{ENV_WARM_SPARES}={raw!r} is negative: use 0 (none) or more")
-    return value
+    return _float_env(os.environ if env is None else env, ENV_WARM_SPARES)
 
 
 def _parse_key(raw: str, source: str) -> bytes:
     try:
-        key = bytes.fromhex(raw.strip())
-    except ValueError:
-        raise ValueError(f"{source} must be hex (e.g. from `python -c \"import "
-                         f"secrets; print(secrets.token_hex(32))\"`)") from None
-    if len(key) < 16:
-        raise ValueError(f"{source} is {len(key)} bytes: use at least 16 (32 hex chars)")
-    return key
+        return hex_key(raw)
+    except ValueError as exc:
+        raise ValueError(f"{source} {exc}") from None
 
 
 def read_key_file(path: str) -> bytes:
     """The key from a file only its owner can read (a group- or world-readable key is no
-    secret on a shared cluster)."""
+    secret on a shared cluster). Symlinks are followed (a Kubernetes Secret volume's files
+    are links into a hidden folder): what counts is the file finally opened, checked with
+    fstat on the open descriptor, so a link swapped after the check cannot point elsewhere."""
+    where = f"{ENV_AUTH_KEY_FILE}={path}"
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
-        raise ValueError(f"{ENV_AUTH_KEY_FILE}={path}: cannot open ({exc.strerror})") from None
+        raise ValueError(f"{where}: cannot open ({exc.strerror})") from None
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"{ENV_AUTH_KEY_FILE}={path} is not a regular file")
-        if mode & 0o077:
-            raise ValueError(f"{ENV_AUTH_KEY_FILE}={path} is readable by others (mode "
-                             f"{stat.S_IMODE(mode):o}): run `chmod 600 {path}`")
+        st = os.fstat(f.fileno())
+        final = os.path.realpath(path)
+        shown = path if final == os.path.abspath(path) else f"{path} (-> {final})"
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{ENV_AUTH_KEY_FILE}={shown} is not a regular file")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ValueError(f"{ENV_AUTH_KEY_FILE}={shown} belongs to uid {st.st_uid}, not "
+                             f"to you (uid {os.geteuid()}) or root: its owner could change "
+                             "the key; use a file of your own")
+        if st.st_mode & 0o077:
+            raise ValueError(
+                f"{ENV_AUTH_KEY_FILE}={shown} is readable by others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): run `chmod 600 {final}` (Kubernetes: "
+                "`defaultMode: 0400` on the Secret volume)")
         raw = f.read(1025)
     if len(raw) > 1024:
-        raise ValueError(f"{ENV_AUTH_KEY_FILE}={path} is too large for a key")
-    return _parse_key(raw.decode("ascii", "replace"), f"{ENV_AUTH_KEY_FILE}={path}")
+        raise ValueError(f"{ENV_AUTH_KEY_FILE}={shown} is too large for a key")
+    return _parse_key(raw.decode("ascii", "replace"), f"{ENV_AUTH_KEY_FILE}={shown}")
+
+
+NO_KEY_MESSAGE = (
+    f"no control-plane key: launch with ttprun (it generates one on a single node), or "
+    f"give every rank the same secret in {ENV_AUTH_KEY} (e.g. `export {ENV_AUTH_KEY}="
+    f"$(python -c 'import secrets; print(secrets.token_hex(32))')` distributed by your "
+    f"scheduler) or in a chmod-600 file named by {ENV_AUTH_KEY_FILE}; "
+    f"{ENV_INSECURE}=1 runs without a secret (anyone on the network can end the job)")
 
 
 def auth_key_from_env(env: Mapping[str, str]) -> bytes:
@@ -208,23 +522,34 @@ def auth_key_from_env(env: Mapping[str, str]) -> bytes:
     TTP_AUTH_KEY_FILE. There is no derived default: a key computed from MASTER_ADDR and the
     like is known to anyone on the network, who could then end the job with one forged fault
     report. Only an explicit TTP_INSECURE_NO_AUTH=1 gets such a key, logged as insecure."""
-    raw = env.get(ENV_AUTH_KEY)
+    raw = _raw(env, ENV_AUTH_KEY)
     if raw:
         return _parse_key(raw, ENV_AUTH_KEY)
-    if env.get(ENV_AUTH_KEY_FILE):
+    if _raw(env, ENV_AUTH_KEY_FILE):
         return read_key_file(env[ENV_AUTH_KEY_FILE])
     if env.get(ENV_INSECURE) != "1":
-        raise ValueError(
-            f"no control-plane key: launch with ttprun (it generates one on a single node), or "
-            f"give every rank the same secret in {ENV_AUTH_KEY} (e.g. `export {ENV_AUTH_KEY}="
-            f"$(python -c 'import secrets; print(secrets.token_hex(32))')` distributed by your "
-            f"scheduler) or in a chmod-600 file named by {ENV_AUTH_KEY_FILE}; "
-            f"{ENV_INSECURE}=1 runs without a secret (anyone on the network can end the job)")
+        raise ValueError(NO_KEY_MESSAGE)
     seed = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
-    log.warning("INSECURE: %s=1 and no %s: using a key derived from MASTER_ADDR/MASTER_PORT/"
-                "TORCHELASTIC_RUN_ID; anyone who knows these can forge control messages and end "
-                "the job", ENV_INSECURE, ENV_AUTH_KEY)
+    _warn_insecure(f"INSECURE: {ENV_INSECURE}=1 and no {ENV_AUTH_KEY}: using a key derived from "
+                   "MASTER_ADDR/MASTER_PORT/TORCHELASTIC_RUN_ID; anyone who knows these can "
+                   "forge control messages and end the job")
     return hashlib.sha256(b"mindio-ttp-weak-key|" + seed.encode()).digest()
+
+
+_insecure_warned = False
+
+
+def _warn_insecure(text: str) -> None:
+    """Logged, and written to stderr once per process whatever TTP_LOG_LEVEL says: a job
+    anyone on the network can end must never run quietly."""
+    global _insecure_warned
+    log.warning("%s", text)
+    if not _insecure_warned:
+        _insecure_warned = True
+        try:
+            print(f"mindio_ttp: WARNING: {text}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # a closed stderr must not stop the start
+            pass
 
 
 @dataclass(frozen=True)
@@ -241,41 +566,81 @@ class TTPConfig:
     run_dir: Optional[str]
     auth_key: bytes
     step_timeout: float = 0.0  # 0: off
-    handshake_timeout: float = DEFAULTS[ENV_HANDSHAKE_TIMEOUT]
+    handshake_timeout: float = BY_NAME[ENV_HANDSHAKE_TIMEOUT].value
+    listen_ports: Optional[Tuple[int, int]] = field(default=None)
     recovery: str = RECOVERY_MODES[0]
-    recover_timeout: float = DEFAULTS[ENV_RECOVER_TIMEOUT]
+    recover_timeout: float = 120.0
     replacements: str = ""  # what the launcher offers (ENV_REPLACEMENTS); "": none
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> TTPConfig:
+        """The settings of this rank, checked by the same table as ttprun's check (a
+        SettingsError lists every bad value at once)."""
         env = os.environ if env is None else env
+        values, found = _parse_all(env)
+        found += _cross_checks(env, values)
+        key: Optional[bytes] = None
+        if not any(p.startswith((ENV_AUTH_KEY, ENV_INSECURE)) for p in found):
+            try:
+                key = auth_key_from_env(env)
+            except ValueError as exc:
+                found.append(str(exc))
+        if found:
+            raise SettingsError(found)
+        assert key is not None
+        v = values
+        save_limit = v[ENV_SAVE_TIME_LIMIT]
+        if save_limit is None:
+            save_limit = derived_save_limit(v[ENV_OT], v[ENV_COLLECT_TIMEOUT],
+                                            v[ENV_RENAME_TIME_LIMIT])
         cfg = cls(
-            ot=_float_env(env, ENV_OT),
-            heartbeat_interval=_float_env(env, ENV_HEARTBEAT_INTERVAL),
-            heartbeat_timeout=_float_env(env, ENV_HEARTBEAT_TIMEOUT),
-            save_time_limit=_float_env(env, ENV_SAVE_TIME_LIMIT),
-            rename_time_limit=_float_env(env, ENV_RENAME_TIME_LIMIT),
-            collect_timeout=_float_env(env, ENV_COLLECT_TIMEOUT),
-            update_grace=_float_env(env, ENV_UPDATE_GRACE),
-            connect_timeout=_float_env(env, ENV_CONNECT_TIMEOUT),
-            controller_port=_port_env(env),
+            ot=v[ENV_OT],
+            heartbeat_interval=v[ENV_HEARTBEAT_INTERVAL],
+            heartbeat_timeout=v[ENV_HEARTBEAT_TIMEOUT],
+            save_time_limit=save_limit,
+            rename_time_limit=v[ENV_RENAME_TIME_LIMIT],
+            collect_timeout=v[ENV_COLLECT_TIMEOUT],
+            update_grace=v[ENV_UPDATE_GRACE],
+            connect_timeout=v[ENV_CONNECT_TIMEOUT],
+            controller_port=v[ENV_CONTROLLER_PORT],
             run_dir=env.get(ENV_RUN_DIR) or None,
-            auth_key=auth_key_from_env(env),
-            step_timeout=_optional_float_env(env, ENV_STEP_TIMEOUT),
-            handshake_timeout=_float_env(env, ENV_HANDSHAKE_TIMEOUT),
-            recovery=_recovery_mode(env),
-            recover_timeout=_float_env(env, ENV_RECOVER_TIMEOUT),
-            replacements=env.get(ENV_REPLACEMENTS, "").strip(),
+            auth_key=key,
+            step_timeout=v[ENV_STEP_TIMEOUT],
+            handshake_timeout=v[ENV_HANDSHAKE_TIMEOUT],
+            listen_ports=v[ENV_LISTEN_PORTS],
+            recovery=v[ENV_RECOVERY],
+            recover_timeout=v[ENV_RECOVER_TIMEOUT],
+            replacements=(v[ENV_REPLACEMENTS] or "").strip(),
         )
-        if cfg.heartbeat_timeout <= cfg.heartbeat_interval:
-            raise ValueError(
-                f"{ENV_HEARTBEAT_TIMEOUT}={cfg.heartbeat_timeout:g} must be larger than "
-                f"{ENV_HEARTBEAT_INTERVAL}={cfg.heartbeat_interval:g} (3 intervals is typical)")
-        if cfg.collect_timeout <= cfg.update_grace:
-            raise ValueError(f"{ENV_COLLECT_TIMEOUT} must exceed {ENV_UPDATE_GRACE}: a rank "
-                             "inside its update window needs the grace to answer the collect")
         budget = cfg.collect_timeout + cfg.save_time_limit + cfg.rename_time_limit
         if budget >= cfg.ot:
             log.warning("%s=%g is shorter than collect + save + rename limits (%g s): processes "
                         "may exit before the dying checkpoint is renamed", ENV_OT, cfg.ot, budget)
         return cfg
+
+
+# -- the table, for people ----------------------------------------------------------------------
+def markdown_table() -> str:
+    """The docs/settings.md table of every TTP_* variable (a test keeps the file in step)."""
+    rows = ["| variable | type | default | range | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        meaning = f"{s.meaning}; {s.detail}" if s.detail else s.meaning
+        rows.append(f"| `{s.name}` | {s.type} | {s.default or '(unset)'} | {s.range or '-'} | "
+                    f"{meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def help_lines(width: int = 96) -> List[str]:
+    """``ttprun --help``'s list: name, type, default, meaning."""
+    import textwrap
+
+    out = []
+    for s in SETTINGS:
+        default = f", default {s.default}" if s.default else ""
+        out += textwrap.wrap(f"{s.name} ({s.type}{default}): {s.meaning}", width,
+                             initial_indent="  ", subsequent_indent="      ")
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m mindio_ttp.config`
+    sys.stdout.write(markdown_table())

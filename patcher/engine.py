@@ -67,15 +67,19 @@ def assess_module(path: str, module: cst.Module, opts: Options) -> List[Tuple[Ed
 
 def _transform(path: str, module: cst.Module, opts: Options) -> Tuple[cst.Module, list]:
     results = assess_module(path, module, opts)
-    for edit, res in results:
-        if res.state is State.DRIFTED:
-            scope = f"function {edit.scope}()" if edit.scope else "module level"
-            raise AnchorError(
-                f"edit {edit.id} ({edit.number}) in {path}, {scope}: {res.detail}; "
-                f"anchor: {edit.anchor_text()!r}",
-                "the file is not as Megatron-LM 285068c ships it; "
-                f"`git diff -- {path}` shows what changed",
-            )
+    drifted = [
+        f"edit {edit.id} ({edit.number}) in {path}, "
+        f"{f'function {edit.scope}()' if edit.scope else 'module level'}: {res.detail}; "
+        f"anchor: {edit.anchor_text()!r}"
+        for edit, res in results
+        if res.state is State.DRIFTED
+    ]  # every one: edits 0 and 1 share `import torch`, and one message should name both
+    if drifted:
+        raise AnchorError(
+            "\n".join(drifted),
+            "the file is not as Megatron-LM 285068c ships it; "
+            f"`git diff -- {path}` shows what changed",
+        )
     ops = [op for _, res in results if res.state is State.MISSING for op in res.ops]
     if not ops:
         return module, results

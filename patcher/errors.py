@@ -106,6 +106,12 @@ class AnchorError(PatchError):
     exit_code = EXIT_NOT_APPLIED
 
 
+class IncompatibleTree(PatchError):
+    """The targets patch, but the rest of the tree is not what the runtime builds on."""
+
+    exit_code = EXIT_NOT_APPLIED
+
+
 class Drifted(PatchError):
     """Files changed after apply; reverting would discard someone's work."""
 

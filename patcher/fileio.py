@@ -20,7 +20,6 @@ import signal
 import stat
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -38,9 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .journal import Journal
 
 TEMP_SUFFIX = ".ttp-tmp"
-# Test-only: seconds to sleep before each replace, so a test can kill the write phase at a
-# chosen moment. Documented in docs/patcher-safety.md; never set it for real work.
-TEST_PAUSE_ENV = "TTP_PATCH_TEST_PAUSE"
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -179,6 +175,7 @@ def restore(path: Path, old: Snapshot) -> None:
 
 
 def _apply(change: Change, old: Snapshot) -> None:
+    """One file of the write phase (a seam: the safety tests stretch the phase here)."""
     if change.new is None:
         restore(change.path, Snapshot("absent"))
     else:
@@ -236,12 +233,6 @@ def _deferred_signals() -> Iterator[_Deferred]:
             signal.signal(s, handler)
 
 
-def _test_pause() -> None:
-    raw = os.environ.get(TEST_PAUSE_ENV)
-    if raw:
-        time.sleep(float(raw))
-
-
 def _changed(change: Change, shown: str) -> ModifiedTarget:
     return ModifiedTarget(
         f"{shown} changed while ttp-patch was running",
@@ -282,7 +273,6 @@ def write_all(
                 caught = deferred.pending()
                 if caught is not None:
                     raise Interrupted(caught, "interrupted")
-                _test_pause()
                 ch, old = entry
                 failing = ch.path
                 if snapshot(ch.path) != old:

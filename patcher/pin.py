@@ -1,6 +1,6 @@
-"""What "Megatron-LM 285068c" means to the edits: four files' exact bytes, not one commit id.
+"""What "Megatron-LM 285068c" means to the edits: the target files' exact bytes, not one commit id.
 
-The edits only read the four target files, so a fork commit, an empty commit on top, or any
+The edits only read the target files, so a fork commit, an empty commit on top, or any
 later commit that leaves them byte-identical is as good as the pin. Identity is the git blob id
 (sha1 of "blob LEN\\0" + bytes), the same id `git ls-tree` prints, so a checkout is matched from
 its object store without reading 285068c itself (shallow clones and forks do not have it).
@@ -9,14 +9,10 @@ its object store without reading 285068c itself (shallow clones and forks do not
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-import git
-
 from .edits import TARGET_FILES
-from .errors import WrongCommit
 
 PINNED_COMMIT = "285068c8108e0e8e6538f54fe27c3ee86c5217a2"
 # `git ls-tree 285068c8108e -- <targets>` of NVIDIA/Megatron-LM.
@@ -25,9 +21,8 @@ PINNED_BLOBS: Dict[str, str] = {
     "megatron/training.py": "2179f63417f3408ca8f629cb233fc197cbc9dd85",
     "megatron/optimizer/__init__.py": "484e9b322e98dff2bb7b12756acc22694e2b0100",
     "megatron/core/parallel_state.py": "ef4e886d874b5fc94204d329ce662274b6958629",
+    "megatron/initialize.py": "ba68a8fd5bff04fd1d7765b964acd0b2ad2a3e0e",
 }
-# Only for testing the tool itself on small fixture repositories; documented as such.
-COMMIT_OVERRIDE_ENV = "TTP_PATCH_COMMIT"
 
 
 def blob_id(data: bytes) -> str:
@@ -46,24 +41,13 @@ class Pin:
         return data is not None and blob_id(data) == self.blobs.get(path)
 
 
-def expected_commit() -> str:
-    return os.environ.get(COMMIT_OVERRIDE_ENV) or PINNED_COMMIT
+PIN = Pin(PINNED_COMMIT, dict(PINNED_BLOBS))
 
 
-def expected_pin(repo: git.Repo) -> Pin:
-    """The pin; under the test override, the blobs are read from that commit of `repo`."""
-    want = expected_commit()
-    if want == PINNED_COMMIT:
-        return Pin(PINNED_COMMIT, dict(PINNED_BLOBS))
-    try:
-        tree = repo.commit(want).tree
-        blobs = {p: (tree / p).hexsha for p in TARGET_FILES}
-    except (ValueError, KeyError, git.BadName) as exc:
-        raise WrongCommit(
-            f"{COMMIT_OVERRIDE_ENV}={want} is not a commit with the target files here ({exc})",
-            f"unset {COMMIT_OVERRIDE_ENV} (it is for the tool's own tests)",
-        ) from None
-    return Pin(want, blobs)
+def pinned() -> Pin:
+    """The pin every command checks a checkout against. Nothing in the product changes it; the
+    patcher's tests substitute their fixture repository's commit for it (testkit/patcher_pin.py)."""
+    return PIN
 
 
 def differing(pin: Pin, blobs: Dict[str, Optional[str]]) -> List[str]:

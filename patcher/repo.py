@@ -12,11 +12,12 @@ from typing import Dict, Optional
 
 import git
 
+from . import pin as _pin
 from .edits import TARGET_FILES
 from .errors import MissingTarget, NotAGitRepo, UsageError, WrongCommit
-from .pin import COMMIT_OVERRIDE_ENV, PINNED_COMMIT, Pin, expected_commit, expected_pin
+from .pin import PINNED_COMMIT, Pin
 
-__all__ = ["COMMIT_OVERRIDE_ENV", "PINNED_COMMIT", "Checkout", "expected_commit", "open_checkout"]
+__all__ = ["PINNED_COMMIT", "Checkout", "open_checkout"]
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Checkout:
         return blob.data_stream.read()
 
     def pin(self) -> Pin:
-        return expected_pin(self.repo)
+        return _pin.pinned()
 
     def relation(self, want: str) -> str:
         return _relation(self.repo, want, self.commit)
@@ -103,7 +104,7 @@ def open_checkout(directory: str) -> Checkout:
             f"{directory}: inside a git work tree but not its root ({top})",
             f"run on the Megatron-LM root: ttp-patch ... {top}",
         )
-    want = expected_commit()
+    want = _pin.pinned().commit
     try:
         found = repo.head.commit.hexsha
     except ValueError:

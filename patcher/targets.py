@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from . import prerequisites
 from .edits import TARGET_FILES
 from .engine import decode, plan_file
 from .errors import ModifiedTarget, PatchError, WrongCommit
@@ -82,6 +83,7 @@ def plan_targets(tree: Tree, opts: Options, allow_modified: bool = False) -> Tar
     head_differs = [p for p in TARGET_FILES if heads.get(p) != pin.blobs.get(p)]
     if not_pinned and not allow_modified:
         _refuse(tree, pin, not_pinned, head_differs)
+    prerequisites.check(prerequisites.read(tree.root))
     return Targets(plans, head_differs, _notes(tree, pin, head_differs, not_pinned))
 
 
@@ -115,13 +117,13 @@ def _notes(tree: Tree, pin: Pin, head_differs: List[str], not_pinned: List[str])
         same = [p for p in TARGET_FILES if p not in head_differs]
         if not head_differs:
             notes.append(
-                f"found HEAD {found} {relation}: its 4 target files are byte-identical to "
-                f"{short}'s"
+                f"found HEAD {found} {relation}: its {len(TARGET_FILES)} target files are "
+                f"byte-identical to {short}'s"
             )
         else:
             notes.append(
-                f"found HEAD {found} {relation}: {len(same)} of 4 target files are "
-                f"{short}'s; differing: {', '.join(head_differs)}"
+                f"found HEAD {found} {relation}: {len(same)} of {len(TARGET_FILES)} target "
+                f"files are {short}'s; differing: {', '.join(head_differs)}"
             )
     if not_pinned:
         notes.append(

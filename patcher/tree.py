@@ -112,7 +112,7 @@ class Tree:
 
     @property
     def pin(self) -> Pin:
-        """What the edits were written for: 285068c's four blob ids (patcher/pin.py)."""
+        """What the edits were written for: 285068c's target blob ids (patcher/pin.py)."""
         if self._pin is None:
             self._pin = self.checkout.pin()
         return self._pin

@@ -9,9 +9,17 @@ it, then runs the flow itself; ranks that never reached it count as dead. Half i
 majority: a split job's two halves may both promote, so every flow must win the fault's claim
 (claim.py) before its first save order (docs/node-loss.md).
 
-The controller is composed, not mixed: it owns a `Roster` (roster.py), a `Flow` (flow.py) and
-a `MailOutbox`, and hands the flow only those, its condition and its state machine; the flow
-reports back through its own methods (`fault`, `joined`, `left`, `report`, `result`).
+The controller is composed, not mixed: it owns a `Roster` (roster.py), a `Flow` (flow.py), a
+`KeySpace` (keyspace.py: the authenticated store) and a `MailOutbox`, and hands the flow only
+those, its condition and its state machine; the flow reports back through its own methods
+(`fault`, `joined`, `left`, `report`, `result`).
+
+What a peer can do to the I/O thread is bounded (docs/security.md): a peer that has not
+registered is read no further than the frame it is sending and the pre-authentication budget,
+and only `PRE_AUTH_EVENTS_PER_LOOP` of them (and as many new connections) are served per loop
+turn, after every registered rank, so a flood cannot delay a heartbeat. Warnings an outsider
+can cause are rate-limited (`LogLimit`). An unexpected error while serving one connection
+closes that connection, is logged with its peer, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -28,15 +36,56 @@ from mindio_ttp.config import PRE_AUTH_BUFFER_BUDGET, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.flow import Decision, Flow
 from mindio_ttp.control.hooks import TTPError
+from mindio_ttp.control.keyspace import KeySpace
 from mindio_ttp.control.roster import RankInfo, Roster
 from mindio_ttp.control.session import ListenerHandshake
 from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox
 from mindio_ttp.faulttime import claim as C
-from mindio_ttp.faulttime import save_session
 
 log = logging.getLogger("mindio_ttp.controller")
+
+# Work per loop turn for peers that have not registered (new connections, and readable ones):
+# bounded, and done after every registered rank's frames, so no flood delays a heartbeat.
+PRE_AUTH_EVENTS_PER_LOOP = 256
+# Before registration a read takes the rest of the frame being sent (or this much, so a short
+# junk line is read whole and the peer sees a clean close, not a reset), never more.
+PRE_AUTH_READ = 4096
+# Warnings an outsider can trigger: at most LOG_BURST of each kind per LOG_WINDOW seconds,
+# then one line that says how many more were suppressed.
+LOG_BURST, LOG_WINDOW = 10, 60.0
+
+
+class LogLimit:
+    """One kind of warning, rate-limited: `burst` lines per `window` seconds, the rest counted
+    and summarised ("N more ... suppressed") once the window is over (`flush`, called on every
+    tick of the I/O loop). A connection that reads the challenge and sends junk would
+    otherwise cost one line each: about 1 GiB of log an hour from one client."""
+
+    def __init__(self, what: str, burst: int = LOG_BURST, window: float = LOG_WINDOW) -> None:
+        self.what, self.burst, self.window = what, burst, window
+        self.logged = self.suppressed = 0
+        self._start = time.monotonic()
+        self._last = ""
+
+    def warning(self, fmt: str, *args: object) -> None:
+        self.flush()
+        if self.logged < self.burst:
+            self.logged += 1
+            log.warning(fmt, *args)
+        else:
+            self.suppressed += 1
+            self._last = fmt % args if self.suppressed == 1 else self._last
+
+    def flush(self, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        if now - self._start < self.window:
+            return
+        if self.suppressed:
+            log.warning("%d more %s suppressed in the last %.0f s (the first: %s)",
+                        self.suppressed, self.what, now - self._start, self._last)
+        self._start, self.logged, self.suppressed = now, 0, 0
 
 
 class MailOutbox:
@@ -64,7 +113,7 @@ class MailOutbox:
 class Controller:
     def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int,
                  standby: bool = False,
-                 claims: Callable[[], Optional[C.ClaimSpace]] = C.registered) -> None:
+                 claims: Optional[Callable[[], Optional[C.ClaimSpace]]] = None) -> None:
         self.cfg = cfg
         self.world_size = world_size
         self.replica = replica
@@ -74,6 +123,11 @@ class Controller:
         self.sm = StateMachine(self.name)
         self.address: Optional[Tuple[str, int]] = None
         self.rejected_frames = 0
+        # the launch's fault id (claim.py): made by the primary, handed to every rank in its
+        # RegisterAck; a standby gets it from the processor that hosts it
+        self.fault_id: Optional[str] = None if standby else C.new_fault_id()
+        self.loops = 0  # turns of the I/O loop (tests wait for the loop to have acted)
+        self.checked_at = 0.0  # when the silence checks last ran
         self._ranks = Roster()
         self._cond = threading.Condition(threading.RLock())
         self._mail = Mailbox()
@@ -82,6 +136,8 @@ class Controller:
         self._listener: Optional[socket.socket] = None
         self._pending: Dict[Conn, float] = {}  # accepted, not registered yet
         self._refused_pending = 0
+        self._warn_refused = LogLimit("refused connections")
+        self._warn_pre_auth = LogLimit("warnings about unregistered connections")
         # every rank may connect at once at start-up; beyond that, only floods: memory before
         # authentication is bounded per connection by pre_auth_max_payload(world_size) and in
         # all by PRE_AUTH_BUFFER_BUDGET (partial frames of unregistered connections)
@@ -95,9 +151,10 @@ class Controller:
         self._thread: Optional[threading.Thread] = None
         self._backups: List[List[object]] = []
         self._progress_at: Optional[float] = None  # last heartbeat showing a step change
-        # the save store is hosted on our listening address, known once listen() ran
+        self.store = KeySpace()  # the authenticated store; only the I/O thread touches it
         self.flow = Flow(cfg, world_size, replica, host_rank, self.name, self.sm, self._cond,
-                         self._ranks, self._outbox, self._listen_host, claims,
+                         self._ranks, self._outbox, self.close_store,
+                         claims or (lambda: C.registered(self.fault_id)),
                          address=lambda: self.address)
 
     # -- what the flow found (read by tests, benchmarks and the API) ---------------------------
@@ -121,19 +178,30 @@ class Controller:
     def faults(self) -> List[str]:
         return self.flow.faults
 
-    def _listen_host(self) -> str:
-        assert self.address is not None, "listen() first"
-        return self.address[0]
-
     # -- life cycle --------------------------------------------------------------------------
-    def listen(self, ip: str, port: int) -> Tuple[str, int]:
+    def listen(self, ip: str, port: int, ports: Optional[Tuple[int, int]] = None,
+               first: int = 0) -> Tuple[str, int]:
+        """Listen on ip:port; with `ports` (TTP_LISTEN_PORTS), on the first free port of that
+        range from its `first`-th one on (ranks on one host start at different ones)."""
         sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((ip, port))
-        except OSError as exc:
+        candidates = [port] if ports is None else [
+            ports[0] + (first + i) % (ports[1] - ports[0] + 1)
+            for i in range(ports[1] - ports[0] + 1)]
+        for candidate in candidates:
+            try:
+                sock.bind((ip, candidate))
+                break
+            except OSError as exc:
+                if ports is not None and exc.errno == errno.EADDRINUSE:
+                    continue
+                sock.close()
+                raise TTPError(listen_error(ip, candidate, exc, self.standby)) from None
+        else:
             sock.close()
-            raise TTPError(listen_error(ip, port, exc, self.standby)) from None
+            raise TTPError(f"TTP standby controller cannot listen on {ip}: every port of "
+                           f"TTP_LISTEN_PORTS={ports[0]}-{ports[1]} is in use; give a range "
+                           "with at least as many free ports as ranks on this host")
         sock.listen(4096)
         sock.setblocking(False)
         self._listener = sock
@@ -142,7 +210,7 @@ class Controller:
 
     def start(self) -> None:
         assert self._listener is not None, "listen() first"
-        save_session.preload()  # before any fault: the flow hosts a TCPStore per save order
+        self.flow.recovery.preload()
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
         self.sm.transition_to(S.STANDBY if self.standby else S.SERVING,
@@ -181,6 +249,11 @@ class Controller:
     def flush(self, timeout: float) -> bool:
         return self._outbox.flush(timeout)
 
+    def close_store(self, namespace: str, why: str = "closed by the controller") -> None:
+        """Drop a namespace of the authenticated store (any thread): its pending gets and
+        waits fail, its memory is freed."""
+        self._mail.put("store_close", namespace, why)
+
     @property
     def registered(self) -> List[int]:
         with self._cond:
@@ -197,29 +270,61 @@ class Controller:
                 if self._stop.is_set():
                     break
                 raise
-            for key, mask in events:
+            self.loops += 1
+            pre_auth = []
+            for key, mask in events:  # registered ranks first
                 if key.data == "listen":
-                    self._accept()
+                    pre_auth.append((key, mask))
                 elif key.data == "wake":
-                    self._on_mail()
+                    self._guarded(None, self._on_mail)
+                elif key.data in self._pending:
+                    pre_auth.append((key, mask))
                 else:
-                    conn: Conn = key.data
-                    if mask & selectors.EVENT_READ:
-                        self._on_readable(conn)
-                    if mask & selectors.EVENT_WRITE and not conn.closed:
-                        self._flush(conn)
+                    self._on_event(key.data, mask)
+            for key, mask in pre_auth[:PRE_AUTH_EVENTS_PER_LOOP]:  # the rest: next turn
+                if key.data == "listen":
+                    self._guarded(None, self._accept)
+                else:
+                    self._on_event(key.data, mask)
             now = time.monotonic()
             if now >= next_check:
-                self._check_silence(now)
+                self._guarded(None, self._check_silence, now)
+                self.checked_at = now
                 next_check = now + tick
             if self._flush_waiters and all(not c.out for c in self._conns.values()):
                 for ev in self._flush_waiters:
                     ev.set()
                 self._flush_waiters.clear()
 
+    def _on_event(self, conn: Conn, mask: int) -> None:
+        if conn.closed:  # dropped earlier in this turn
+            return
+        if mask & selectors.EVENT_READ:
+            self._guarded(conn, self._on_readable, conn)
+        if mask & selectors.EVENT_WRITE and not conn.closed:
+            self._guarded(conn, self._flush, conn)
+
+    def _guarded(self, conn: Optional[Conn], fn: Callable[..., None], *args: object) -> None:
+        """Run one piece of the I/O loop's work; an unexpected error closes `conn` (if the work
+        was for one connection) and is logged, and the loop serves everyone else."""
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - one peer's bad luck must not stop the listener
+            if conn is None:
+                log.exception("%s: error in the I/O loop (%s); serving on", self.name,
+                              getattr(fn, "__name__", fn))
+                return
+            log.exception("%s: error while serving %s (rank %s); closing that connection",
+                          self.name, conn.peer, conn.rank)
+            try:
+                self._drop(conn, "error while serving it")
+            except Exception:  # noqa: BLE001
+                log.exception("%s: error while closing %s", self.name, conn.peer)
+                conn.close()
+
     def _accept(self) -> None:
         assert self._listener is not None
-        while True:
+        for _ in range(PRE_AUTH_EVENTS_PER_LOOP):  # the rest wait for the next turn
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -230,11 +335,9 @@ class Controller:
             if len(self._pending) >= self._max_pending:
                 # an unauthenticated flood: refuse it here, before any byte is buffered
                 self._refused_pending += 1
-                if self._refused_pending in (1, 10, 100, 1000) or \
-                        self._refused_pending % 10000 == 0:
-                    log.warning("%s: %d connections waiting to register; refused %s (%d refused "
-                                "so far)", self.name, len(self._pending), f"{addr[0]}:{addr[1]}",
-                                self._refused_pending)
+                self._warn_refused.warning(
+                    "%s: %d connections waiting to register; refused %s (%d refused so far)",
+                    self.name, len(self._pending), f"{addr[0]}:{addr[1]}", self._refused_pending)
                 sock.close()
                 continue
             hs = ListenerHandshake(self.cfg.auth_key, P.pre_auth_max_payload(self.world_size))
@@ -265,6 +368,9 @@ class Controller:
                 self._send_alive_now(item[1], item[2])
             elif kind == "flush":
                 self._flush_waiters.append(item[1])
+            elif kind == "store_close":
+                n = self.store.close(item[1], item[2])
+                log.info("%s: store namespace %s closed (%d key(s))", self.name, item[1], n)
 
     def _send_alive_now(self, msg: P.Message, exclude: Optional[int] = None) -> None:
         payload = None
@@ -289,13 +395,20 @@ class Controller:
 
     def _on_readable(self, conn: Conn) -> None:
         try:
-            msgs = conn.read()
-            if conn in self._pending and not self._hold_pre_auth(conn):
-                log.warning("%s: unregistered connections hold more than %d bytes of partial "
-                            "frames; closing %s, which pushed them over", self.name,
-                            self.pre_auth_budget, conn.peer)
-                self._drop(conn, "pre-authentication buffer budget exceeded")
-                return
+            if conn in self._pending:
+                # read no further than this frame and the budget: memory is bounded, not counted
+                room = self.pre_auth_budget - self._pre_auth_total
+                if room <= 0:
+                    self._warn_pre_auth.warning(
+                        "%s: unregistered connections hold %d bytes of partial frames, the "
+                        "budget; closing %s, which sent more", self.name, self._pre_auth_total,
+                        conn.peer)
+                    self._drop(conn, "pre-authentication buffer budget exceeded")
+                    return
+                msgs = conn.read(min(max(conn.dec.wanted(), PRE_AUTH_READ), room))
+                self._hold_pre_auth(conn)
+            else:
+                msgs = conn.read()
             while msgs:
                 for msg in msgs:
                     if conn.closed:
@@ -307,8 +420,11 @@ class Controller:
             self._drop(conn, f"connection dropped: {exc}")
         except P.ProtocolError as exc:
             self.rejected_frames += 1
-            log.warning("%s: rejected frame from %s (rank %s): %s; closing that connection",
-                        self.name, conn.peer, conn.rank, exc)
+            # a registered rank's bad frame ends that rank: always said; before registration it
+            # is anyone's junk, rate-limited
+            warn = log.warning if conn.rank is not None else self._warn_pre_auth.warning
+            warn("%s: rejected frame from %s (rank %s): %s; closing that connection",
+                 self.name, conn.peer, conn.rank, exc)
             self._drop(conn, f"sent a bad frame: {exc}")
 
     @property
@@ -316,13 +432,13 @@ class Controller:
         """Bytes of partial frames that unregistered connections make this listener hold."""
         return self._pre_auth_total
 
-    def _hold_pre_auth(self, conn: Conn) -> bool:
-        """Account what `conn` (not registered) now buffers; False when all unregistered
-        connections together hold more than the budget."""
+    def _hold_pre_auth(self, conn: Conn) -> None:
+        """Account what `conn` (not registered) now buffers."""
+        if conn.closed or conn not in self._pending:
+            return
         held = conn.dec.pending
         self._pre_auth_total += held - self._pre_auth_held.get(conn, 0)
         self._pre_auth_held[conn] = held
-        return self._pre_auth_total <= self.pre_auth_budget
 
     def _drop(self, conn: Conn, why: str) -> None:
         if conn.closed:
@@ -334,7 +450,9 @@ class Controller:
         self._conns.pop(conn.sock.fileno(), None)
         self._pending.pop(conn, None)
         self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
-        conn.close()
+        conn.close()  # frees its buffers now
+        if conn.rank is not None:
+            self.store.forget(conn.rank)
         with self._cond:
             info = self._ranks.get(conn.rank) if conn.rank is not None else None
             if info is not None and info.conn is conn:
@@ -354,11 +472,14 @@ class Controller:
         self._cond.notify_all()
 
     def _check_silence(self, now: float) -> None:
+        self.store.expire(now)
+        self._warn_refused.flush(now)
+        self._warn_pre_auth.flush(now)
         for conn, since in list(self._pending.items()):
             if now - since > self.cfg.handshake_timeout:
-                log.warning("%s: %s did not complete the handshake within "
-                            "TTP_HANDSHAKE_TIMEOUT=%g s; closing", self.name, conn.peer,
-                            self.cfg.handshake_timeout)
+                self._warn_pre_auth.warning(
+                    "%s: %s did not complete the handshake within TTP_HANDSHAKE_TIMEOUT=%g s; "
+                    "closing", self.name, conn.peer, self.cfg.handshake_timeout)
                 self._drop(conn, "no registration")
         if not self.sm.is_in(S.SERVING, S.COLLECTING, S.RECOVERING, S.SAVING, S.RENAMING):
             return
@@ -387,8 +508,8 @@ class Controller:
         info = self._ranks.get(conn.rank) if conn.rank is not None else None
         if info is None or info.conn is not conn:
             self.rejected_frames += 1
-            log.warning("%s: %s from unregistered peer %s; closing", self.name,
-                        type(msg).__name__, conn.peer)
+            self._warn_pre_auth.warning("%s: %s from unregistered peer %s; closing", self.name,
+                                        type(msg).__name__, conn.peer)
             self._drop(conn, "not registered")
             return
         info.last_seen = time.monotonic()
@@ -414,11 +535,18 @@ class Controller:
         elif isinstance(msg, (P.SaveResult, P.RenameResult)):
             with self._cond:
                 self.flow.result(msg.flow_id, info.rank, msg)
+        elif isinstance(msg, P.StoreRequest):
+            self.store.handle(info.rank, msg, lambda reply: self._reply(conn, reply))
         elif isinstance(msg, P.Goodbye):
             with self._cond:
                 self._set_status(info, "gone", "finished training")
         else:
             log.warning("%s: unexpected %s from rank %s", self.name, type(msg).__name__, info.rank)
+
+    def _reply(self, conn: Conn, msg: P.Message) -> None:
+        if not conn.closed:
+            conn.queue(msg)
+            self._flush(conn)
 
     def _refuse(self, conn: Conn, reason: str) -> None:
         log.warning("%s: refusing registration from %s: %s", self.name, conn.peer, reason)
@@ -470,7 +598,7 @@ class Controller:
             self.flow.joined(m.rank)  # if mid-flow: it gets the lock orders below
             self._cond.notify_all()
         conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
-                                 self._backups))
+                                 self._backups, self.fault_id or ""))
         for lock_msg in self.flow.lock_msgs:
             conn.queue(lock_msg)
         self._flush(conn)
@@ -509,6 +637,7 @@ class Controller:
         for conn in list(self._conns.values()):
             conn.close()
         self._conns.clear()
+        self.store.close_all("gone: the controller stopped")  # nobody left to answer
         if self._listener is not None:
             self._listener.close()
         try:

@@ -1,9 +1,14 @@
 """The dying-checkpoint flow: what a controller does about a fault, in its own thread.
 
 lock (phase 1) -> advance to the newest step (phase 2) -> choose_step -> claim the fault ->
-save orders (each with its own store) -> rename on one rank -> exit orders. Every wait is
-bounded and O(1) per answer: the controller's I/O thread tells the flow of each answer (or
-death) and the flow wakes only when nobody it waits for is left.
+save orders (each with its own namespace of the controller's authenticated store, closed when
+the flow ends) -> rename on one rank -> exit orders. Every wait is bounded and O(1) per answer:
+the controller's I/O thread tells the flow of each answer (or death) and the flow wakes only
+when nobody it waits for is left.
+
+A report is a rank's word, and one rank holding the key (a bug, a compromised host) must not
+set what every other rank does: a step reported beyond the agreed step + 1 (`bound_reports`)
+is refused, and that rank's state is not used.
 
 A `Flow` is owned by one controller and is given exactly what it uses, so it can run (and be
 tested) without one: the controller's condition (`lock`, which guards the roster and the flow's
@@ -14,6 +19,7 @@ own answer sets), its state machine (the one place for states), its `Roster`, an
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -73,8 +79,8 @@ class Outbox(Protocol):
 class Flow:
     def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int, name: str,
                  sm: StateMachine, lock: threading.Condition, roster: Roster, outbox: Outbox,
-                 store_host: Callable[[], str],
-                 claims: Callable[[], Optional[C.ClaimSpace]] = C.registered,
+                 close_store: Callable[[str], None],
+                 claims: Callable[[], Optional[C.ClaimSpace]] = lambda: None,
                  address: Optional[Callable[[], Tuple[str, int]]] = None) -> None:
         self.cfg, self.world_size, self.replica = cfg, world_size, replica
         self.host_rank, self.name = host_rank, name
@@ -82,7 +88,7 @@ class Flow:
         self._cond = lock
         self._ranks = roster
         self._out = outbox
-        self._store_host = store_host  # the controller's address: known once it listens
+        self._close_store = close_store  # drops a namespace of the controller's store
         self._claims = claims  # where faults are claimed (read at the fault: set after start)
         self.decision: Optional[Decision] = None
         self.decided = threading.Event()
@@ -98,23 +104,25 @@ class Flow:
         self._awaiting: Set[int] = set()  # ranks the flow still waits for (see _await)
         self._await_kind: Tuple[str, int] = ("", 0)
         self._claim: Optional[C.Claim] = None
-        self._save_store: Any = None  # the TCPStore of the current save order
-        self._faulty: Set[int] = set()  # alive ranks that reported their own fault
+        self._save_ns: Optional[str] = None  # the store namespace of the current save order
+        self._faulty: Dict[int, str] = {}  # ranks whose reports are refused, and why
+        # for the in-memory recovery's decision (docs/recovery.md)
+        self._raised: Set[int] = set()  # ranks that reported their own exception
         self._preempted = False
         self.known_hosts: Dict[int, str] = {}  # hosts of ranks that never registered here
         self.recovery = RecoveryCoordinator(cfg, world_size, name, lock, roster, outbox,
-                                            store_host, address or (lambda: ("", 0)))
+                                            address or (lambda: ("", 0)))
 
     # -- called by the controller's I/O thread, holding `lock` ----------------------------------
     def fault(self, desc: str, promoted: bool = False, rank: Optional[int] = None,
               kind: str = "") -> None:
         """Record a fault; the first one while SERVING starts the flow thread. `promoted`: this
         controller is a standby that just took over, so slower processors may still fail over
-        to it before the flow freezes the membership. `rank`/`kind`: a rank that reported its
-        own fault (an exception, a preemption), for the recovery's decision."""
+        to it before the flow freezes the membership. `rank`/`kind`: a rank's own report (its
+        exception, a preemption, a collective that failed under it), for the recovery."""
         self.faults.append(desc)
         if rank is not None and kind == "exception":
-            self._faulty.add(rank)
+            self._raised.add(rank)
         self._preempted = self._preempted or kind == "preempted"
         if self._thread is not None:
             log.warning("%s: further fault during the flow: %s", self.name, desc)
@@ -144,7 +152,8 @@ class Flow:
     def report(self, flow_id: int, phase: int, rank: int, step: Optional[int],
                updating: bool) -> None:
         if flow_id == self._flow_id and phase in self._reports:
-            self._reports[phase][rank] = (step, updating)
+            if rank not in self._faulty:
+                self._reports[phase][rank] = (step, updating)
             self._arrived(("report", phase), rank)
 
     def result(self, flow_id: int, rank: int, msg: P.Message) -> None:
@@ -161,7 +170,7 @@ class Flow:
     # -- the flow thread -----------------------------------------------------------------------
     def _flow(self) -> None:
         try:
-            result = self._run_flow()
+            result: Any = self._run_flow()
         except Exception as exc:  # a bug must still end the job, not leave it hanging
             log.exception("%s: flow failed", self.name)
             result = (Outcome.SAVE_FAILED, None, [], f"controller error: {exc!r}")
@@ -176,7 +185,7 @@ class Flow:
             self._thread = None
             self._lock_msgs = []
             self._reports = {1: {}, 2: {}}
-            self._faulty, self._preempted = set(), False
+            self._faulty, self._raised, self._preempted = {}, set(), False
             self.fault_at = None
             self.sm.transition_to(S.SERVING, f"recovery {self.recovery.recovery_id} committed")
             self._cond.notify_all()
@@ -233,6 +242,7 @@ class Flow:
             self._flow_id += 1
             fid = self._flow_id
             self._reports = {1: {}, 2: {}}
+            self._faulty = {}
             self._lock_msgs = [P.Lock(fid)]
         # phase 1: freeze (no new update may start) and learn who is where
         self._expect(("report", 1), self._alive())
@@ -240,6 +250,7 @@ class Flow:
         self._await(cfg.collect_timeout)
         self.timeline["locked"] = time.monotonic()
         with self._cond:
+            agreed = self._refuse_beyond(1, None)
             first = dict(self._reports[1])
         limit = max([(s or 0) + (1 if u else 0) for s, u in first.values()] or [0])
         # phase 2: ranks one update behind their partners may catch up to `limit`, then stop
@@ -252,6 +263,7 @@ class Flow:
         with self._cond:
             for r in silent:
                 self._ranks[r].note = "did not answer the collect in time"
+            self._refuse_beyond(2, agreed)
             reports = dict(self._reports[2])
             notes = {i.rank: i.note for i in self._ranks.values()}
             for r in range(self.world_size):
@@ -266,7 +278,7 @@ class Flow:
         states = states_from(reports, range(self.world_size), notes)
         recovered, replaced = self._try_recovery(fid, layout, states, reports)
         if recovered:
-            return RECOVERED
+            return RECOVERED  # type: ignore[return-value]
         for r in replaced:  # an abandoned recovery killed them: not savers
             states[r] = RankState(False, None, False, "replaced by the abandoned recovery")
         step, reason = choose_step(layout, states, self.world_size)
@@ -281,12 +293,13 @@ class Flow:
             return Outcome.NOT_CLAIMED, None, [], why
         log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why, savers)
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
-        # the chosen ranks rendezvous on a store this controller hosts for this order alone
-        self._save_store, port = save_session.host_store(self._store_host(), cfg.save_time_limit)
-        order = P.SaveOrder(fid, step, savers, cfg.save_time_limit,
-                            save_session.format_address(self._store_host(), port),
-                            save_session.new_tag())
+        # the chosen ranks rendezvous in a namespace of this controller's authenticated store,
+        # for this order alone; it is dropped as soon as the order is answered
+        tag = save_session.new_tag()
+        self._save_ns = save_session.namespace_of(tag)
+        order = P.SaveOrder(fid, step, savers, cfg.save_time_limit, self._save_ns, tag)
         ok, why = self._order(savers, order, cfg.save_time_limit)
+        self._end_save_store("the save order was answered")
         self.timeline["saved"] = time.monotonic()
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
@@ -301,12 +314,39 @@ class Flow:
                     f"rename of step {step} failed: {why}; nothing marked latest")
         return Outcome.SAVED, step, savers, f"dying checkpoint of step {step} saved by {savers}"
 
-    def _try_recovery(self, fid: int, layout: Layout, states: Dict[int, Any],
+    def _refuse_beyond(self, phase: int, agreed: Optional[int]) -> int:
+        """Drop the reports of `phase` that claim a step beyond the agreed step + 1 (caller
+        holds the lock); those ranks are faulty for the rest of the flow. Returns the agreed
+        step (computed from phase 1's reports when `agreed` is None)."""
+        reports = self._reports[phase]
+        if agreed is None:
+            agreed, beyond = bound_reports(reports)
+        else:
+            beyond = [r for r, (s, u) in reports.items() if (s or 0) + u > agreed + 1]
+        for r in beyond:
+            step, updating = reports.pop(r)
+            why = (f"reported step {step}{' (updating)' if updating else ''} in phase {phase}, "
+                   f"beyond the agreed step {agreed} + 1: a faulty rank, its state is not used")
+            self._faulty[r] = why
+            log.error("%s: rank %d %s", self.name, r, why)
+            info = self._ranks.get(r)
+            if info is not None:
+                info.note = why
+        return agreed
+
+    def _end_save_store(self, why: str) -> None:
+        if self._save_ns is not None:
+            self._close_store(self._save_ns)
+            log.info("%s: store namespace %s closed: %s", self.name, self._save_ns, why)
+            self._save_ns = None
+
+    def _try_recovery(self, fid: int, layout: Layout, states: Dict[int, RankState],
                       reports: Dict[int, Tuple[Optional[int], bool]]) -> Tuple[bool, Set[int]]:
         """In-memory recovery when it can work (recovery/decision.py): (committed, ranks it
         replaced). Not committed: the dying checkpoint (also after an abandoned recovery)."""
         with self._cond:
-            lost = {r for r in range(self.world_size) if r not in reports} | self._faulty
+            lost = ({r for r in range(self.world_size) if r not in reports} | self._raised
+                    | set(self._faulty))
             hosts = {**self.known_hosts, **{i.rank: i.host for i in self._ranks.values()}}
             self._lock_msgs = []  # a replacement registering now must not be locked
         capable = RECOVERY.capability()
@@ -340,17 +380,24 @@ class Flow:
 
     def _claim_space(self) -> Optional[C.ClaimSpace]:
         """This fault's claim: the launch's fault id, and after in-memory recoveries (the same
-        launch goes on) their count, which both halves of a split job share."""
+        launch goes on, so a later fault needs a claim of its own) one derived from it and
+        their count, which both halves of a split job share. ValueError as `_claims`."""
         space = self._claims()
         if space is not None and RECOVERY.epoch:
-            space = C.ClaimSpace(space.directory, f"{space.fault_id}-e{RECOVERY.epoch}")
+            derived = hashlib.sha256(f"{space.fault_id}:{RECOVERY.epoch}".encode()).hexdigest()
+            space = C.ClaimSpace(space.directory, derived[:32])
         return space
 
     def _claim_half(self, fid: int, survivors: List[int]) -> bool:
         """Exactly half the ranks survive: a split job's other half may be running. Only the
         half that wins this fault's claim may recover (the claim is the one decision both
         halves see); the other one's dying checkpoint is then refused by the same claim."""
-        space = self._claim_space()
+        try:
+            space = self._claim_space()
+        except ValueError as exc:
+            log.warning("%s: half the ranks survive and the fault cannot be claimed: %s",
+                        self.name, exc)
+            return False
         if space is None:
             return False
         won, why = C.acquire(space, self.name, flow=fid, ranks=survivors[:64],
@@ -367,7 +414,10 @@ class Flow:
         answering: two disjoint parts cannot both have one."""
         if self._claim is not None:  # won for a recovery that was abandoned
             return True, f"this flow holds fault claim {self._claim.space.path}"
-        space = self._claim_space()
+        try:
+            space = self._claim_space()
+        except ValueError as exc:  # a claim directory, but no valid fault id to claim under
+            return False, f"cannot claim the fault: {exc}; this part of the job saves nothing"
         if space is None:
             if 2 * len(members) > self.world_size:
                 return True, f"{len(members)} of {self.world_size} ranks answered (a majority)"
@@ -415,14 +465,31 @@ class Flow:
                                    outcome=outcome.value, reason=reason[:500])
             except OSError as exc:  # the outcome is recorded for people only
                 log.warning("%s: cannot record the outcome in the claim: %s", self.name, exc)
-        self._save_store = None  # the save is over: stop its store
-        order = P.ExitOrder(self._flow_id, outcome.value, step, ranks, outcome.exit_code, reason)
+        self._end_save_store("the flow ended")
+        order = P.ExitOrder(self._flow_id, outcome.value, step, ranks, outcome.exit_code,
+                            reason[:P.MAX_TEXT])
         # our own process exits on its order: every other rank must have its order first
         self._out.broadcast(order, exclude=self.host_rank)
         self._out.flush(2.0)
         self.timeline["exit_sent"] = time.monotonic()
         self.decided.set()
         self._out.send(self.host_rank, order)
+
+
+def bound_reports(reports: Dict[int, Tuple[Optional[int], bool]]) -> Tuple[int, List[int]]:
+    """(agreed step, ranks whose report goes beyond it + 1).
+
+    The agreed step is the newest step that at least half of the answering ranks completed (the
+    lower median of their reports). With the guide's barrier before every update, no rank can
+    be in the update of step k + 1, or past it, before every rank has completed k, so an honest
+    report never exceeds the smallest completed step + 1; the median is at least that smallest
+    step while faulty ranks are fewer than half, so no honest rank is refused, and one rank that
+    reports 10^15 no longer sets every rank's AdvanceTo limit to 10^15 + 1."""
+    done = sorted((s or 0) for s, _ in reports.values())
+    if not done:
+        return 0, []
+    agreed = done[(len(done) - 1) // 2]
+    return agreed, sorted(r for r, (s, u) in reports.items() if (s or 0) + u > agreed + 1)
 
 
 def _summary(reports: Dict[int, Tuple[Optional[int], bool]]) -> str:

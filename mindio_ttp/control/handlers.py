@@ -40,8 +40,9 @@ class Job:
 class Handlers:
     def __init__(self, rank: int, send: Callable[[P.Message], None],
                  done: Callable[[Job, bool, str], None], state: HotState = STATE,
-                 registry: Mapping[str, Any] = HANDLERS) -> None:
+                 registry: Mapping[str, Any] = HANDLERS, channel: Any = None) -> None:
         self.rank = rank
+        self._channel = channel  # what the order's AuthStore talks through (the processor)
         self._send = send
         self._done = done
         self._state = state  # this rank's step, and the ckpt_args the handlers get
@@ -59,19 +60,13 @@ class Handlers:
                        f" not the ordered step {m.step}")
         elif self.rank not in m.save_ranks:
             problem = f"rank {self.rank} is not in save_ranks {m.save_ranks[:8]}"
-        session = None
-        if not problem:
-            try:
-                host, port = save_session.parse_address(m.store)
-                session = save_session.SaveSession(
-                    m.flow_id, m.step, tuple(m.save_ranks), host, port,
-                    save_session.check_tag(m.tag), m.time_limit)
-            except ValueError as exc:
-                problem = f"bad save order: {exc}"
         if problem:
             log.error("rank %d: refusing save order: %s", self.rank, problem)
             self._send(P.SaveResult(m.flow_id, self.rank, False, problem, 0.0))
             return
+        # the order's fields were validated by the protocol layer (store namespace, tag)
+        session = save_session.SaveSession(m.flow_id, m.step, tuple(m.save_ranks), m.store,
+                                           m.tag, m.time_limit, channel=self._channel)
         self._session = session
         self._start_job("save", m.flow_id, m.time_limit, self._registry["save"],
                         (m.step, list(m.save_ranks), self._state.ckpt_args), session)

@@ -9,10 +9,19 @@ order; if none answers within TTP_OT it ends the process with ExitCode.NO_VERDIC
 The handlers are a composed `Handlers` object (handlers.py), not a mixin: the processor gives it
 `_send` and a way to hand a handler's end back to this thread (the mailbox), and its loop asks
 it for the running handler's deadline.
+
+It is also the channel of this rank's `AuthStore` (authstore.py): `store_call` hands a request
+to this thread and waits for the controller's answer, which this thread delivers; losing the
+connection fails every call in flight at once.
+
+Nothing a controller or a backup list holds may stop this thread: a failover target that cannot
+be reached (whatever the error) is skipped for the next one, and an unexpected error in the loop
+ends the process with ExitCode.NO_VERDICT and the error, never a silent dead thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +31,7 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
@@ -33,6 +42,7 @@ from mindio_ttp.control.hooks import STATE, TTPError, fault_kind
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 from mindio_ttp.launch import replace as R
+from mindio_ttp.recovery.coordinator import parse_address
 from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder
 
 log = logging.getLogger("mindio_ttp.processor")
@@ -47,6 +57,49 @@ class HandshakeFailed(Exception):
     """The listener did not complete the handshake; the text says why and what to do."""
 
 
+_current: Optional[Processor] = None
+
+
+def current() -> Optional[Processor]:
+    """This process's running processor (the default channel of an AuthStore)."""
+    return _current
+
+
+class PendingCalls:
+    """Store calls in flight: each caller waits on its own event; the processor's thread
+    answers them, or fails them all at once when the connection is lost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._calls: Dict[int, Tuple[threading.Event, List[Any]]] = {}
+
+    def open(self) -> Tuple[int, threading.Event, List[Any]]:
+        with self._lock:
+            self._next += 1
+            call: Tuple[threading.Event, List[Any]] = (threading.Event(), [])
+            self._calls[self._next] = call
+            return self._next, call[0], call[1]
+
+    def close(self, req: int, outcome: Any) -> bool:
+        """Deliver `outcome` (a StoreReply, or an exception to raise) to call `req`."""
+        with self._lock:
+            call = self._calls.pop(req, None)
+        if call is None:
+            return False  # it gave up already
+        call[1].append(outcome)
+        call[0].set()
+        return True
+
+    def fail_all(self, error: BaseException) -> int:
+        with self._lock:
+            calls, self._calls = list(self._calls.values()), {}
+        for ev, slot in calls:
+            slot.append(error)
+            ev.set()
+        return len(calls)
+
+
 class Processor:
     def __init__(self, cfg: TTPConfig, rank: int, dp_ranks: List[int], world_size: int,
                  replica: int) -> None:
@@ -59,6 +112,8 @@ class Processor:
         self.exited = threading.Event()
         self.standby: Optional[Controller] = None
         self.controller_rank: Optional[int] = None
+        self.fault_id: Optional[str] = None  # the launch's, from the primary's RegisterAck
+        self._calls = PendingCalls()
         self._fault_time: Optional[float] = None
         self._conn: Optional[Conn] = None
         self._backups: List[List[Any]] = []
@@ -68,7 +123,7 @@ class Processor:
         self._stop = threading.Event()
         self._closing = False
         self._seq = 0
-        self.handlers = Handlers(rank, self._send, self._handler_done)
+        self.handlers = Handlers(rank, self._send, self._handler_done, channel=self)
         self._preempted = False
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
@@ -91,7 +146,7 @@ class Processor:
         local_ip = sock.getsockname()[0]
         self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
                                   standby=True)
-        self.standby.listen(local_ip, 0)
+        self.standby.listen(local_ip, 0, self.cfg.listen_ports, self.rank)
         self.standby.start()
         try:
             conn = self._handshake(sock, failover=False, timeout=self.cfg.handshake_timeout)
@@ -99,6 +154,7 @@ class Processor:
             self.standby.stop()
             raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: {exc}") from None
         STATE.wait_limit = self.cfg.ot
+        self.standby.fault_id = self.fault_id  # if promoted, it claims under the primary's id
         if self.controller_rank is not None:  # where the controller's rank runs, should the
             self.standby.flow.known_hosts[self.controller_rank] = ip  # standby take over
         RECOVERY.reporter = self._report_ready
@@ -108,11 +164,16 @@ class Processor:
         self._thread = threading.Thread(target=self._loop, name=f"ttp-processor-{self.rank}",
                                         daemon=True)
         self._thread.start()
+        global _current
+        _current = self
         log.info("rank %d: processor registered with the controller at %s:%d", self.rank, ip,
                  port)
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Normal end of training: say goodbye so our disconnect is not taken for a fault."""
+        global _current
+        if _current is self:
+            _current = None
         if not self.running:
             return
         self.running = False
@@ -203,6 +264,12 @@ class Processor:
             raise HandshakeFailed(f"the controller refused the registration: "
                                   f"{getattr(first, 'reason', type(first).__name__)}")
         self.controller_rank = first.controller_rank
+        if self.fault_id is None and first.fault_id:
+            self.fault_id = first.fault_id  # the first ack is the primary's
+        elif first.fault_id and first.fault_id != self.fault_id:
+            log.error("rank %d: controller on rank %d names fault id %s, not the launch's %s "
+                      "(keeping ours)", self.rank, first.controller_rank, first.fault_id,
+                      self.fault_id)
         if first.backups:  # a standby announces none: keep the primary's list for the next loss
             self._backups = first.backups
         conn = Conn(sock, hs.tx, hs.dec, "controller")
@@ -224,6 +291,23 @@ class Processor:
                 pass
             self._conn.close()
             self._conn = None
+        self._calls.fail_all(ConnectionError("the connection to the TTP controller was lost "
+                                             "(a new controller starts with an empty store)"))
+
+    # -- the AuthStore's channel (any thread but ours) -------------------------------------------
+    def store_call(self, request: P.StoreRequest, wait_s: float) -> P.StoreReply:
+        """Send `request` to the controller and wait (at most `wait_s`) for its answer."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("the processor's own thread cannot wait for a store answer")
+        req, done, slot = self._calls.open()
+        self._mail.put("store", dataclasses.replace(request, req=req))
+        if not done.wait(wait_s):
+            self._calls.close(req, None)
+            raise TimeoutError(f"no answer from the TTP controller within {wait_s:g} s")
+        outcome = slot[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def _send(self, msg: P.Message) -> None:
         if self._conn is None:
@@ -239,6 +323,13 @@ class Processor:
 
     # -- the loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # noqa: BLE001 - a dead thread would leave the rank unprotected
+            log.exception("rank %d: processor failed", self.rank)
+            self._exit(Outcome.NO_VERDICT, None, [], f"the TTP processor failed: {exc!r}")
+
+    def _serve(self) -> None:
         cfg = self.cfg
         next_hb = time.monotonic()
         while not self._stop.is_set():
@@ -327,6 +418,12 @@ class Processor:
                 self._closing = True
                 self._send(P.Goodbye(self.rank))
                 item[1].set()
+            elif kind == "store":
+                if self._conn is None:
+                    self._calls.close(item[1].req, ConnectionError(
+                        "no connection to a TTP controller (failing over)"))
+                else:
+                    self._send(item[1])
 
     def _handler_done(self, job: Job, ok: bool, err: str) -> None:
         """On a handler's thread: its result is sent from ours (only we touch the socket)."""
@@ -341,7 +438,9 @@ class Processor:
     def _handle(self, m: P.Message) -> None:
         if isinstance(m, P.HeartbeatAck):
             return
-        if isinstance(m, P.Backups):
+        if isinstance(m, P.StoreReply):
+            self._calls.close(m.req, m)
+        elif isinstance(m, P.Backups):
             self._backups = m.backups
         elif isinstance(m, P.Lock):
             self._note_fault()
@@ -380,7 +479,7 @@ class Processor:
     # -- in-memory recovery (docs/recovery.md) --------------------------------------------------
     def _on_recover(self, m: P.RecoverOrder) -> None:
         self._note_fault()
-        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.store, "",
+        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous, "",
                               m.deadline)
         if RECOVERY.ordered(order):
             STATE.stop()  # the training thread leaves the step at its next update, if not yet
@@ -401,10 +500,10 @@ class Processor:
     def _relay_replacement(self, m: P.ReplaceOrder) -> None:
         """Ask this host's launcher for a replacement of rank `m.rank`, and forward what it
         answers until the recovery ends."""
-        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.store,
+        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous,
                               m.controller, m.deadline)
-        host, port = m.store.rsplit(":", 1)
-        env = {"MASTER_ADDR": host.strip("[]"), "MASTER_PORT": port,
+        host, port = parse_address(m.rendezvous)
+        env = {"MASTER_ADDR": host, "MASTER_PORT": str(port),
                "TTP_RECOVERY_JOIN": order.to_env(m.rank)}
         run_dir = self.cfg.run_dir
         if not run_dir:
@@ -447,29 +546,41 @@ class Processor:
                   [b[0] for b in self._backups] or "nobody")
         deadline = self._fault_time + self.ot  # type: ignore[operator]
         per_try = min(self.cfg.heartbeat_timeout, 5.0)
+        tried: Dict[int, str] = {}  # backup rank -> why it failed last
         while time.monotonic() < deadline and not self._stop.is_set():
-            for rank, host, port in list(self._backups):
-                try:
-                    sock = connect(host, port, timeout=min(1.0, per_try))
-                except OSError as exc:
-                    log.warning("rank %d: backup controller on rank %s unreachable: %s",
-                                self.rank, rank, exc)
-                    continue
-                try:
-                    conn = self._handshake(sock, failover=True,
-                                           timeout=min(per_try, self.cfg.handshake_timeout))
-                except HandshakeFailed as exc:
-                    log.warning("rank %d: backup controller on rank %s at %s:%s: %s", self.rank,
-                                rank, host, port, exc)
-                    continue
-                log.warning("rank %d: now served by the standby controller on rank %s",
-                            self.rank, rank)
-                self._set_conn(conn)
-                return
+            for entry in list(self._backups):
+                conn, err = self._try_backup(entry, per_try)
+                if conn is not None:
+                    log.warning("rank %d: now served by the standby controller on rank %s",
+                                self.rank, entry[0])
+                    self._set_conn(conn)
+                    return
+                tried[entry[0]] = err
             self._stop.wait(0.2)
         if not self._stop.is_set():
+            said = "; ".join(f"rank {r}: {e}" for r, e in list(tried.items())[:4])
             self._exit(Outcome.NO_VERDICT, None, [], f"controller lost ({why}) and no backup "
-                       "controller answered")
+                       f"controller answered{f' ({said})' if said else ''}")
+
+    def _try_backup(self, entry: List[Any], per_try: float) -> Tuple[Optional[Conn], str]:
+        """Connect to one announced backup and register; (None, why) on any failure, so a
+        target that cannot be reached (a bad address, a refusal) is skipped for the next."""
+        rank, host, port = (list(entry) + [None, None, None])[:3]
+        try:
+            sock = connect(host, port, timeout=min(1.0, per_try))
+        except Exception as exc:  # noqa: BLE001 - OSError, but also a host that cannot encode
+            log.warning("rank %d: backup controller on rank %s at %s:%s unreachable: %s",
+                        self.rank, rank, ascii(host)[:80], port, exc)
+            return None, f"unreachable ({exc})"
+        try:
+            conn = self._handshake(sock, failover=True,
+                                   timeout=min(per_try, self.cfg.handshake_timeout))
+        except (HandshakeFailed, OSError, ValueError) as exc:
+            log.warning("rank %d: backup controller on rank %s at %s:%s: %s", self.rank, rank,
+                        host, port, exc)
+            sock.close()
+            return None, str(exc)
+        return conn, ""
 
     def _exit(self, outcome: Outcome, step: Optional[int], ranks: List[int], reason: str,
               code: Optional[int] = None) -> None:

@@ -2,29 +2,61 @@
 
 Frame = header (magic b"TP", version u8, type u8, sequence number u64, payload length u32, big
 endian) + JSON payload + HMAC-SHA256(key, header + payload). Every message type is a named
-dataclass whose field types are checked on decode, so a peer with the wrong key, another version,
-a truncated or garbled stream is rejected with `ProtocolError` before any field reaches
-controller logic. The key is the job key for the two handshake frames and a per-connection,
+dataclass. The key is the job key for the two handshake frames and a per-connection,
 per-direction session key afterwards (session.py); the sequence number counts the frames of one
 direction of one connection, so a replayed, reordered or dropped frame is refused too.
 A stream that produced one bad frame cannot be re-synchronised, so callers close it.
+
+This module is also the one validation layer. A valid MAC proves that a key holder made the
+frame, not that its content is sane (a bug, or a compromised host, holds the key too), so every
+field of every decoded message is checked here, for type and range, before any other code sees
+it: integers within their ranges (ranks below `MAX_RANKS`, ports within 0..65535, steps not
+negative), strings valid UTF-8 and bounded (a lone surrogate is refused: it cannot be encoded),
+host fields real IP addresses, lists bounded, store values well-formed base64 of bounded size.
+A message that fails is a `ProtocolError`, like a bad MAC: the listener closes that connection
+only. The encoder applies the same checks, so this runtime never sends what it would refuse.
 """
 
 from __future__ import annotations
 
+import binascii
 import hmac
+import ipaddress
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type
 
+from mindio_ttp.config import MAX_WORLD, Outcome
+
 MAGIC = b"TP"
-VERSION = 2  # 2: challenge-response handshake, session keys, sequence numbers
+# 2: challenge-response handshake, session keys, sequence numbers
+# 3: validated fields, the authenticated store (StoreRequest/StoreReply), the launch's fault id
+#    in RegisterAck, SaveOrder.store names a store namespace
+VERSION = 3
 HEADER = struct.Struct("!2sBBQI")
 _PREFIX = struct.Struct("!2sB")  # magic and version: checked before the rest of a header
 MAC_LEN = 32
 MAX_PAYLOAD = 16 * 1024 * 1024
+MAX_RANKS = MAX_WORLD  # ranks are 0 .. MAX_RANKS - 1
+MAX_TEXT = 65536  # characters of a free-text field (reasons, errors)
+MAX_STEP = 2**63 - 1
+MAX_SECONDS = 1e9
+# the authenticated store (control/keyspace.py, control/authstore.py)
+STORE_KEY_MAX = 1024  # characters of one key
+STORE_VALUE_MAX = 1024 * 1024  # bytes of one value
+STORE_KEYS_MAX = 64  # keys of one check/wait
+STORE_OPS = ("set", "get", "add", "compare_set", "check", "wait", "delete_key", "num_keys")
+_STORE_ARITY = {  # op: (keys, values)
+    "set": ((1, 1), (1, 1)), "get": ((1, 1), (0, 0)), "add": ((1, 1), (0, 0)),
+    "compare_set": ((1, 1), (2, 2)), "check": ((1, STORE_KEYS_MAX), (0, 0)),
+    "wait": ((1, STORE_KEYS_MAX), (0, 0)), "delete_key": ((1, 1), (0, 0)),
+    "num_keys": ((0, 0), (0, 0)),
+}
+# "collective": a collective failed because of another rank's fault (hooks.fault_kind)
+FAULT_KINDS = ("exception", "preempted", "controller_lost", "collective")
 
 
 def pre_auth_max_payload(world_size: int) -> int:
@@ -35,10 +67,14 @@ def pre_auth_max_payload(world_size: int) -> int:
 
 
 class ProtocolError(ValueError):
-    """A frame that is malformed, unauthenticated, of another version or an unknown type."""
+    """A frame that is malformed, unauthenticated, of another version or an unknown type, or a
+    message whose fields are out of range."""
 
 
-# -- field checkers -------------------------------------------------------------------------------
+# -- field checkers: value -> bool ----------------------------------------------------------------
+Check = Callable[[Any], bool]
+
+
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
 
@@ -56,50 +92,154 @@ def _bool(v: Any) -> bool:
 
 
 def _str(v: Any) -> bool:
-    return isinstance(v, str) and len(v) <= 65536
+    """Bounded, and encodable: JSON can carry a lone surrogate ("\\ud800"), which no str method
+    that encodes (a socket address, a file name, hmac) accepts."""
+    if not isinstance(v, str) or len(v) > MAX_TEXT:
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_int(x) for x in v)
+    return isinstance(v, list) and len(v) <= MAX_RANKS and all(_int(x) for x in v)
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_RANKS and all(_str(x) for x in v)
+
+
+def ip_address(v: Any) -> bool:
+    """An address a rank can connect to: an IP literal (what a processor reports, its socket's
+    own address), not a name, not unspecified or multicast."""
+    if not _str(v) or not 0 < len(v) <= 64:
+        return False
+    try:
+        addr = ipaddress.ip_address(v)
+    except ValueError:
+        return False
+    return not (addr.is_unspecified or addr.is_multicast)
+
+
+def _rank(v: Any) -> bool:
+    return _int(v) and 0 <= v < MAX_RANKS
 
 
 def _backups(v: Any) -> bool:
-    return isinstance(v, list) and all(
-        isinstance(b, list) and len(b) == 3 and _int(b[0]) and _str(b[1]) and _int(b[2])
-        and 0 <= b[2] <= 65535 for b in v)
+    """[[rank, host, port], ...]: at most 16 standby controllers, each reachable."""
+    return isinstance(v, list) and len(v) <= 16 and all(
+        isinstance(b, list) and len(b) == 3 and _rank(b[0]) and ip_address(b[1])
+        and _int(b[2]) and 0 < b[2] <= 65535 for b in v)
 
 
-_CHECKERS: Dict[str, Callable[[Any], bool]] = {
+_TYPES: Dict[str, Check] = {
     "int": _int, "Optional[int]": _opt_int, "float": _float, "bool": _bool, "str": _str,
-    "List[int]": _int_list, "List[List[Any]]": _backups,
+    "List[int]": _int_list, "List[str]": _str_list, "List[List[Any]]": _backups,
 }
+
+
+def ints(lo: int, hi: int) -> Check:
+    return lambda v: lo <= v <= hi
+
+
+def opt_ints(lo: int, hi: int) -> Check:
+    return lambda v: v is None or lo <= v <= hi
+
+
+def seconds(v: float) -> bool:
+    return 0 <= v <= MAX_SECONDS
+
+
+def one_of(*values: Any) -> Check:
+    allowed = frozenset(values)
+    return lambda v: v in allowed
+
+
+def text(max_len: int, pattern: str = "") -> Check:
+    rx = re.compile(pattern) if pattern else None
+    return lambda v: len(v) <= max_len and (rx is None or rx.fullmatch(v) is not None)
+
+
+def ranks(v: List[int]) -> bool:
+    return all(0 <= r < MAX_RANKS for r in v)
+
+
+def _b64(v: str) -> bool:
+    if len(v) > 4 * ((STORE_VALUE_MAX + 2) // 3):
+        return False
+    try:
+        binascii.a2b_base64(v, strict_mode=True)
+    except (binascii.Error, ValueError):
+        return False
+    return True
+
+
+def b64encode(value: bytes) -> str:
+    """A store value as it travels in a JSON field."""
+    return binascii.b2a_base64(value, newline=False).decode("ascii")
+
+
+def b64decode(text: str) -> bytes:
+    return binascii.a2b_base64(text, strict_mode=True)
+
+
+def b64_values(max_n: int) -> Check:
+    return lambda v: len(v) <= max_n and all(_b64(x) for x in v)
+
+
+NONNEG = ints(0, 2**63 - 1)
+RANK = ints(0, MAX_RANKS - 1)
+STEP = opt_ints(0, MAX_STEP)
+NONCE = text(128, "(?:[0-9a-f]{2}){16,64}")  # session.new_nonce: 16 random bytes, hex
+FAULT_ID = text(32, "(?:[0-9a-f]{32})?")  # claim.new_fault_id; "" where unknown
+TAG = text(64, "[0-9a-f]{16,64}")
+NAMESPACE = text(128, r"[A-Za-z0-9._\-][A-Za-z0-9._/\-]{0,127}")
+
+
+def store_keys(v: List[str]) -> bool:
+    return len(v) <= STORE_KEYS_MAX and all(len(k) <= STORE_KEY_MAX for k in v)
 
 
 @dataclass
 class Message:
     TYPE: ClassVar[int] = 0
 
+    def problem(self) -> str:
+        """What is wrong across fields ("" when nothing): checked after every field is."""
+        return ""
+
 
 _REGISTRY: Dict[int, Type[Message]] = {}
-_SCHEMA: Dict[Type[Message], Tuple[Tuple[str, Callable[[Any], bool]], ...]] = {}
+_SCHEMA: Dict[Type[Message], Tuple[Tuple[str, Check, Optional[Check]], ...]] = {}
 
 
-def _message(code: int) -> Callable[[Type[Message]], Type[Message]]:
+def _message(code: int, **ranges: Check) -> Callable[[Type[Message]], Type[Message]]:
+    """Register a message class: every field is type-checked by its annotation (bounded by
+    default: 64-bit ints, strings of MAX_TEXT encodable characters, lists of MAX_RANKS), and
+    `ranges` narrows named fields further."""
     def deco(cls: Type[Message]) -> Type[Message]:
         cls.TYPE = code
         assert code not in _REGISTRY, code
+        names = {f.name for f in fields(cls)}
+        assert set(ranges) <= names, (cls.__name__, set(ranges) - names)
         for f in fields(cls):
-            assert f.type in _CHECKERS, (cls.__name__, f.name, f.type)
+            assert f.type in _TYPES, (cls.__name__, f.name, f.type)
         _REGISTRY[code] = cls
-        _SCHEMA[cls] = tuple((f.name, _CHECKERS[f.type]) for f in fields(cls))
+        _SCHEMA[cls] = tuple((f.name, _TYPES[f.type], ranges.get(f.name)) for f in fields(cls))
         return cls
     return deco
 
 
-@_message(1)
+@_message(1, rank=RANK, world_size=ints(1, MAX_RANKS), dp_ranks=ranks,
+          replica=ints(1, MAX_RANKS), host=ip_address, standby_port=ints(0, 65535),
+          pid=ints(0, 2**31 - 1), step=STEP, challenge=NONCE, nonce=NONCE)
 @dataclass
 class Register(Message):
-    """Processor → controller, first frame on every connection (also after a failover)."""
+    """Processor → controller, first frame on every connection (also after a failover).
+    `host` and `standby_port` are where this rank's standby controller listens (port 0: none);
+    the controller hands them to every rank as a failover target, so they are checked here."""
     rank: int
     world_size: int
     dp_ranks: List[int]
@@ -115,19 +255,23 @@ class Register(Message):
     nonce: str = ""  # the rank's own fresh nonce (session.py)
 
 
-@_message(18)
+@_message(18, nonce=NONCE)
 @dataclass
 class Challenge(Message):
     """Listener → processor, first frame on every connection: a fresh random nonce."""
     nonce: str
 
 
-@_message(2)
+@_message(2, role=one_of("primary", "standby"), controller_rank=RANK, fault_id=FAULT_ID)
 @dataclass
 class RegisterAck(Message):
+    """`fault_id`: the launch's fault id (faulttime/claim.py), made by the primary controller
+    and handed to every rank here, over the authenticated channel; a standby hands on the one
+    its own rank got ("" if it has none)."""
     role: str
     controller_rank: int
     backups: List[List[Any]] = field(default_factory=list)  # [rank, host, port], in order
+    fault_id: str = ""
 
 
 @_message(3)
@@ -136,7 +280,7 @@ class Reject(Message):
     reason: str
 
 
-@_message(4)
+@_message(4, rank=RANK, seq=NONNEG, step=STEP)
 @dataclass
 class Heartbeat(Message):
     rank: int
@@ -145,7 +289,7 @@ class Heartbeat(Message):
     updating: bool
 
 
-@_message(5)
+@_message(5, seq=NONNEG)
 @dataclass
 class HeartbeatAck(Message):
     seq: int
@@ -157,16 +301,17 @@ class Backups(Message):
     backups: List[List[Any]]
 
 
-@_message(7)
+@_message(7, rank=RANK, kind=one_of(*FAULT_KINDS))
 @dataclass
 class FaultReport(Message):
-    """A rank reports its own fault: `kind` is "exception", "preempted" or "controller_lost"."""
+    """A rank reports a fault: "exception" (its own), "preempted", "controller_lost", or
+    "collective" (a collective failed under it because of another rank's fault)."""
     rank: int
     kind: str
     detail: str
 
 
-@_message(8)
+@_message(8, flow_id=NONNEG)
 @dataclass
 class Lock(Message):
     """Fault: start no new optimizer update (ttp_start_updating_os blocks) and report
@@ -174,7 +319,7 @@ class Lock(Message):
     flow_id: int
 
 
-@_message(17)
+@_message(17, flow_id=NONNEG, limit=ints(0, MAX_STEP), grace=seconds)
 @dataclass
 class AdvanceTo(Message):
     """Phase 2: a rank below `limit` may finish updates up to step `limit` (its partners are
@@ -185,7 +330,7 @@ class AdvanceTo(Message):
     grace: float
 
 
-@_message(9)
+@_message(9, flow_id=NONNEG, phase=one_of(1, 2), rank=RANK, step=STEP)
 @dataclass
 class StateReport(Message):
     flow_id: int
@@ -195,13 +340,15 @@ class StateReport(Message):
     updating: bool
 
 
-@_message(10)
+@_message(10, flow_id=NONNEG, step=ints(0, MAX_STEP), save_ranks=ranks, time_limit=seconds,
+          store=NAMESPACE, tag=TAG)
 @dataclass
 class SaveOrder(Message):
-    """`store` is "host:port" of a TCPStore the ordering controller hosts for this save alone
-    (the chosen ranks build their gloo groups on it, not on the job's rendezvous store, which
-    dies with node 0); `tag` is a random per-order token: the store-key prefix and the name of
-    this flow's own staging directory."""
+    """`store` is the namespace of the authenticated store (control/authstore.py) the chosen
+    ranks build their gloo groups on: the acting controller keeps it over their TTP
+    connections, for this order alone, and drops it when the flow ends (the job's rendezvous
+    store dies with node 0 and is open to anyone); `tag` is a random per-order token: the name
+    of this flow's own staging directory."""
     flow_id: int
     step: int
     save_ranks: List[int]
@@ -210,7 +357,7 @@ class SaveOrder(Message):
     tag: str
 
 
-@_message(11)
+@_message(11, flow_id=NONNEG, rank=RANK, seconds=seconds)
 @dataclass
 class SaveResult(Message):
     flow_id: int
@@ -220,7 +367,7 @@ class SaveResult(Message):
     seconds: float
 
 
-@_message(12)
+@_message(12, flow_id=NONNEG, step=ints(0, MAX_STEP), time_limit=seconds)
 @dataclass
 class RenameOrder(Message):
     flow_id: int
@@ -228,7 +375,7 @@ class RenameOrder(Message):
     time_limit: float
 
 
-@_message(13)
+@_message(13, flow_id=NONNEG, rank=RANK, seconds=seconds)
 @dataclass
 class RenameResult(Message):
     flow_id: int
@@ -238,7 +385,8 @@ class RenameResult(Message):
     seconds: float
 
 
-@_message(14)
+@_message(14, flow_id=NONNEG, outcome=one_of(*(o.value for o in Outcome)), step=STEP,
+          ranks=ranks, exit_code=ints(0, 255))
 @dataclass
 class ExitOrder(Message):
     flow_id: int
@@ -249,7 +397,7 @@ class ExitOrder(Message):
     reason: str
 
 
-@_message(15)
+@_message(15, rank=RANK)
 @dataclass
 class Goodbye(Message):
     """The rank's train returned normally: its disconnect is not a fault."""
@@ -263,21 +411,62 @@ class Closing(Message):
     reason: str
 
 
+@_message(30, req=ints(1, 2**63 - 1), ns=NAMESPACE, op=one_of(*STORE_OPS),
+          keys=store_keys, values=b64_values(2), timeout=seconds)
+@dataclass
+class StoreRequest(Message):
+    """Rank → controller: one operation on the authenticated store (control/authstore.py).
+    `values` are base64; `amount` is add's increment; `timeout` bounds a get or wait."""
+    req: int
+    ns: str
+    op: str
+    keys: List[str]
+    values: List[str]
+    amount: int
+    timeout: float
+
+    def problem(self) -> str:
+        (klo, khi), (vlo, vhi) = _STORE_ARITY[self.op]
+        if not (klo <= len(self.keys) <= khi and vlo <= len(self.values) <= vhi):
+            return (f"{self.op} takes {klo}..{khi} key(s) and {vlo}..{vhi} value(s), got "
+                    f"{len(self.keys)} and {len(self.values)}")
+        return ""
+
+
+@_message(31, req=ints(1, 2**63 - 1), values=b64_values(1))
+@dataclass
+class StoreReply(Message):
+    """Controller → rank: the answer to StoreRequest `req`: `values` (base64: get and
+    compare_set), `number` (add, num_keys; 1/0 for check and delete_key), or `error`."""
+    req: int
+    ok: bool
+    values: List[str]
+    number: int
+    error: str
+
+
 # -- in-memory recovery (docs/recovery.md) ------------------------------------------------------
-@_message(40)
+# "host:port" as recovery.coordinator.format_address writes it
+ADDRESS = text(80, r"(?:\[[0-9A-Fa-f:.]+\]|[0-9.]+):[0-9]{1,5}")
+REPLACE_STATES = ("started", "exited", "failed")
+
+
+@_message(40, flow_id=NONNEG, recovery_id=ints(1, 2**62), step=ints(0, MAX_STEP), lost=ranks,
+          rendezvous=ADDRESS, deadline=seconds)
 @dataclass
 class RecoverOrder(Message):
     """Controller → every survivor: leave the step, roll back to `step`, rejoin the world on the
-    TCPStore at `store` ("host:port"); `lost` are replaced; READY is awaited `deadline` s."""
+    TCPStore at `rendezvous` ("host:port"); `lost` are replaced; READY is awaited `deadline` s."""
     flow_id: int
     recovery_id: int
     step: int
     lost: List[int]
-    store: str
+    rendezvous: str
     deadline: float
 
 
-@_message(41)
+@_message(41, recovery_id=ints(1, 2**62), flow_id=NONNEG, rank=RANK, step=ints(0, MAX_STEP),
+          lost=ranks, rendezvous=ADDRESS, controller=ADDRESS, deadline=seconds)
 @dataclass
 class ReplaceOrder(Message):
     """Controller → one survivor on the lost rank's host: ask that host's launcher (through
@@ -288,12 +477,13 @@ class ReplaceOrder(Message):
     rank: int
     step: int
     lost: List[int]
-    store: str
+    rendezvous: str
     controller: str
     deadline: float
 
 
-@_message(42)
+@_message(42, recovery_id=ints(1, 2**62), rank=RANK, state=one_of(*REPLACE_STATES),
+          pid=ints(0, 2**31 - 1))
 @dataclass
 class ReplaceStatus(Message):
     """Relay → controller: what the launcher did with the request (started, exited, failed)."""
@@ -304,7 +494,8 @@ class ReplaceStatus(Message):
     detail: str
 
 
-@_message(43)
+@_message(43, recovery_id=ints(1, 2**62), rank=RANK, digest=text(64, "(?:[0-9a-f]{64})?"),
+          seconds=seconds)
 @dataclass
 class RecoverReady(Message):
     """Any rank → controller: it holds the recovery's step, checked against the other copies
@@ -317,7 +508,7 @@ class RecoverReady(Message):
     seconds: float
 
 
-@_message(44)
+@_message(44, recovery_id=ints(1, 2**62))
 @dataclass
 class RecoverCommit(Message):
     """Controller → every rank: every rank is ready; train on."""
@@ -325,9 +516,27 @@ class RecoverCommit(Message):
 
 
 # -- codec ---------------------------------------------------------------------------------------
+def problem(msg: Message) -> str:
+    """What is wrong with `msg` ("" when nothing): the checks every decoded message passes."""
+    for name, of_type, in_range in _SCHEMA[type(msg)]:
+        v = getattr(msg, name)
+        if not of_type(v) or (in_range is not None and not in_range(v)):
+            return f"{type(msg).__name__}.{name}: bad value {_show(v)}"
+    bad = msg.problem()
+    return f"{type(msg).__name__}: {bad}" if bad else ""
+
+
+def _show(v: Any) -> str:
+    return ascii(v)[:80]
+
+
 def encode_payload(msg: Message) -> bytes:
-    """The JSON body alone, so one message sent to many connections is serialised once."""
-    body = {name: getattr(msg, name) for name, _ in _SCHEMA[type(msg)]}
+    """The JSON body alone, so one message sent to many connections is serialised once.
+    Refuses (ProtocolError) a message that the peer's decoder would refuse."""
+    bad = problem(msg)
+    if bad:
+        raise ProtocolError(f"refusing to send {bad}")
+    body = {name: getattr(msg, name) for name, _, _ in _SCHEMA[type(msg)]}
     payload = json.dumps(body, separators=(",", ":")).encode()
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError(f"{type(msg).__name__} payload is {len(payload)} bytes, over "
@@ -351,18 +560,23 @@ def _decode_payload(code: int, payload: bytes) -> Message:
         raise ProtocolError(f"unknown message type {code}")
     try:
         obj = json.loads(payload)
-    except (ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # incl. UnicodeDecodeError, huge integers
         raise ProtocolError(f"{cls.__name__}: payload is not JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{cls.__name__}: payload is not an object")
     schema = _SCHEMA[cls]
-    if len(obj) != len(schema) or any(name not in obj for name, _ in schema):
-        raise ProtocolError(f"{cls.__name__}: fields {sorted(obj)} != "
-                            f"{sorted(n for n, _ in schema)}")
-    for name, check in schema:
-        if not check(obj[name]):
-            raise ProtocolError(f"{cls.__name__}.{name}: bad value {obj[name]!r:.80}")
-    return cls(**obj)
+    if len(obj) != len(schema) or any(name not in obj for name, _, _ in schema):
+        raise ProtocolError(f"{cls.__name__}: fields {_show(sorted(obj))} != "
+                            f"{sorted(n for n, _, _ in schema)}")
+    for name, of_type, in_range in schema:
+        v = obj[name]
+        if not of_type(v) or (in_range is not None and not in_range(v)):
+            raise ProtocolError(f"{cls.__name__}.{name}: bad value {_show(v)}")
+    msg = cls(**obj)
+    bad = msg.problem()
+    if bad:
+        raise ProtocolError(f"{cls.__name__}: {bad}")
+    return msg
 
 
 class FrameDecoder:
@@ -423,6 +637,21 @@ class FrameDecoder:
             out.append(_decode_payload(code, body[HEADER.size:]))
             self._held = self._handshake
         return out
+
+    def wanted(self) -> int:
+        """Bytes still missing from the frame being received: its header, or its payload and
+        MAC once the header is in (at least 1: a bad header raises on the next feed). A
+        listener reads no more than this from a peer that has not registered."""
+        n = len(self._buf)
+        if n < HEADER.size:
+            return HEADER.size - n
+        length = HEADER.unpack_from(self._buf)[4]
+        return max(1, HEADER.size + min(length, self._max + 1) + MAC_LEN - n)
+
+    def release(self) -> None:
+        """Drop what is buffered (the connection is closed): the memory goes at once, not when
+        the last reference to the decoder does."""
+        self._buf = bytearray()
 
     def authenticated(self, max_payload: int = MAX_PAYLOAD) -> None:
         """The peer registered with a valid MAC: lift the pre-authentication frame cap."""

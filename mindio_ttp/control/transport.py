@@ -47,13 +47,14 @@ class Conn:
         self.data: Any = None
         self.writing = False  # registered for EVENT_WRITE in the owner's selector
 
-    def read(self) -> List[Message]:
-        """Drain what the socket has; raises ConnClosed on EOF/reset, ProtocolError on a bad
-        frame (the caller closes the connection in both cases)."""
+    def read(self, limit: Optional[int] = None) -> List[Message]:
+        """Drain what the socket has (at most `limit` bytes); raises ConnClosed on EOF/reset,
+        ProtocolError on a bad frame (the caller closes the connection in both cases)."""
         msgs: List[Message] = []
-        while True:
+        while limit is None or limit > 0:
+            want = RECV_CHUNK if limit is None else min(RECV_CHUNK, limit)
             try:
-                chunk = self.sock.recv(RECV_CHUNK)
+                chunk = self.sock.recv(want)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
@@ -64,8 +65,10 @@ class Conn:
                 raise ConnClosed("connection closed by peer")
             self.last_rx = time.monotonic()
             msgs.extend(self.dec.feed(chunk))
-            if len(chunk) < RECV_CHUNK:
+            if len(chunk) < want:
                 break
+            if limit is not None:
+                limit -= len(chunk)
         return msgs
 
     def queue(self, msg: Message) -> None:
@@ -91,12 +94,17 @@ class Conn:
         return True
 
     def close(self) -> None:
+        """Close the socket and free the buffers now: a listener's select() batch may still
+        hold this object while it drops thousands of connections."""
         if not self.closed:
             self.closed = True
             try:
                 self.sock.close()
             except OSError:
                 pass
+        self.dec.release()
+        self.out = bytearray()
+        self.handshake = None
 
 
 class Mailbox:

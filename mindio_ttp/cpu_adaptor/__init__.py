@@ -2,15 +2,19 @@
 
 ``import mindio_ttp.cpu_adaptor`` installs everything (like ``megatron_npu`` on Ascend);
 ``ttp-patch apply --device cpu`` puts that import in ``pretrain_gpt.py`` right after
-``import torch``. It must come before any ``megatron`` import, else it raises
-:class:`CPUAdaptorError` without changing anything. Importing it again is a no-op.
+``import torch`` and ``import mindio_ttp.compat`` (the torch/numpy drift fixes every device
+gets; the adaptor installs them too when they are not yet in place, for unpatched trees). It
+must come before any ``megatron`` import, else it raises :class:`CPUAdaptorError` without
+changing anything. Importing it again is a no-op. It holds only what a CPU needs: a tree
+patched for ``--device cuda`` is this tree minus this one import.
 
 What it patches, by module (each module's docstring gives the Megatron file:line it serves):
 
 ========================  =====================================================================
-``torch_drift``           ``torch._six``; numpy ``np.float`` & co.; ``torch.load``
-                          ``weights_only=False`` for Megatron; DDP without ``device_ids``;
-                          ``TypedStorage._untyped``; private DataLoader generator for Megatron
+``cpu_torch``             DDP without ``device_ids``; private DataLoader generator for
+                          Megatron; process groups destroyed at exit (gloo)
+``gloo_collectives``      ``_all_gather_base`` / ``_reduce_scatter_base`` for Megatron on a
+                          gloo without them (torch 2.1)
 ``cuda_on_cpu``           ``torch.cuda`` device/RNG/memory calls, typed-tensor classes,
                           ``Tensor.cuda``/``Module.cuda`` identity, ``Tensor.type()`` names
 ``apex_standins``         ``apex.optimizers.FusedAdam/FusedSGD``, ``multi_tensor_applier``,
@@ -23,7 +27,8 @@ What it patches, by module (each module's docstring gives the Megatron file:line
 ========================  =====================================================================
 
 Patches that change an answer other code relies on are scoped to Megatron's own calls
-(:mod:`.scope`); the launcher, the TTP runtime and tests in the same process see stock torch.
+(:mod:`mindio_ttp.compat.scope`); the launcher, the TTP runtime and tests in the same process
+see stock torch.
 Megatron still needs ``--distributed-backend gloo`` and the CUDA fusions off
 (``--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion
 --no-gradient-accumulation-fusion``).

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-from typing import List, Optional
+from typing import Optional
 
-from .journal import Journal
+from mindio_ttp.compat import imported_megatron_modules
+from mindio_ttp.compat.journal import Journal
 
 #: Megatron raises at arguments.py:337-345 without it when async TP all-reduce is on.
 CUDA_MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
@@ -17,10 +17,6 @@ _journal: Optional[Journal] = None
 
 class CPUAdaptorError(RuntimeError):
     """The adaptor cannot be installed; the message says what to do."""
-
-
-def _imported_megatron_modules() -> List[str]:
-    return sorted(n for n in sys.modules if n == "megatron" or n.startswith("megatron."))
 
 
 def is_installed() -> bool:
@@ -39,7 +35,7 @@ def install() -> None:
     with _lock:
         if _journal is not None:
             return
-        early = _imported_megatron_modules()
+        early = imported_megatron_modules()
         if early:
             raise CPUAdaptorError(
                 "mindio_ttp.cpu_adaptor must be imported before any Megatron module, but "
@@ -47,11 +43,23 @@ def install() -> None:
                 "Import it right after `import torch` at the top of the entry script "
                 "(`ttp-patch apply --device cpu` puts it there)."
             )
-        from . import apex_standins, cuda_on_cpu, layer_norm, megatron_hooks, torch_drift
+        import mindio_ttp.compat as compat
+
+        compat_before = compat.is_installed()  # in a patched tree its own import line came first
+        compat.install()
+        from . import (
+            apex_standins,
+            cpu_torch,
+            cuda_on_cpu,
+            gloo_collectives,
+            layer_norm,
+            megatron_hooks,
+        )
 
         journal = Journal()
         try:
-            torch_drift.install(journal)
+            cpu_torch.install(journal)
+            gloo_collectives.install(journal)
             cuda_on_cpu.install(journal)
             apex_standins.install(journal)
             layer_norm.install(journal)
@@ -59,12 +67,17 @@ def install() -> None:
             journal.setenv_default(CUDA_MAX_CONNECTIONS_ENV, "1")
         except BaseException:
             journal.undo()
+            if not compat_before:
+                compat.uninstall()
             raise
         _journal = journal
 
 
 def uninstall() -> None:
-    """Revert every patch (used by tests; a process running Megatron should never need it)."""
+    """Revert every patch (used by tests; a process running Megatron should never need it).
+
+    The compatibility layer :func:`install` put in place stays: it is not the adaptor's.
+    """
     global _journal
     with _lock:
         if _journal is None:

@@ -20,11 +20,12 @@ Registered in ``sys.modules`` as ``apex``, ``apex.optimizers``, ``apex.multi_ten
 from __future__ import annotations
 
 import types
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .journal import Journal
+from mindio_ttp.compat import features
+from mindio_ttp.compat.journal import Journal
 
 #: apex's default chunk size; kept so callers that read it see the same number.
 CHUNK_SIZE = 2048 * 32
@@ -53,10 +54,38 @@ class FusedAdam(torch.optim.Adam):
             raise NotImplementedError(
                 "FusedAdam(bias_correction=False) has no CPU stand-in in mindio_ttp.cpu_adaptor"
             )
+        # torch.optim.Adam takes decoupled_weight_decay only in recent releases (2.13 does,
+        # 2.1.2 does not); where it does not, step() decays the params itself, as AdamW does.
+        has_flag = features.adam_has_decoupled_weight_decay()
+        self._decay_by_hand = adam_w_mode and not has_flag
+        extra = {"decoupled_weight_decay": adam_w_mode} if has_flag else {}
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         foreach=False, decoupled_weight_decay=adam_w_mode)
+                         foreach=False, **extra)
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch's Optimizer pickles (and copy.copy copies) only defaults/state/param_groups;
+        # ReplicatedOptimizer's partner stripe is such a copy, and must keep apex's options.
+        return {**super().__getstate__(),
+                **{k: self.__dict__[k] for k in ("adam_w_mode", "set_grad_none",
+                                                  "_decay_by_hand")}}
+
+    def step(self, closure: Any = None) -> Any:
+        if not self._decay_by_hand:
+            return super().step(closure)
+        decays = [group["weight_decay"] for group in self.param_groups]
+        with torch.no_grad():  # torch's AdamW: param *= 1 - lr * wd, then the Adam update
+            for group, wd in zip(self.param_groups, decays):
+                for param in group["params"]:
+                    if wd and param.grad is not None:
+                        param.mul_(1 - group["lr"] * wd)
+                group["weight_decay"] = 0.0
+        try:
+            return super().step(closure)
+        finally:
+            for group, wd in zip(self.param_groups, decays):
+                group["weight_decay"] = wd
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
@@ -84,6 +113,9 @@ class FusedSGD(torch.optim.SGD):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov, foreach=False)
         self.set_grad_none = set_grad_none
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**super().__getstate__(), "set_grad_none": self.set_grad_none}
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)

@@ -1,8 +1,9 @@
 """``torch.cuda`` as Megatron uses it, answered by the CPU.
 
-Every function replaced here checks its direct caller (:mod:`.scope`): Megatron code gets the
-CPU answer, anyone else gets stock torch (on a CPU build that is usually "not compiled with
-CUDA"). The legacy typed-tensor classes are attributes, not calls, so they are mapped for all.
+Every function replaced here checks its direct caller (:mod:`mindio_ttp.compat.scope`): Megatron
+code gets the CPU answer, anyone else gets stock torch (on a CPU build that is usually "not
+compiled with CUDA"). The legacy typed-tensor classes are attributes, not calls, so they are
+mapped for all.
 
 Patches (Megatron-LM 285068c file:line they serve):
 
@@ -41,8 +42,8 @@ from typing import Any, Callable, Dict
 
 import torch
 
-from .journal import Journal
-from .scope import called_from_megatron
+from mindio_ttp.compat.journal import Journal
+from mindio_ttp.compat.scope import called_from_megatron
 
 _TYPED_TENSORS = (
     "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "LongTensor",

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .journal import Journal
+from mindio_ttp.compat.journal import Journal
 
 MODULE_NAME = "fused_mix_prec_layer_norm_cuda"
 

@@ -44,8 +44,9 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
+from mindio_ttp.compat.journal import Journal
+
 from .helpers_build import build_helpers
-from .journal import Journal
 
 Hook = Callable[[ModuleType], None]
 HELPERS_MODULE = "megatron.data.helpers"

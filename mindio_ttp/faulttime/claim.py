@@ -7,8 +7,13 @@ checkpoint that spans nodes needs a shared file system anyway), so before its fi
 a controller claims the fault there: `O_CREAT | O_EXCL` of ``.ttp-claims/fault-<id>.json``,
 content fsynced, directory fsynced. Exactly one create succeeds; the other flow refuses.
 
-The fault id is one random token per launch, agreed at start-up through torch's rendezvous
-store (the only shared thing that exists then); every rank of the launch gets the same one.
+The fault id is one random token per launch. The primary controller makes it when it starts and
+hands it to every rank in its RegisterAck, over the authenticated channel; every rank registers
+with the primary before it trains, so every rank, and every standby controller a rank hosts,
+holds the same id, on both sides of any later partition. Nobody without the job key can choose
+it (torch's rendezvous store, which carried it before, is writable by anyone on the network: an
+outsider who wrote the id first could aim it at a finished claim and turn the next fault into
+`not_claimed`), and it names a file only after `check_fault_id` accepted it.
 
 A claimant holds an exclusive `flock` on its claim file until its process exits. If the
 claimant dies mid-flow (e.g. the controller's rank is killed during the save), the kernel (or
@@ -25,6 +30,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import time
@@ -40,6 +46,17 @@ CLAIM_DIR = ".ttp-claims"
 MAX_CLAIM_BYTES = 64 * 1024
 # states a claim records; only a CLAIMED (no rename ordered yet) claim can be taken over
 CLAIMED, RENAMING, DONE = "claimed", "renaming", "done"
+_FAULT_ID = re.compile("[0-9a-f]{32}")
+
+
+def check_fault_id(fault_id: object) -> str:
+    """`fault_id` if it is what `new_fault_id` makes (32 lowercase hex digits), else ValueError:
+    it becomes part of a file name."""
+    if not isinstance(fault_id, str) or not _FAULT_ID.fullmatch(fault_id):
+        raise ValueError(f"fault id {str(fault_id)[:80]!r} is not 32 lowercase hex digits "
+                         "(the primary controller hands every rank the launch's id when it "
+                         "registers)")
+    return fault_id
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,9 @@ class ClaimSpace:
 
     directory: Path  # <checkpoint dir>/.ttp-claims
     fault_id: str
+
+    def __post_init__(self) -> None:
+        check_fault_id(self.fault_id)
 
     @property
     def path(self) -> Path:
@@ -67,12 +87,13 @@ class Claim:
         _write_record(self._fd, self.record)
 
 
-_space: Optional[ClaimSpace] = None
+_directory: Optional[Path] = None
 
 
-def register(directory: os.PathLike, fault_id: str) -> ClaimSpace:
-    """Make `directory`/.ttp-claims (a clear error now, not at the fault, if it cannot be)."""
-    global _space
+def register(directory: os.PathLike) -> Path:
+    """Make `directory`/.ttp-claims (a clear error now, not at the fault, if it cannot be);
+    this process's controllers claim faults there."""
+    global _directory
     root = Path(directory)
     claims = root / CLAIM_DIR
     try:
@@ -83,17 +104,23 @@ def register(directory: os.PathLike, fault_id: str) -> ClaimSpace:
             from None
     if not os.access(claims, os.W_OK | os.X_OK):
         raise ValueError(f"{claims} is not writable: the controller claims each fault there")
-    _space = ClaimSpace(claims, fault_id)
-    return _space
+    _directory = claims
+    return claims
 
 
-def registered() -> Optional[ClaimSpace]:
-    return _space
+def registered(fault_id: Optional[str]) -> Optional[ClaimSpace]:
+    """Where a controller claims the launch's fault `fault_id`: None without a registered
+    directory; ValueError when there is one but `fault_id` is not a valid id."""
+    return None if _directory is None else ClaimSpace(_directory, check_fault_id(fault_id))
+
+
+def registered_directory() -> Optional[Path]:
+    return _directory
 
 
 def reset() -> None:
-    global _space
-    _space = None
+    global _directory
+    _directory = None
 
 
 def new_fault_id() -> str:

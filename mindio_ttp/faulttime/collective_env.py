@@ -12,15 +12,14 @@ library does when that collective times out decides whether a dying checkpoint c
   the process, and the TTP heartbeat detects the fault instead.
 
 ttprun sets these for its workers only where the user has not set them (their value wins and
-is logged). Megatron's process-group timeout (``--distributed-timeout-minutes``, default 10)
-is the other clock: a survivor's hung collective fails when it runs out, so it must not be
-shorter than the grace period ``TTP_OT`` the launcher gives the survivors.
+is logged). The process-group timeout is the other clock: a survivor's hung collective fails
+when it runs out (``mindio_ttp.launch.timeouts`` checks it against ``TTP_OT``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, MutableMapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, MutableMapping, Tuple
 
 log = logging.getLogger("mindio_ttp.launch.agent")
 
@@ -32,8 +31,17 @@ WORKER_DEFAULTS: Tuple[Tuple[str, str, str], ...] = (
      "a dead peer's ERROR CQE must not terminate the survivors before they save"),
 )
 NAMES = tuple(name for name, _, _ in WORKER_DEFAULTS)
-MEGATRON_TIMEOUT_FLAG = "--distributed-timeout-minutes"
-MEGATRON_TIMEOUT_DEFAULT_MIN = 10.0
+# What a user's own value does to the survivors of a fault (values named in the docs above;
+# torch: 0 no handling, 1 abort + tear down, 2 abort only, 3 tear down without abort).
+FATAL_VALUES = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": {
+        "1": "aborts the communicator and then kills the process",
+        "3": "kills the process without aborting the communicator",
+    },
+    "HCCL_ASYNC_ERROR_HANDLING": {
+        "1": "terminates the process on the dead peer's ERROR CQE",
+    },
+}
 
 
 def apply_defaults(environ: MutableMapping[str, str]) -> Dict[str, str]:
@@ -50,31 +58,14 @@ def apply_defaults(environ: MutableMapping[str, str]) -> Dict[str, str]:
     return done
 
 
-def megatron_timeout_s(script_args: Sequence[str]) -> Optional[float]:
-    """Megatron's process-group timeout from the training command line (None: not Megatron's
-    flag, or unreadable)."""
-    args = list(script_args)
-    for i, arg in enumerate(args):
-        raw = None
-        if arg == MEGATRON_TIMEOUT_FLAG and i + 1 < len(args):
-            raw = args[i + 1]
-        elif arg.startswith(MEGATRON_TIMEOUT_FLAG + "="):
-            raw = arg.split("=", 1)[1]
-        if raw is not None:
-            try:
-                return float(raw) * 60.0
-            except ValueError:
-                return None
-    return None
-
-
-def timeout_warning(script_args: Sequence[str], overtime_s: float) -> Optional[str]:
-    """A warning when the collectives' timeout runs out before the survivors' grace period."""
-    timeout = megatron_timeout_s(script_args)
-    if timeout is None or timeout >= overtime_s:
-        return None
-    need = -(-overtime_s // 60)  # ceil, in minutes
-    return (f"Megatron's {MEGATRON_TIMEOUT_FLAG} ({timeout:.0f} s) is shorter than TTP_OT "
-            f"({overtime_s:.0f} s): a survivor's collective hung on the dead rank fails before "
-            f"the dying checkpoint's grace period ends; pass {MEGATRON_TIMEOUT_FLAG} {need:.0f} "
-            "or more, or lower TTP_OT")
+def user_value_warnings(environ: Mapping[str, str]) -> List[str]:
+    """A warning for each user value that kills the survivors before they save."""
+    out = []
+    for name, value, why in WORKER_DEFAULTS:
+        mine = environ.get(name)
+        effect = FATAL_VALUES.get(name, {}).get((mine or "").strip())
+        if effect:
+            out.append(f"your {name}={mine} {effect} when a collective with a dead rank times "
+                       f"out: the survivors die before the dying checkpoint. ttprun keeps your "
+                       f"value; unset it (ttprun then gives {value}: {why}) or set {value}")
+    return out

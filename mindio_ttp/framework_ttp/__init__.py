@@ -24,6 +24,7 @@ from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
     ENV_LOG_LEVEL,
     ENV_LOG_PATH,
+    MAX_WORLD,
     RUNTIME_STARTED_DIR,
     ExitCode,
     Outcome,
@@ -51,7 +52,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("mindio_ttp")
-MAX_WORLD = 100_000
 
 _lock = threading.Lock()
 _controller_args: Optional[tuple] = None
@@ -295,30 +295,15 @@ def ttp_register_rename_handler(fn: Callable[[int, tuple], None]) -> None:
 
 
 def ttp_set_checkpoint_dir(path: os.PathLike[str] | str) -> None:
-    """Name the directory the save handler writes into (shared by every node), on every rank,
-    after `torch.distributed.init_process_group`. Not in MindIO's API: it is what lets a job
-    split in two halves save at most one checkpoint. Each fault is claimed there by the one
-    controller allowed to order its save (faulttime/claim.py); without it a controller
-    saves only with a strict majority of the ranks."""
+    """Name the directory the save handler writes into (shared by every node), on every rank.
+    Not in MindIO's API: it is what lets a job split in two halves save at most one checkpoint.
+    Each fault is claimed there by the one controller allowed to order its save
+    (faulttime/claim.py), under the launch's fault id, which the primary controller hands every
+    rank over the authenticated channel; without a directory a controller saves only with a
+    strict majority of the ranks."""
     if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
         raise ValueError(f"ttp_set_checkpoint_dir takes a directory path, got {path!r}")
-    _claim.register(os.path.abspath(os.fspath(path)), _agree_fault_id())
-
-
-def _agree_fault_id() -> str:
-    """One random id for this launch's fault, the same on every rank: the first rank to ask
-    sets it in torch's rendezvous store (compare_set), the rest read it. The store is only
-    needed now, at start-up; at the fault it may be gone with node 0."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise TTPError("call ttp_set_checkpoint_dir after torch.distributed.init_process_group: "
-                       "the ranks agree on the fault id through its store")
-    store = dist.distributed_c10d._get_default_store()
-    key = (f"ttp/fault-id/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-    got = store.compare_set(key, "", _claim.new_fault_id())
-    return got.decode() if isinstance(got, bytes) else str(got)
+    _claim.register(os.path.abspath(os.fspath(path)))
 
 
 def current_save_session() -> Optional[SaveSession]:

@@ -27,6 +27,7 @@ start without a key is refused with a message that says how to provide one.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -46,10 +47,9 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.utils.process_state import read_proc_state
 
+from mindio_ttp import config
 from mindio_ttp.config import (
-    DEFAULTS,
     ENV_AUTH_KEY,
     ENV_AUTH_KEY_FILE,
     ENV_OT,
@@ -60,34 +60,27 @@ from mindio_ttp.config import (
     RUNTIME_STARTED_DIR,
     Outcome,
     auth_key_from_env,
-    read_key_file,
     warm_spares,
 )
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
-from mindio_ttp.launch import takeover
+from mindio_ttp.launch import preflight, takeover
+from mindio_ttp.launch.procstate import read_proc_state
 from mindio_ttp.launch.replace import ReplacementDesk, cold_start
 from mindio_ttp.launch.spares import pool_from_spec
 
 logger = logging.getLogger("ttprun")
 
-DEFAULT_OT_S = DEFAULTS[ENV_OT]
+DEFAULT_OT_S = config.BY_NAME[ENV_OT].value
 
 # Once the flow has finished, the runtime makes every worker exit on its own; a worker that has not
 # exited this many seconds later is killed (it may be wedged in a collective with a dead peer).
 POST_FLOW_EXIT_S = 15.0
 POLL_S = 0.05
-RDZV_WAIT_NOTICE_S = float(os.environ.get("TTPRUN_RDZV_NOTICE_S", "10"))
+RDZV_WAIT_NOTICE_S = config.BY_NAME[config.ENV_RDZV_NOTICE].value  # main() reads the env
 # How long the monitor loop waits for one answer of the rendezvous store before it goes on
 # watching the workers (the answer is used when it comes; a healthy store answers in ms).
 RDZV_QUERY_WAIT_S = 1.0
-MULTI_NODE_KEY_MESSAGE = (
-    "a multi-node job needs a control-plane key that every node already has: export "
-    f"{ENV_AUTH_KEY}=<64 hex chars> on every node (e.g. generate it once with `python -c "
-    "'import secrets; print(secrets.token_hex(32))'` and pass it through your scheduler's "
-    f"secret store), or point {ENV_AUTH_KEY_FILE} at a chmod-600 file on every node. ttprun "
-    "does not send keys over the network."
-)
 
 
 def is_multi_node(nnodes: str) -> bool:
@@ -95,21 +88,7 @@ def is_multi_node(nnodes: str) -> bool:
     return str(nnodes).split(":")[-1].strip() != "1"
 
 
-def overtime_s(environ: Optional[dict] = None) -> float:
-    """``TTP_OT`` in seconds: how long survivors may run after a fault (default 120)."""
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_OT, "")
-    if not raw.strip():
-        return DEFAULT_OT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(
-            f"{ENV_OT}={raw!r} is not a number of seconds; set e.g. {ENV_OT}=120"
-        ) from None
-    if value < 0:
-        raise ValueError(f"{ENV_OT}={raw!r} is negative; set a number of seconds >= 0")
-    return value
+overtime_s = config.overtime_s  # TTP_OT: how long survivors may run after a fault
 
 
 def _is_stopped(pid: int) -> bool:
@@ -532,17 +511,6 @@ def _read_marker(path: Path) -> str:
         return f"(unreadable: {exc})"
 
 
-def check_key_source(multi_node: bool) -> None:
-    """Refuse, before anything starts, a key file that is unsafe or unreadable, and a multi-node
-    launch with no key at all (ValueError with what to do)."""
-    if os.environ.get(ENV_AUTH_KEY):
-        return
-    if os.environ.get(ENV_AUTH_KEY_FILE):
-        read_key_file(os.environ[ENV_AUTH_KEY_FILE])
-    elif multi_node:
-        raise ValueError(MULTI_NODE_KEY_MESSAGE)
-
-
 _OUTCOME_WORDS = {
     "saved": "dying checkpoint of iteration {step} saved{where} and marked latest",
     "no_consistent_step": "no step had a clean copy of every shard, so nothing was saved "
@@ -617,7 +585,7 @@ def ttp_environment() -> Iterator[Path]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"ttprun-{os.getpid()}-", dir=parent or None))
     os.environ[ENV_RUN_DIR] = str(run_dir)
     if not saved[ENV_AUTH_KEY] and not os.environ.get(ENV_AUTH_KEY_FILE):
-        os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)  # single node (check_key_source)
+        os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)  # single node (preflight.check)
     collective_env.apply_defaults(os.environ)
     os.environ[ENV_REPLACEMENTS] = "cold"  # this launcher starts a lost rank's replacement
     try:
@@ -663,6 +631,8 @@ def build_parser():
         "--warm-spares", type=int, default=None, metavar="N",
         help=f"keep N warm spares per node: processes that have imported torch and the training "
         f"script's imports and wait to replace a lost rank (default ${ENV_WARM_SPARES} or 0)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = preflight.help_epilog()
     return parser
 
 
@@ -670,23 +640,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``ttprun``; returns the exit code (1 when a worker failed)."""
     from torch.distributed.run import run
 
+    global RDZV_WAIT_NOTICE_S
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.warm_spares is not None:
         os.environ[ENV_WARM_SPARES] = str(args.warm_spares)
-    try:
-        ot = overtime_s()
-        warm_spares()
-    except ValueError as exc:
-        print(f"ttprun: error: {exc}", file=sys.stderr)
-        return 2
-    warning = collective_env.timeout_warning(args.training_script_args, ot)
-    if warning:
+    problems, warnings = preflight.check(os.environ, is_multi_node(args.nnodes),
+                                         args.training_script_args, args.training_script,
+                                         is_module=args.module)
+    for warning in warnings:
         print(f"ttprun: warning: {warning}", file=sys.stderr)
-    try:
-        check_key_source(is_multi_node(args.nnodes))
-    except ValueError as exc:
-        print(f"ttprun: error: {exc}", file=sys.stderr)
+    if problems:
+        print(f"ttprun: error: {preflight.refusal(problems)}", file=sys.stderr)
         return 2
+    RDZV_WAIT_NOTICE_S = config._float_env(os.environ, config.ENV_RDZV_NOTICE)
     with ttp_environment() as run_dir, _agent_installed():
         logger.info("ttprun: TTP_RUN_DIR=%s", run_dir)
         try:

@@ -1,9 +1,10 @@
 """Megatron-LM 285068c glue for the dying checkpoint: the names the patched tree uses.
 
-`import mindio_ttp.megatron_ttp as mega` happens at the top of megatron/training.py, before
-megatron.optimizer exists, and megatron/optimizer/__init__.py imports ReplicatedOptimizer from
-here while it is itself half-imported. So nothing is imported eagerly: each name loads its
-module on first use (PEP 562 module __getattr__).
+`import mindio_ttp.megatron_ttp as mega` happens at the top of megatron/training.py (and of
+megatron/initialize.py, edit 6.1, for `process_group_timeout`), before megatron.optimizer
+exists, and megatron/optimizer/__init__.py imports ReplicatedOptimizer from here while it is
+itself half-imported. So nothing is imported eagerly: each name loads its module on first use
+(PEP 562 module __getattr__).
 
 A run without --use-distributed-optimizer is stopped where the optimizer is built
 (`check_args`, called by ttp-patch's edit 3.3). For a tree patched by hand with only the guide's
@@ -23,6 +24,7 @@ __all__ = [
     "rename_save_result",
     "in_memory_recovery",
     "reuse_on_recovery",
+    "process_group_timeout",
 ]
 
 
@@ -52,6 +54,10 @@ def __getattr__(name: str) -> Any:
         from mindio_ttp.megatron_ttp import rejoin
 
         return getattr(rejoin, name)
+    if name == "process_group_timeout":
+        from mindio_ttp.megatron_ttp.timeout import process_group_timeout
+
+        return process_group_timeout
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

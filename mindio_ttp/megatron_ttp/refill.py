@@ -29,7 +29,7 @@ import hashlib
 import json
 import logging
 import random
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from mindio_ttp.control import hooks
 from mindio_ttp.megatron_ttp import rejoin, transfer
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT
+from mindio_ttp.recovery.verify import check_digests
 
 log = logging.getLogger("mindio_ttp.recovery")
 
@@ -69,10 +70,16 @@ def load_in_memory(model, optimizer, scheduler) -> int:
             transfer.send_tree(_payload(optimizer, job.scheduler_state, meta, step), me,
                                optimizer.pair_group)
         _roll_back(meta, job.scheduler_state, scheduler, args)
+    RECOVERY.machine.transition_to(S.VERIFYING)
+    # The stripes first, before the weights are rebuilt: the param all-gather writes every
+    # stripe's owner's values over the other copy (fp32 main params are views of the weights),
+    # which would carry a bad refill into its holder, and the dying checkpoint (the fallback)
+    # saves from the holders. Until the weights are checked, a fallback save rebuilds them.
+    optimizer._gathered_step = -1
+    stripes = verify_stripes(optimizer)
     _rebuild_weights(optimizer, args)
     optimizer.record_loaded_step(step, scheduler)
-    RECOVERY.machine.transition_to(S.VERIFYING)
-    digest = verify(model, optimizer, scheduler, step)
+    digest = verify_replicas(model, optimizer, scheduler, step, stripes)
     RECOVERY.machine.transition_to(S.READY)
     RECOVERY.report_ready(True, "", digest)
     ok, why = RECOVERY.wait_commit(order.deadline_s + 30.0)
@@ -95,7 +102,7 @@ def load_in_memory(model, optimizer, scheduler) -> int:
 def _start_processor(optimizer, controller: str) -> None:
     """A replacement joins the control plane at the acting controller (maybe a standby)."""
     from mindio_ttp import framework_ttp as ttp
-    from mindio_ttp.faulttime.save_session import parse_address
+    from mindio_ttp.recovery.coordinator import parse_address
 
     dp_ranks = list(optimizer.dp_ranks)
     ttp.ttp_init_processor(dist.get_rank(), dp_ranks, len(dp_ranks), dist.get_world_size(),
@@ -203,29 +210,41 @@ def _stripe_digest(stripe, grad_scaler) -> str:
                     grad_scaler.state_dict() if grad_scaler else None])
 
 
-def verify(model, optimizer, scheduler, step: int) -> str:
-    """Hash this rank's copies and check them against every other rank's (one all-gather of
-    digests on the new world); raises RecoveryMismatch, alike on every rank, when a pair of
-    copies that must be equal is not. Returns this rank's summary digest."""
-    from mindio_ttp.megatron_ttp.step_record import local_rng_state
-
-    args = get_args()
-    weights = _model_tensors(model)
-    mine = {
-        "rank": dist.get_rank(),
-        "dp_ranks": tuple(optimizer.dp_ranks),
-        "stripes": {s.position: _stripe_digest(s, optimizer.grad_scaler)
-                    for s in optimizer.stripes()},
-        "replica": _digest([weights, local_rng_state()]),
-        "global": json.dumps([step, args.consumed_train_samples, args.consumed_valid_samples,
-                              scheduler.num_steps]),
-    }
+def _agree(mine: Dict[str, Any], what: str) -> List[Dict[str, Any]]:
+    """Everyone's digests (one all-gather on the new world); raises RecoveryMismatch, alike on
+    every rank, when two copies that must be equal are not."""
     everyone: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     problems = check_digests(everyone)
     if problems:
-        raise RecoveryMismatch("state differs after the refill: " + "; ".join(problems[:8]))
-    return hashlib.sha256(json.dumps(mine, sort_keys=True, default=str).encode()).hexdigest()
+        raise RecoveryMismatch(f"{what} differ after the refill: " + "; ".join(problems[:8]))
+    return everyone
+
+
+def verify_stripes(optimizer) -> Dict[int, str]:
+    """Both holders of every optimizer stripe hold the same bytes (state, main params)."""
+    stripes = {s.position: _stripe_digest(s, optimizer.grad_scaler) for s in optimizer.stripes()}
+    _agree({"rank": dist.get_rank(), "dp_ranks": tuple(optimizer.dp_ranks), "stripes": stripes},
+           "optimizer stripes")
+    return stripes
+
+
+def verify_replicas(model, optimizer, scheduler, step: int, stripes: Dict[int, str]) -> str:
+    """Data-parallel peers hold the same weights and RNG state, every rank the same step,
+    consumed samples and scheduler count. Returns this rank's summary digest."""
+    from mindio_ttp.megatron_ttp.step_record import local_rng_state
+
+    args = get_args()
+    mine = {
+        "rank": dist.get_rank(),
+        "dp_ranks": tuple(optimizer.dp_ranks),
+        "replica": _digest([_model_tensors(model), local_rng_state()]),
+        "global": json.dumps([step, args.consumed_train_samples, args.consumed_valid_samples,
+                              scheduler.num_steps]),
+    }
+    _agree(mine, "weights, RNG or counters")
+    return hashlib.sha256(json.dumps({**mine, "stripes": stripes}, sort_keys=True,
+                                     default=str).encode()).hexdigest()
 
 
 def _model_tensors(model) -> List[torch.Tensor]:
@@ -234,28 +253,3 @@ def _model_tensors(model) -> List[torch.Tensor]:
         sd = chunk.state_dict_for_save_checkpoint()
         out += [t for t in _leaves(sd) if torch.is_tensor(t)]
     return out
-
-
-def check_digests(everyone: List[Dict[str, Any]]) -> List[str]:
-    """What differs among the ranks' digests (pure; every rank computes the same list)."""
-    problems = []
-    globals_ = {d["global"] for d in everyone}
-    if len(globals_) > 1:
-        problems.append(f"step/consumed samples/scheduler differ: {sorted(globals_)}")
-    by_group: Dict[Tuple[int, ...], List[Dict[str, Any]]] = {}
-    for d in everyone:
-        by_group.setdefault(tuple(d["dp_ranks"]), []).append(d)
-    for group, members in sorted(by_group.items()):
-        holders: Dict[int, Dict[int, str]] = {}
-        for d in members:
-            for position, digest in d["stripes"].items():
-                holders.setdefault(int(position), {})[d["rank"]] = digest
-        for position, copies in sorted(holders.items()):
-            if len(set(copies.values())) > 1:
-                problems.append(f"DP group {list(group)[:8]}: stripe {position} differs between "
-                                f"ranks {sorted(copies)}")
-        replicas = {d["rank"]: d["replica"] for d in members}
-        if len(set(replicas.values())) > 1:
-            problems.append(f"DP group {list(group)[:8]}: weights or RNG differ between ranks "
-                            f"{sorted(replicas)}")
-    return problems

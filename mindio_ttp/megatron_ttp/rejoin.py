@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Tuple, TypeVar
 
 from mindio_ttp.control import hooks
 from mindio_ttp.control.hooks import TTPRecovering
-from mindio_ttp.faulttime.save_session import parse_address
+from mindio_ttp.recovery.coordinator import parse_address
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, SURVIVOR, RecoveryOrder, join_order
 
@@ -68,6 +68,19 @@ _current: Optional[Rejoin] = None
 def current() -> Optional[Rejoin]:
     """The recovery this process is in, while it is in one (None once committed)."""
     return _current if _current is not None and RECOVERY.active else None
+
+
+def megatron_args() -> Any:
+    """Megatron's arguments; between a survivor's leaving the world and its re-run parsing them
+    again (when a fallback to the dying checkpoint may need them), the ones it trained with."""
+    from megatron import get_args
+
+    try:
+        return get_args()
+    except AssertionError:
+        if _current is not None and _current.args is not None:
+            return _current.args
+        raise
 
 
 def finished() -> None:

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 import torch
-from megatron import get_args
 from megatron.core import mpu
 from megatron.utils import unwrap_model
 
 from mindio_ttp.faulttime import checkpoint_writer, device_copy, save_session
 from mindio_ttp.megatron_ttp import exchange, manifest
+from mindio_ttp.megatron_ttp.rejoin import megatron_args as get_args
 from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer
 
 

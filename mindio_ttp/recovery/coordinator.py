@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from mindio_ttp.config import TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.roster import Roster
-from mindio_ttp.faulttime import save_session
-from mindio_ttp.recovery.decision import RecoveryPlan
+from mindio_ttp.recovery.decision import IN_MEMORY, RecoveryPlan
 from mindio_ttp.recovery.rank import RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
@@ -32,13 +32,11 @@ log = logging.getLogger("mindio_ttp.controller")
 
 class RecoveryCoordinator:
     def __init__(self, cfg: TTPConfig, world_size: int, name: str, cond: threading.Condition,
-                 roster: Roster, outbox: Any, store_host: Callable[[], str],
-                 address: Callable[[], Tuple[str, int]]) -> None:
+                 roster: Roster, outbox: Any, address: Callable[[], Tuple[str, int]]) -> None:
         self.cfg, self.world_size, self.name = cfg, world_size, name
         self._cond = cond
         self._ranks = roster
         self._out = outbox
-        self._store_host = store_host
         self._address = address
         self._store: Any = None  # the current world's rendezvous store (kept alive)
         self.recovery_id = 0
@@ -46,6 +44,13 @@ class RecoveryCoordinator:
         self._ready: Dict[int, P.RecoverReady] = {}
         self._failed = ""
         self.timeline: Dict[str, float] = {}
+
+    def preload(self) -> None:
+        """Import torch.distributed now, if this controller may order a recovery (it hosts the
+        new world's TCPStore): the import holds the GIL for seconds, which inside a flow would
+        starve the controller's I/O thread and make live ranks look hung."""
+        if self.cfg.recovery == IN_MEMORY and self.cfg.replacements:
+            import torch.distributed  # noqa: F401
 
     # -- called by the controller's I/O thread, holding the condition ---------------------------
     @property
@@ -89,10 +94,9 @@ class RecoveryCoordinator:
         cfg = self.cfg
         self.recovery_id = RECOVERY.epoch + 1  # the job's count: survivors agree on it
         rid = self.recovery_id
-        store, port = save_session.host_store(self._store_host(), cfg.recover_timeout)
-        address = save_session.format_address(self._store_host(), port)
         ctl_host, ctl_port = self._address()
-        controller = save_session.format_address(ctl_host, ctl_port)
+        store, port = host_store(ctl_host, cfg.recover_timeout)
+        address, controller = format_address(ctl_host, port), format_address(ctl_host, ctl_port)
         with self._cond:
             self._plan, self._ready, self._failed = plan, {}, ""
             self.timeline = {"ordered": time.monotonic()}
@@ -144,3 +148,25 @@ class RecoveryCoordinator:
 
     def close(self) -> None:
         self._store = None
+
+
+def host_store(ip: str, timeout: float) -> Tuple[Any, int]:
+    """A TCPStore server for a new world, on a free port of this controller's address; it
+    serves as long as the object lives."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    return store, int(store.port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_address(text: str) -> Tuple[str, int]:
+    """"host:port" or "[v6]:port"; ValueError with what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"store address {text[:80]!r} is not host:port")
+    return host.strip("[]"), int(port)

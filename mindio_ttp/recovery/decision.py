@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Set, Tuple
 
+from mindio_ttp.config import RECOVERY_MODES
 from mindio_ttp.control.selection import Layout, RankState
 
-IN_MEMORY, DYING_CHECKPOINT = "in-memory", "dying-checkpoint"
-MODES = (IN_MEMORY, DYING_CHECKPOINT)
+IN_MEMORY, DYING_CHECKPOINT = RECOVERY_MODES
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Mapping, Optional, Tuple
 
+from mindio_ttp.config import ENV_RECOVERY_JOIN
 from mindio_ttp.recovery.machine import RecoveryMachine
 from mindio_ttp.recovery.machine import RecoveryState as S
 
 log = logging.getLogger("mindio_ttp.recovery")
 
-ENV_JOIN = "TTP_RECOVERY_JOIN"  # set by the launcher in a replacement's environment
+ENV_JOIN = ENV_RECOVERY_JOIN  # set by the launcher in a replacement's environment
 SURVIVOR, REPLACEMENT = "survivor", "replacement"
 
 

@@ -1,11 +1,12 @@
-"""The guide's 14 edits in EDITS.md order, plus ttp-patch's 3.3 (an early check of the
-optimizer flags), grouped by the file they change."""
+"""The guide's 14 edits in EDITS.md order, plus ttp-patch's own: 0 (the torch compatibility
+layer), 3.3 (an early check of the optimizer flags) and 6.1-6.2 (the process-group timeout
+from the runtime), grouped by the file they change."""
 
 from __future__ import annotations
 
 from typing import List
 
-from . import optimizer_init, parallel_state, pretrain_gpt, training
+from . import initialize, optimizer_init, parallel_state, pretrain_gpt, training
 from .base import Assessment, Edit, FileIndex, State
 
 ALL_EDITS: List[Edit] = [
@@ -13,6 +14,7 @@ ALL_EDITS: List[Edit] = [
     *training.EDITS,
     *optimizer_init.EDITS,
     *parallel_state.EDITS,
+    *initialize.EDITS,
 ]
 
 TARGET_FILES: List[str] = [
@@ -20,6 +22,7 @@ TARGET_FILES: List[str] = [
     training.FILE,
     optimizer_init.FILE,
     parallel_state.FILE,
+    initialize.FILE,
 ]
 
 

@@ -1,4 +1,5 @@
-"""Edit 1 of the guide: the accelerator adaptor import in pretrain_gpt.py."""
+"""pretrain_gpt.py: ttp-patch's edit 0 (the compatibility layer) and the guide's edit 1 (the
+accelerator adaptor), both imports right after `import torch`, in that order."""
 
 from __future__ import annotations
 
@@ -10,10 +11,51 @@ from ..options import Device, Options
 from .base import Assessment, Edit, FileIndex, Op, State, parse_statements, source_key
 
 FILE = "pretrain_gpt.py"
+COMPAT_IMPORT = "import mindio_ttp.compat"
+
+
+def _torch_import(index: FileIndex):
+    """The one module-level `import torch`, or the reason there is not exactly one."""
+    sites = index.find(None, source_key("import torch"))
+    if len(sites) != 1:
+        return None, f"anchor {'not found' if not sites else f'found {len(sites)} times'} " \
+            "at module level"
+    return sites[0], ""
+
+
+class InsertCompatImport(Edit):
+    """`import mindio_ttp.compat` right after `import torch`, whatever the device.
+
+    Megatron 285068c fails at import on torch >= 2.0 (`torch._six`), and on any torch >= 2.6
+    cannot read its own checkpoints (`weights_only`): the layer fixes what the installed torch
+    needs. It precedes the adaptor import, because `megatron_npu` and the CPU adaptor import
+    Megatron modules while they patch them.
+    """
+
+    id = "pretrain/compat-import"
+    number = "0"
+    file = FILE
+    scope = None
+    anchor = "import torch"
+    summary = "import mindio_ttp.compat right after `import torch` (every device)"
+
+    def assess(self, module: cst.Module, index: FileIndex, opts: Options) -> Assessment:
+        site, why = _torch_import(index)
+        if site is None:
+            return Assessment(State.DRIFTED, why)
+        followers = site.block.body[site.index + 1 :]
+        key = source_key(COMPAT_IMPORT)
+        if followers and index.key(followers[0]) == key:
+            return Assessment(State.APPLIED)
+        if index.find(None, key):
+            return Assessment(State.DRIFTED, f"{COMPAT_IMPORT} is not right after `import torch`")
+        stmts = parse_statements(COMPAT_IMPORT, module)
+        return Assessment(State.MISSING, ops=[Op(site.block, site.index, after=stmts)])
 
 
 class InsertAdaptorImport(Edit):
-    """`import megatron_npu` (npu) or our CPU adaptor (cpu) right after `import torch`.
+    """`import megatron_npu` (npu) or our CPU adaptor (cpu) right after `import torch` (and the
+    compatibility import of edit 0, when that is there).
 
     It must precede every megatron import: the adaptor patches torch and Megatron functions
     before Megatron binds them. CUDA needs no adaptor, so for cuda the edit is "no adaptor
@@ -28,11 +70,9 @@ class InsertAdaptorImport(Edit):
     summary = "device adaptor import right after `import torch` (npu: megatron_npu)"
 
     def assess(self, module: cst.Module, index: FileIndex, opts: Options) -> Assessment:
-        sites = index.find(None, source_key(self.anchor))
-        if len(sites) != 1:
-            how = "not found" if not sites else f"found {len(sites)} times"
-            return Assessment(State.DRIFTED, f"anchor {how} at module level")
-        site = sites[0]
+        site, why = _torch_import(index)
+        if site is None:
+            return Assessment(State.DRIFTED, why)
         shown = self._device_after(site.block.body[site.index + 1 :], index)
         elsewhere = [
             dev
@@ -59,6 +99,8 @@ class InsertAdaptorImport(Edit):
 
     @staticmethod
     def _device_after(followers, index: FileIndex) -> Optional[Device]:
+        if followers and index.key(followers[0]) == source_key(COMPAT_IMPORT):
+            followers = followers[1:]
         if not followers:
             return None
         key = index.key(followers[0])
@@ -68,4 +110,4 @@ class InsertAdaptorImport(Edit):
         return None
 
 
-EDITS = [InsertAdaptorImport()]
+EDITS = [InsertCompatImport(), InsertAdaptorImport()]

@@ -27,3 +27,16 @@ class SwapOptimizerClass(m.MatcherDecoratableTransformer):
     @m.leave(m.Name("DistributedOptimizer"))
     def swap(self, original_node: cst.Name, updated_node: cst.Name) -> cst.Name:
         return updated_node.with_changes(value="ReplicatedOptimizer")
+
+
+class TimeoutFromRuntime(m.MatcherDecoratableTransformer):
+    """`timeout=timedelta(minutes=10)` -> `timeout=mega.process_group_timeout(timedelta(...))`:
+    Megatron's value stays visible as the floor; the argument's layout is kept."""
+
+    @m.leave(m.Arg(keyword=m.Name("timeout"), value=m.Call(func=m.Name("timedelta"))))
+    def wrap(self, original_node: cst.Arg, updated_node: cst.Arg) -> cst.Arg:
+        call = cst.Call(
+            func=cst.Attribute(value=cst.Name("mega"), attr=cst.Name("process_group_timeout")),
+            args=[cst.Arg(value=updated_node.value)],
+        )
+        return updated_node.with_changes(value=call)

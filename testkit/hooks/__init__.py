@@ -13,6 +13,7 @@ REPO = HERE.parents[1]
 FAULT_HOOK_DIR = HERE / "fault_hook"
 DIST_AUDIT_DIR = HERE / "dist_audit"
 RSS_HOOK_DIR = HERE / "rss_hook"
+PATCHER_HOOK_DIR = HERE / "patcher_hook"
 
 
 def pythonpath(*dirs: os.PathLike, env: Optional[Mapping[str, str]] = None) -> str:

@@ -1,8 +1,9 @@
 """Installing the CPU adaptor: scoping to Megatron callers, hooks, refusal, undo.
 
 No Megatron needed: a fake ``megatron`` package in a temporary folder stands in for the
-modules the hooks target. The adaptor is installed for one test at a time and uninstalled after,
-so the rest of the suite sees stock torch.
+modules the hooks target. The adaptor (and the compatibility layer it installs with it) is
+installed for one test at a time and uninstalled after, so the rest of the suite sees stock
+torch. The drift fixes themselves are tested in test_compat.py.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import numpy as np
 import pytest
 import torch
 
+import mindio_ttp.compat as compat
 import mindio_ttp.cpu_adaptor as adaptor
 from mindio_ttp.cpu_adaptor import CPUAdaptorError, helpers_build
 
 adaptor.uninstall()  # importing the package installs it; tests install it when they need it
+compat.uninstall()
 
 STOCK_IS_AVAILABLE = torch.cuda.is_available
 STOCK_LOAD = torch.load
@@ -57,6 +60,7 @@ def installed() -> Iterator[None]:
     finally:
         _drop_fake_megatron()
         adaptor.uninstall()
+        compat.uninstall()
 
 
 @pytest.fixture
@@ -137,17 +141,6 @@ def test_rng_calls_drive_the_cpu_default_generator(installed: None) -> None:
     assert torch.equal(a, b) and seed == 7
 
 
-def test_torch_load_defaults_to_full_unpickling_only_for_megatron(
-    installed: None, tmp_path: Path
-) -> None:
-    path = tmp_path / "ckpt.pt"
-    torch.save({"args": argparse.Namespace(lr=1.0)}, path)
-    ns = as_module("megatron.checkpointing", "def load(p):\n    return torch.load(p)\n")
-    assert ns["load"](path)["args"].lr == 1.0
-    with pytest.raises(Exception, match="weights_only"):
-        torch.load(path)
-
-
 def test_dataloader_gets_private_generator_only_for_megatron(installed: None) -> None:
     ns = as_module("megatron.data.data_samplers",
                    "def build(ds):\n    return torch.utils.data.DataLoader(ds)\n")
@@ -175,12 +168,11 @@ def test_hooks_replace_megatron_functions_at_import(installed: None,
         knn_monitor.compute_feature_bank()
 
 
-def test_small_fixes_and_env_default(installed: None) -> None:
+def test_compat_comes_with_the_adaptor_and_env_default(installed: None) -> None:
+    """An unpatched tree run through the adaptor (the baselines) gets the drift fixes too."""
     import torch._six as six
 
-    assert six.inf == float("inf")
-    assert np.float is float
-    assert torch.storage.TypedStorage._untyped is torch.storage.TypedStorage.untyped
+    assert compat.is_installed() and six.inf == float("inf")
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
     assert sys.modules["fused_mix_prec_layer_norm_cuda"].forward_affine
 
@@ -188,7 +180,7 @@ def test_small_fixes_and_env_default(installed: None) -> None:
 def test_process_groups_destroyed_at_exit(installed: None, free_port: int) -> None:
     import torch.distributed as dist
 
-    from mindio_ttp.cpu_adaptor.torch_drift import destroy_process_groups_at_exit
+    from mindio_ttp.cpu_adaptor.cpu_torch import destroy_process_groups_at_exit
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port}", rank=0,
                             world_size=1)
@@ -204,13 +196,15 @@ def test_install_is_idempotent_and_uninstall_restores_stock() -> None:
     callbacks = atexit._ncallbacks()
     adaptor.install()
     assert atexit._ncallbacks() == callbacks + 1  # the process-group cleanup
-    wrapped_load = torch.load
+    wrapped = torch.cuda.is_available
     adaptor.install()
-    assert torch.load is wrapped_load and wrapped_load.__wrapped__ is STOCK_LOAD
+    assert torch.cuda.is_available is wrapped and wrapped.__wrapped__ is STOCK_IS_AVAILABLE
     adaptor.uninstall()
-    assert torch.load is STOCK_LOAD and torch.cuda.is_available is STOCK_IS_AVAILABLE
-    assert "float" not in np.__dict__ and "amp_C" not in sys.modules
+    assert compat.is_installed(), "the compatibility layer is not the adaptor's to remove"
+    assert torch.cuda.is_available is STOCK_IS_AVAILABLE and "amp_C" not in sys.modules
     assert "cuda" not in torch.Tensor.__dict__ and not adaptor.is_installed()
+    compat.uninstall()
+    assert torch.load is STOCK_LOAD and "float" not in np.__dict__
 
 
 def test_install_after_megatron_import_is_refused_and_changes_nothing(
@@ -234,6 +228,7 @@ def test_failed_install_rolls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(OSError):
         adaptor.install()
     assert not adaptor.is_installed() and torch.load is STOCK_LOAD
+    assert not compat.is_installed(), "rolled back with the adaptor it came with"
     assert "apex" not in sys.modules and torch.cuda.is_available is STOCK_IS_AVAILABLE
 
 
@@ -291,3 +286,31 @@ def test_helpers_are_built_out_of_tree_and_imported(
 def test_scoped_wrapper_reports_original(installed: None) -> None:
     fn: Callable[..., Any] = torch.cuda.device_count
     assert fn.__wrapped__ is not fn  # type: ignore[attr-defined]
+
+
+def test_flat_collectives_fall_back_where_gloo_refuses_them(free_port: int) -> None:
+    """torch 2.1's gloo refuses _all_gather_base/_reduce_scatter_base before sending anything;
+    Megatron's calls then get all_gather / all_reduce, anyone else keeps the refusal."""
+    import torch.distributed as dist
+
+    from mindio_ttp.cpu_adaptor import gloo_collectives as gc
+
+    def refusing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no support for _allgather_base in Gloo process group")
+
+    gather = gc._with_fallback("test_gather", gc._gather)(refusing)
+    scatter = gc._with_fallback("test_scatter", gc._reduce_scatter)(refusing)
+    ns = as_module("megatron.timers", "def call(fn, *a, **k):\n    return fn(*a, **k)\n")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port}", rank=0,
+                            world_size=1)
+    try:
+        out = torch.zeros(3)
+        assert ns["call"](gather, out, torch.tensor([1.0, 2.0, 3.0])) is None
+        assert out.tolist() == [1.0, 2.0, 3.0]
+        handle = ns["call"](scatter, out, torch.tensor([4.0, 5.0, 6.0]), async_op=True)
+        handle.wait()
+        assert out.tolist() == [4.0, 5.0, 6.0]
+        with pytest.raises(RuntimeError, match="no support"):
+            gather(out, torch.ones(3))  # not Megatron: the refusal stands
+    finally:
+        dist.destroy_process_group()

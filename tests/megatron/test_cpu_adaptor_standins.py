@@ -58,6 +58,16 @@ def _reference_adam(params, steps, lr, betas, eps, wd, decoupled):
     return ps
 
 
+def _assert_same_steps(a, b, ours, theirs) -> None:
+    """Three steps of two optimizers on equal grads leave bit-identical params."""
+    for t in range(1, 4):
+        for p, q, g in zip(ours, theirs, _grads(t, ours)):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+
+
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam_l2"])
 def test_fused_adam_matches_apex_update_rule(adam_w_mode: bool) -> None:
     params = _params()
@@ -77,12 +87,7 @@ def test_fused_adam_default_is_torch_adamw_bit_for_bit() -> None:
     ours, theirs = _params(), _params()
     a = FusedAdam(ours, lr=1e-3, weight_decay=0.01)
     b = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.01, foreach=False)
-    for t in range(1, 4):
-        for p, q, g in zip(ours, theirs, _grads(t, ours)):
-            p.grad, q.grad = g.clone(), g.clone()
-        a.step()
-        b.step()
-    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    _assert_same_steps(a, b, ours, theirs)
 
 
 def test_fused_adam_refuses_what_it_cannot_do() -> None:
@@ -104,12 +109,7 @@ def test_fused_sgd_matches_torch_sgd_with_momentum() -> None:
     ours, theirs = _params(), _params()
     a = FusedSGD(ours, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
     b = torch.optim.SGD(theirs, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
-    for t in range(1, 4):
-        for p, q, g in zip(ours, theirs, _grads(t, ours)):
-            p.grad, q.grad = g.clone(), g.clone()
-        a.step()
-        b.step()
-    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    _assert_same_steps(a, b, ours, theirs)
     assert "momentum_buffer" in a.state[ours[0]]
 
 
@@ -214,7 +214,7 @@ def test_layer_norm_without_affine_matches_torch() -> None:
 def test_apex_module_has_no_contrib_so_megatron_skips_persistent_layer_norm() -> None:
     import sys
 
-    from mindio_ttp.cpu_adaptor.journal import Journal
+    from mindio_ttp.compat.journal import Journal
 
     journal = Journal()
     apex_standins.install(journal)
@@ -227,3 +227,21 @@ def test_apex_module_has_no_contrib_so_megatron_skips_persistent_layer_norm() ->
     finally:
         journal.undo()
     assert "amp_C" not in sys.modules and "apex" not in sys.modules
+
+
+@pytest.mark.parametrize("make", [lambda ps: FusedAdam(ps, weight_decay=0.1),
+                                  lambda ps: FusedSGD(ps, momentum=0.9)], ids=["adam", "sgd"])
+def test_a_copy_keeps_apex_options_and_steps_like_the_original(make) -> None:
+    """ReplicatedOptimizer builds the partner stripe's optimizer with copy.copy, which goes
+    through torch's Optimizer.__getstate__ (defaults, state, param_groups only)."""
+    import collections
+    import copy
+
+    ours, theirs = _params(), _params()
+    original = make(ours)
+    twin = copy.copy(original)
+    twin.state = collections.defaultdict(dict)
+    twin.param_groups = [dict(g, params=theirs) for g in original.param_groups]
+    _assert_same_steps(original, twin, ours, theirs)
+    twin.zero_grad()
+    assert twin.set_grad_none == original.set_grad_none

@@ -1,7 +1,8 @@
 """Fixture repositories for the patcher tests: our own small files, committed in a tmp git repo.
 
 The pinned Megatron commit cannot exist in such a repo, so the tests point the tool at the
-fixture's commit through TTP_PATCH_COMMIT (the documented test-only override).
+fixture's commit as the pin (testkit/patcher_pin.py: in this process and in every ttp-patch
+the tests start).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Dict
 
 import pytest
 
-from patcher.repo import COMMIT_OVERRIDE_ENV
+from testkit.patcher_pin import pin_to
 
 CASES = Path(__file__).parent / "cases"
 TREE = CASES / "tree"
@@ -23,6 +24,7 @@ TARGETS = [
     "megatron/training.py",
     "megatron/optimizer/__init__.py",
     "megatron/core/parallel_state.py",
+    "megatron/initialize.py",
 ]
 SCRIPT = "pretrain_gpt_ttp.sh"
 
@@ -104,7 +106,7 @@ def make_repo(root: Path, files: Dict[str, bytes]) -> FixtureRepo:
 @pytest.fixture
 def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FixtureRepo:
     r = make_repo(tmp_path / "megatron", fixture_files())
-    monkeypatch.setenv(COMMIT_OVERRIDE_ENV, r.commit)
+    pin_to(monkeypatch, r.root, r.commit)
     return r
 
 

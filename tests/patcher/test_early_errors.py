@@ -17,6 +17,7 @@ from conftest import SCRIPT, FixtureRepo
 from test_refusals import refused
 
 from patcher.cli import main
+from testkit.patcher_pin import child_env
 
 RECORD = ".git/ttp-patch.json"
 
@@ -82,12 +83,13 @@ def test_other_devices_never_warn_about_megatron_npu(repo: FixtureRepo, capsys, 
 def test_console_script_warns_on_stderr_only_and_pythonpath_silences_it(
     repo: FixtureRepo, tmp_path
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # no PYTHONPATH of the user's; the test's own hook (the fixture's pin) stays
+    env = child_env(env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     res = subprocess.run(["ttp-patch", "apply", str(repo.root), "--dry-run"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "warning" not in res.stdout
     assert "--device cuda" in res.stderr and "--device cpu" in res.stderr
-    env["PYTHONPATH"] = _fake_adaptor(tmp_path)
+    env = child_env(env={**env, "PYTHONPATH": _fake_adaptor(tmp_path)})
     res = subprocess.run(["ttp-patch", "apply", str(repo.root)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "applied" in res.stderr and "warning" not in res.stderr

@@ -80,6 +80,7 @@ def test_pristine_file_reads_as_all_missing_with_device_known(path: str) -> None
 def test_every_seed_edit_has_a_stable_unique_id() -> None:
     numbers = [e.number for e in ALL_EDITS]
     assert numbers == [
+        "0",
         "1",
         "2.1",
         "2.2",
@@ -97,8 +98,10 @@ def test_every_seed_edit_has_a_stable_unique_id() -> None:
         "4.1",
         "4.2",
         "4.3",
+        "6.1",
+        "6.2",
     ]
-    assert len({e.id for e in ALL_EDITS}) == 17
+    assert len({e.id for e in ALL_EDITS}) == 20
 
 
 def test_only_the_port_literal_changes_with_port() -> None:
@@ -180,6 +183,7 @@ def test_check_without_its_import_is_drift() -> None:
 
 # For each edit: the fixture text that holds its anchor, and a change that removes the anchor.
 BREAK_ANCHOR = {
+    "pretrain/compat-import": ("import torch\nfrom functools", "import numpy\nfrom functools"),
     "pretrain/adaptor-import": ("import torch\nfrom functools", "import numpy\nfrom functools"),
     "training/import-ttp": (
         "from megatron.model.vision.knn_monitor import compute_feature_bank\n",
@@ -233,6 +237,11 @@ BREAK_ANCHOR = {
     "parallel-state/dp-rank-getters": (
         "def model_parallel_is_initialized():",
         "def model_parallel_ready():",
+    ),
+    "initialize/import-ttp": ("from datetime import timedelta\n", "import datetime\n"),
+    "initialize/pg-timeout": (
+        "        timeout=timedelta(minutes=10))\n\n\ndef _decoy",
+        "        timeout=my_timeout())\n\n\ndef _decoy",
     ),
 }
 
@@ -294,15 +303,65 @@ def test_half_present_insertion_is_drift_not_missing() -> None:
         plan_file(path, text.encode(), Options.build("npu"))
 
 
+def _pretrain_states(text: bytes, opts: Options):
+    path = "pretrain_gpt.py"
+    return {e.id: r for e, r in assess_module(path, parse(path, text), opts)}
+
+
 def test_device_is_read_back_from_pretrain_gpt() -> None:
     path = "pretrain_gpt.py"
     for device in ("npu", "cpu"):
-        results = assess_module(path, parse(path, golden(device, path)), Options(None, None))
-        assert results[0][1].state is State.APPLIED
-        assert results[0][1].inferred["device"] is Device(device)
+        results = _pretrain_states(golden(device, path), Options(None, None))
+        assert results["pretrain/compat-import"].state is State.APPLIED
+        assert results["pretrain/adaptor-import"].state is State.APPLIED
+        assert results["pretrain/adaptor-import"].inferred["device"] is Device(device)
     npu_file = golden("npu", path)
     cpu_opts = Options.build("cpu")
-    assert assess_module(path, parse(path, npu_file), cpu_opts)[0][1].state is State.DRIFTED
+    assert _pretrain_states(npu_file, cpu_opts)["pretrain/adaptor-import"].state is State.DRIFTED
+
+
+def test_a_tree_patched_by_the_guide_alone_gets_compat_before_the_adaptor() -> None:
+    """`import torch; import megatron_npu` (the guide's edit 1 by hand, or an older ttp-patch):
+    the compatibility import goes between them, since megatron_npu imports Megatron modules."""
+    path = "pretrain_gpt.py"
+    guide_only = golden("npu", path).replace(b"import mindio_ttp.compat\n", b"")
+    states = _pretrain_states(guide_only, Options.build("npu"))
+    assert states["pretrain/compat-import"].state is State.MISSING
+    assert states["pretrain/adaptor-import"].state is State.APPLIED
+    assert plan_file(path, guide_only, Options.build("npu")).after == golden("npu", path)
+
+
+def test_compat_import_after_megatron_is_drift() -> None:
+    path = "pretrain_gpt.py"
+    late = golden("cuda", path).replace(b"import mindio_ttp.compat\n", b"").replace(
+        b"from megatron.training import pretrain\n",
+        b"from megatron.training import pretrain\nimport mindio_ttp.compat\n")
+    states = _pretrain_states(late, Options.build("cuda"))
+    assert states["pretrain/compat-import"].state is State.DRIFTED
+    assert "not right after `import torch`" in states["pretrain/compat-import"].detail
+    with pytest.raises(AnchorError, match="pretrain/compat-import"):
+        plan_file(path, late, Options.build("cuda"))
+
+
+def test_only_the_process_group_timeout_of_initialize_distributed_changes() -> None:
+    path = "megatron/initialize.py"
+    before, after = FILES[path].decode(), golden("npu", path).decode()
+    assert after.count("mega.process_group_timeout(timedelta(minutes=10))") == 1
+    assert after.count("timeout=timedelta(minutes=10))") == 1  # the decoy's
+    assert after.index("mega.process_group_timeout") < after.index("def _decoy")
+    assert len(after.splitlines()) == len(before.splitlines()) + 1  # the import
+
+
+def test_a_later_megatrons_timeout_flag_is_wrapped_too() -> None:
+    """Megatron-LM from 2023-03 reads --distributed-timeout-minutes: under --allow-modified the
+    flag's value stays the floor the runtime raises to what TTP_OT needs."""
+    path = "megatron/initialize.py"
+    later = FILES[path].replace(b"timeout=timedelta(minutes=10))\n\n\ndef _decoy",
+                                b"timeout=timedelta(minutes=args.distributed_timeout_minutes))"
+                                b"\n\n\ndef _decoy")
+    after = plan_file(path, later, Options.build("cuda")).after.decode()
+    assert "mega.process_group_timeout(timedelta(minutes=args.distributed_timeout_minutes))" \
+        in after
 
 
 def test_crlf_is_refused_with_a_way_out() -> None:

@@ -1,7 +1,8 @@
 """Forks and nearby commits (issue 10): the pin is four files' bytes, not one commit id.
 
-Fixture repos stand in for Megatron: TTP_PATCH_COMMIT names the fixture's first commit, whose
-target blobs play 285068c's; later commits, branches and work-tree edits are made on top.
+Fixture repos stand in for Megatron: the fixture's first commit is the pin
+(testkit/patcher_pin.py), whose target blobs play 285068c's; later commits, branches and
+work-tree edits are made on top.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _record(repo: FixtureRepo) -> dict:
     return json.loads((repo.root / RECORD).read_text())
 
 
-# --- 1. any HEAD whose four target files are byte-identical to the pin's ---------------------
+# --- 1. any HEAD whose target files are byte-identical to the pin's ---------------------
 
 
 def test_empty_commit_on_top_applies_and_names_the_commit(repo: FixtureRepo, capsys) -> None:
@@ -40,7 +41,7 @@ def test_empty_commit_on_top_applies_and_names_the_commit(repo: FixtureRepo, cap
     code, _, err = ttp(capsys, "apply", str(repo.root), "--device", "cpu")
     assert code == 0, err
     assert f"found HEAD {head} (newer than the pinned commit)" in err
-    assert "4 target files are byte-identical" in err
+    assert "5 target files are byte-identical" in err
     for path in TARGETS + [SCRIPT]:
         assert repo.read(path) == golden("cpu", path), path
     assert _record(repo)["commit"] == head

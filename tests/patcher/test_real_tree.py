@@ -20,7 +20,8 @@ import pytest
 from conftest import SCRIPT, TARGETS, git, porcelain
 
 from patcher.cli import main
-from patcher.repo import COMMIT_OVERRIDE_ENV, PINNED_COMMIT
+from patcher.repo import PINNED_COMMIT
+from testkit.patcher_pin import unpin
 
 pytestmark = pytest.mark.megatron
 PATCHES = Path(__file__).resolve().parents[2] / "patches" / "285068c"
@@ -29,7 +30,7 @@ DEVICES = ["npu", "cuda", "cpu"]
 
 @pytest.fixture
 def clone(megatron_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.delenv(COMMIT_OVERRIDE_ENV, raising=False)
+    unpin(monkeypatch)
     dst = tmp_path / "Megatron-LM"
     subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(megatron_dir),
                     str(dst)], check=True, timeout=120)

@@ -10,7 +10,7 @@ from conftest import SCRIPT, TARGETS, FixtureRepo, fixture_files, git, make_repo
 
 from patcher import fileio
 from patcher.cli import main
-from patcher.repo import COMMIT_OVERRIDE_ENV
+from testkit.patcher_pin import pin_to, unpin
 
 RECORD = Path(".git") / "ttp-patch.json"
 
@@ -54,21 +54,21 @@ def test_wrong_commit_newer_and_older(repo: FixtureRepo, capsys, monkeypatch) ->
     training = repo.root / "megatron/training.py"
     training.write_bytes(training.read_bytes() + b"# a later upstream change\n")
     newer = repo.commit_all("later")
-    monkeypatch.setenv(COMMIT_OVERRIDE_ENV, repo.commit)
+    pin_to(monkeypatch, repo.root, repo.commit)
     err = refused(
         capsys, repo, ["apply", str(repo.root)], 2, newer, "newer than the pinned",
         "megatron/training.py", "--allow-modified",
     )
     assert f"checkout {repo.commit}" in err
     git(repo.root, "checkout", "-q", repo.commit)
-    monkeypatch.setenv(COMMIT_OVERRIDE_ENV, newer)
+    pin_to(monkeypatch, repo.root, newer)
     refused(capsys, repo, ["apply", str(repo.root)], 2, repo.commit, "older than the pinned")
     refused(capsys, repo, ["verify", str(repo.root)], 1)  # reads the files, whatever HEAD is
     refused(capsys, repo, ["revert", str(repo.root)], 0, "nothing to revert")
 
 
 def test_pinned_commit_unknown_to_the_repo(repo: FixtureRepo, capsys, monkeypatch) -> None:
-    monkeypatch.delenv(COMMIT_OVERRIDE_ENV)
+    unpin(monkeypatch)
     refused(
         capsys,
         repo,
@@ -197,7 +197,7 @@ def test_crlf_committed_upstream_is_refused_before_writing(
     files = fixture_files()
     files["megatron/training.py"] = files["megatron/training.py"].replace(b"\n", b"\r\n")
     repo = make_repo(tmp_path / "crlf", files)
-    monkeypatch.setenv(COMMIT_OVERRIDE_ENV, repo.commit)
+    pin_to(monkeypatch, repo.root, repo.commit)
     refused(capsys, repo, ["apply", str(repo.root)], 2, "CR/CRLF")
 
 
@@ -207,7 +207,7 @@ def test_anchor_missing_upstream_names_the_edit(tmp_path: Path, capsys, monkeypa
         b"optimizer.reduce_model_grads(args, timers)", b"optimizer.reduce_grads(args, timers)"
     )
     repo = make_repo(tmp_path / "moved", files)
-    monkeypatch.setenv(COMMIT_OVERRIDE_ENV, repo.commit)
+    pin_to(monkeypatch, repo.root, repo.commit)
     refused(
         capsys,
         repo,
@@ -230,3 +230,35 @@ def test_read_only_directory(repo: FixtureRepo, capsys) -> None:  # pragma: no c
 
 def test_every_target_is_covered_by_the_fixture() -> None:
     assert set(TARGETS) <= set(fixture_files())
+
+
+def test_tree_whose_distributed_optimizer_predates_params_dtype_is_refused(
+    repo: FixtureRepo, capsys
+) -> None:
+    """Megatron-LM before 57bfa7caba: the targets patch and compile, then every rank would
+    die with a TypeError when Megatron builds the optimizer. apply says so instead."""
+    path = "megatron/optimizer/distrib_optimizer.py"
+    old = repo.read(path).replace(b"bf16, params_dtype, grad_scaler", b"bf16, grad_scaler")
+    repo.write(path, old)
+    for args in (["apply", str(repo.root)], ["apply", str(repo.root), "--allow-modified"]):
+        refused(capsys, repo, args, 1, path, "without params_dtype", "TypeError", "57bfa7caba")
+    (repo.root / path).unlink()
+    refused(capsys, repo, ["apply", str(repo.root)], 2, f"{path} is missing")
+
+
+def test_the_refusal_knows_the_arguments_replicated_optimizer_takes() -> None:
+    """patcher/prerequisites.py cannot import the runtime (it imports Megatron): read both."""
+    import ast
+
+    from patcher.prerequisites import CONSTRUCTOR_ARGS, constructor_args
+
+    source = Path(__file__).resolve().parents[2] / "mindio_ttp/megatron_ttp/replicated_optimizer.py"
+    args = constructor_args(source.read_bytes(), "ReplicatedOptimizer")
+    tree = ast.parse(source.read_bytes())
+    init = next(f for c in tree.body if isinstance(c, ast.ClassDef)
+                and c.name == "ReplicatedOptimizer" for f in c.body
+                if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    passed = next(n for n in ast.walk(init) if isinstance(n, ast.Call)
+                  and isinstance(n.func, ast.Attribute) and n.func.attr == "__init__")
+    assert args is not None and args[: len(CONSTRUCTOR_ARGS)] == CONSTRUCTOR_ARGS
+    assert tuple(a.id for a in passed.args) == CONSTRUCTOR_ARGS

@@ -1,7 +1,7 @@
 """All-or-nothing under Ctrl-C, SIGTERM, SIGKILL and races; symlinks; hostile records (issue 9).
 
 The signal and kill tests run the installed `ttp-patch` as a subprocess and stop it inside its
-write phase, which TTP_PATCH_TEST_PAUSE (test-only) stretches; the moment is found by polling for
+write phase, which the tests stretch (testkit/patcher_pin.py); the moment is found by polling for
 the journal, the only sign on disk that the write phase started. After each stop the next
 command must leave the tree exactly clean or exactly applied, with no temp file anywhere.
 """
@@ -29,6 +29,7 @@ from patcher import fileio
 from patcher.cli import main
 from patcher.errors import ManifestError
 from patcher.manifest import Manifest, parse
+from testkit.patcher_pin import child_env, pin_to, stretch_writes
 
 RECORD = Path(".git") / "ttp-patch.json"
 JOURNAL = Path(".git") / "ttp-patch.journal"
@@ -56,7 +57,7 @@ def state(repo: FixtureRepo, device: str = "npu") -> str:
 
 
 def spawn(repo: FixtureRepo, *args: str, pause: float) -> subprocess.Popen:
-    env = dict(os.environ, TTP_PATCH_TEST_PAUSE=str(pause))
+    env = child_env(pause)
     return subprocess.Popen(
         ["ttp-patch", *args, str(repo.root)],
         env=env,
@@ -174,7 +175,7 @@ def fork_main(*args: str, pause: float) -> int:
     if pid == 0:  # pragma: no cover - the child
         code = 99
         try:
-            os.environ["TTP_PATCH_TEST_PAUSE"] = str(pause)
+            stretch_writes(pause)
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
@@ -409,7 +410,7 @@ def test_target_with_git_mode_other_than_100644_is_refused(
     repo: FixtureRepo, capsys, monkeypatch
 ) -> None:
     (repo.root / "pretrain_gpt.py").chmod(0o755)
-    monkeypatch.setenv("TTP_PATCH_COMMIT", repo.commit_all("executable"))
+    pin_to(monkeypatch, repo.root, repo.commit_all("executable"))
     refused(repo, capsys, ["apply", str(repo.root)], 2, "git mode 100755")
 
 

@@ -137,10 +137,6 @@ def test_key_file_must_be_private(tmp_path):
     key_file.chmod(0o600)
     assert config.TTPConfig.from_env({"TTP_AUTH_KEY_FILE": str(key_file)}).auth_key == \
         bytes.fromhex("ab" * 32)
-    link = tmp_path / "link.key"
-    link.symlink_to(key_file)
-    with pytest.raises(ValueError, match="cannot open"):
-        config.TTPConfig.from_env({"TTP_AUTH_KEY_FILE": str(link)})
     with pytest.raises(ValueError, match="cannot open"):
         config.TTPConfig.from_env({"TTP_AUTH_KEY_FILE": str(tmp_path / "absent")})
 

@@ -96,8 +96,8 @@ def test_an_empty_claim_is_never_taken_over(tmp_path: Path) -> None:
 def test_register_refuses_an_unwritable_directory(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="cannot create .ttp-claims"):
-        C.register(tmp_path / "file", "f" * 32)
-    assert C.registered() is None
+        C.register(tmp_path / "file")
+    assert C.registered_directory() is None and C.registered("f" * 32) is None
 
 
 @pytest.fixture
@@ -146,7 +146,8 @@ def test_with_a_claim_directory_the_flow_claims_before_its_save_order(tmp_path: 
         assert record["state"] == C.DONE and record["holder"] == ctl.name
         assert record["answered"] == 2 and record["outcome"] == "saved"
         orders = fakes[0].of_type(P.SaveOrder)
-        assert orders and orders[0].store.startswith("127.0.0.1:") and len(orders[0].tag) == 32
+        assert orders and orders[0].store == f"ttp-save/{orders[0].tag}"
+        assert len(orders[0].tag) == 32
         assert os.stat(space.path).st_size > 0
     finally:
         for f in fakes:

@@ -122,7 +122,7 @@ def only_a_challenge_then_closed(s: socket.socket) -> bool:
 
 def test_mismatched_registration_is_refused(ctl):
     with socket.create_connection(ctl.address, timeout=2) as s:
-        hs = handshake(s, P.Register(1, 8, [0, 1], 1, "h", 0, 0, None, False, False, False))
+        hs = handshake(s, P.Register(1, 8, [0, 1], 1, "127.0.0.1", 0, 0, None, False, False, False))
         msg = read_frames(s, hs.dec)[0]  # the Reject is sealed with this connection's key
     assert isinstance(msg, P.Reject) and "world_size 4" in msg.reason
 

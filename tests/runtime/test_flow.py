@@ -2,7 +2,7 @@
 
 The flow gets what a controller would give it (a real Roster, state machine and condition) and
 a scripted Outbox that answers each order the way the ranks would, from the caller's thread,
-as the controller's I/O thread does. The save order still hosts a real TCPStore."""
+as the controller's I/O thread does. The store namespaces it closes are recorded."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class ScriptedRanks:
         self.roster, self.cond, self.steps, self.die_on_lock = roster, cond, steps, die_on_lock
         self.flow: Optional[Flow] = None
         self.sent: List[Tuple[str, object, P.Message]] = []
+        self.closed: List[str] = []  # store namespaces the flow closed
 
     def _answering(self, ranks: List[int]) -> List[int]:
         return [r for r in ranks if r in self.steps and self.roster[r].status == "alive"]
@@ -79,7 +80,7 @@ def make_flow(alive: List[int], steps: Dict[int, int], die_on_lock: Set[int] = f
     sm = StateMachine("test flow")
     sm.transition_to(state, "test")
     out = ScriptedRanks(roster, cond, steps, die_on_lock)
-    flow = Flow(cfg, 4, 2, 0, "test flow", sm, cond, roster, out, lambda: "127.0.0.1", claims)
+    flow = Flow(cfg, 4, 2, 0, "test flow", sm, cond, roster, out, out.closed.append, claims)
     out.flow = flow
     return flow, out
 
@@ -96,7 +97,8 @@ def test_flow_saves_on_one_rank_per_shard_and_exits_its_host_last() -> None:
                            ("all", 0, "ExitOrder"), ("one", 0, "ExitOrder")]
     assert out.sent[1][2].limit == 3
     save = out.sent[2][2]
-    assert save.step == 3 and save.store.startswith("127.0.0.1:")
+    assert save.step == 3 and save.store == f"ttp-save/{save.tag}"
+    assert out.closed == [save.store], "the save's store namespace outlived the order"
     assert [b for _, b, _ in flow.sm.history] == [S.SERVING, S.COLLECTING, S.SAVING,
                                                   S.RENAMING, S.EXITING]
 

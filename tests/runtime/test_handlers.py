@@ -30,7 +30,8 @@ def make(step: int, **handlers: Any) -> Tuple[Handlers, List[P.Message], queue.Q
 
 
 def order(step: int, ranks=(0, 1), limit: float = 5.0, fid: int = 1) -> P.SaveOrder:
-    return P.SaveOrder(fid, step, list(ranks), limit, "127.0.0.1:29999", save_session.new_tag())
+    tag = save_session.new_tag()
+    return P.SaveOrder(fid, step, list(ranks), limit, save_session.namespace_of(tag), tag)
 
 
 def hand_back(h: Handlers, ends: queue.Queue) -> None:
@@ -57,7 +58,8 @@ def test_save_then_rename_run_in_the_order_session_and_report_success() -> None:
                                                                 ("RenameResult", True, 1)]
     (k1, a1, s1), (k2, a2, s2) = seen
     assert a1 == (7, [0, 1], ("model", "optimizer")) and a2 == (7, ("model", "optimizer"))
-    assert s1 is not None and (s1.flow_id, s1.step, s1.store_port) == (1, 7, 29999)
+    assert s1 is not None and (s1.flow_id, s1.step) == (1, 7)
+    assert s1.namespace == save_session.namespace_of(s1.tag)
     assert s2 is s1, "the rename must run in its save order's session"
     assert h.deadline() is None
 

@@ -102,7 +102,7 @@ def stop(p: Processor) -> None:
     (b"HTTP/1.0 400 Bad Request\r\n\r\n", "bad magic"),
     (P.encode(P.Challenge("00" * 16), b"another job's key 0123456789"), "bad HMAC"),
     (struct.pack("!2sBBI", P.MAGIC, 1, 2, 2) + b"{}" + bytes(32),  # a version-1 controller
-     "peer speaks TTP protocol version 1, this runtime speaks 2: run the same mindio_ttp"),
+     f"peer speaks TTP protocol version 1, this runtime speaks {P.VERSION}: run the same"),
 ])
 def test_a_busy_controller_port_fails_the_processor_fast_and_says_what_to_do(behaviour, detail):
     other = FakeListener(behaviour)

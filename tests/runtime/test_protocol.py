@@ -17,20 +17,68 @@ from mindio_ttp.control import protocol as P
 
 KEY = bytes(range(32))
 INT = st.integers(-(2**63), 2**63 - 1)
-FIELD = {
-    "int": INT,
-    "Optional[int]": st.none() | INT,
-    "float": st.floats(allow_nan=False, allow_infinity=False),
-    "bool": st.booleans(),
-    "str": st.text(max_size=40),
-    "List[int]": st.lists(INT, max_size=20),
-    "List[List[Any]]": st.lists(st.tuples(INT, st.text(max_size=20), st.integers(0, 65535))
-                                .map(list), max_size=3),
+NONNEG = st.integers(0, 2**63 - 1)
+RANK = st.integers(0, P.MAX_RANKS - 1)
+HEX = st.binary(min_size=16, max_size=16).map(bytes.hex)
+IP = st.ip_addresses().map(str).filter(P.ip_address)
+TEXT = st.text(max_size=40)
+SECONDS = st.floats(0, P.MAX_SECONDS, allow_nan=False)
+# what each field may hold, by name (every message class uses these names); by type otherwise
+VALID = {
+    "rank": RANK, "controller_rank": RANK, "world_size": st.integers(1, P.MAX_RANKS),
+    "replica": st.integers(1, P.MAX_RANKS), "dp_ranks": st.lists(RANK, max_size=20),
+    "save_ranks": st.lists(RANK, max_size=20), "ranks": st.lists(RANK, max_size=20),
+    "host": IP, "standby_port": st.integers(0, 65535), "pid": st.integers(0, 2**31 - 1),
+    "step": st.none() | NONNEG, "challenge": HEX, "nonce": HEX,
+    "role": st.sampled_from(["primary", "standby"]),
+    "backups": st.lists(st.tuples(RANK, IP, st.integers(1, 65535)).map(list), max_size=3),
+    "fault_id": st.just("") | HEX, "seq": NONNEG, "kind": st.sampled_from(P.FAULT_KINDS),
+    "flow_id": NONNEG, "limit": NONNEG, "grace": SECONDS, "phase": st.sampled_from([1, 2]),
+    "time_limit": SECONDS, "seconds": SECONDS, "exit_code": st.integers(0, 255),
+    "store": st.from_regex(r"[a-z0-9][a-z0-9/._-]{0,20}", fullmatch=True),
+    "tag": HEX, "outcome": st.sampled_from([o.value for o in P.Outcome]),
+    "req": st.integers(1, 2**63 - 1), "timeout": SECONDS, ("step", "int"): NONNEG,
+    # the in-memory recovery's messages
+    "recovery_id": st.integers(1, 2**62), "lost": st.lists(RANK, max_size=20),
+    "deadline": SECONDS, "state": st.sampled_from(P.REPLACE_STATES),
+    "digest": st.just("") | st.binary(min_size=32, max_size=32).map(bytes.hex),
+    "rendezvous": st.tuples(IP, st.integers(1, 65535)).map(
+        lambda a: f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}"),
+    "controller": st.tuples(IP, st.integers(1, 65535)).map(
+        lambda a: f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}"),
+}
+BY_TYPE = {
+    "int": INT, "Optional[int]": st.none() | INT, "bool": st.booleans(), "str": TEXT,
+    "float": st.floats(allow_nan=False, allow_infinity=False), "List[int]": st.lists(INT),
+    "List[str]": st.lists(TEXT, max_size=4),
 }
 
 
+@st.composite
+def store_request(draw):
+    op = draw(st.sampled_from(P.STORE_OPS))
+    (klo, khi), (vlo, vhi) = P._STORE_ARITY[op]
+    keys = draw(st.lists(TEXT, min_size=klo, max_size=min(khi, 4)))
+    values = draw(st.lists(st.binary(max_size=64).map(P.b64encode), min_size=vlo, max_size=vhi))
+    return P.StoreRequest(draw(VALID["req"]), draw(VALID["store"]), op, keys, values,
+                          draw(INT), draw(SECONDS))
+
+
 def message_of(cls):
-    return st.builds(cls, **{f.name: FIELD[f.type] for f in fields(cls)})
+    if cls is P.StoreRequest:
+        return store_request()
+    if cls is P.StoreReply:
+        return st.builds(cls, req=VALID["req"], ok=st.booleans(),
+                         values=st.lists(st.binary(max_size=64).map(P.b64encode), max_size=1),
+                         number=INT, error=TEXT)
+    return st.builds(cls, **{f.name: _strategy(f.name, f.type) for f in fields(cls)})
+
+
+def _strategy(name: str, of_type: str):
+    for key in ((name, of_type), name):
+        if key in VALID:
+            return VALID[key]
+    return BY_TYPE[of_type]
 
 
 MESSAGES = st.one_of(*[message_of(c) for c in P.MESSAGE_TYPES.values()])
@@ -113,8 +161,10 @@ def test_wrong_key_is_rejected():
 
 
 def test_other_version_is_rejected():
-    with pytest.raises(P.ProtocolError, match="version 3, this runtime speaks 2: run the same"):
-        P.FrameDecoder(KEY).feed(frame(15, b'{"rank":1}', version=3))
+    other = P.VERSION + 1
+    with pytest.raises(P.ProtocolError,
+                       match=f"version {other}, this runtime speaks {P.VERSION}: run the same"):
+        P.FrameDecoder(KEY).feed(frame(15, b'{"rank":1}', version=other))
 
 
 def test_a_version_1_frame_is_named_as_such():
@@ -169,3 +219,81 @@ def test_field_types_are_checked():
         P.FrameDecoder(KEY).feed(frame(15, b'{"rank":1,"extra":2}'))
     with pytest.raises(P.ProtocolError, match="Goodbye.rank"):
         P.FrameDecoder(KEY).feed(frame(15, b'{"rank":true}'))
+
+
+# -- one layer of validation: valid MACs over hostile bodies ------------------------------------
+HOSTILE = st.one_of(
+    st.none(), st.booleans(), INT, st.integers(min_value=2**63, max_value=2**70),
+    st.integers(min_value=-(2**70), max_value=-(2**63) - 1), st.floats(),
+    st.text(max_size=20), st.sampled_from(["\ud800", "a\udfffb", "\x00", "h", "0.0.0.0", "::",
+                                           "224.0.0.1", "127.0.0.1\x00", "1" * 70000]),
+    st.lists(st.integers(-5, 70000) | st.text(max_size=3), max_size=4),
+    st.lists(st.lists(st.integers(-1, 70000) | st.sampled_from(["\ud800", "h", "127.0.0.1"]),
+                      max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+@st.composite
+def hostile_body(draw):
+    """(message class, JSON body): every field of one class, each valid or hostile."""
+    cls = draw(st.sampled_from(list(P.MESSAGE_TYPES.values())))
+    valid = draw(message_of(cls))
+    body = {f.name: draw(st.just(getattr(valid, f.name)) | HOSTILE) for f in fields(cls)}
+    return cls, body
+
+
+def used_as_the_runtime_uses_it(msg: P.Message) -> None:
+    """What the controller, the processor and the handlers do with decoded fields, the way that
+    crashed a listener before (issue 18): encode strings, connect to hosts, range-check."""
+    import socket as _socket
+
+    for f in fields(msg):
+        v = getattr(msg, f.name)
+        for s in ([v] if isinstance(v, str) else v if isinstance(v, list) else []):
+            if isinstance(s, str):
+                s.encode("utf-8")  # a lone surrogate raised UnicodeEncodeError in session.accept
+    if isinstance(msg, P.Register):
+        assert 0 <= msg.rank < P.MAX_RANKS and 0 <= msg.standby_port <= 65535
+        _socket.getaddrinfo(msg.host, msg.standby_port or 1, flags=_socket.AI_NUMERICHOST)
+        assert len(bytes.fromhex(msg.challenge)) >= 16 and len(bytes.fromhex(msg.nonce)) >= 16
+    if isinstance(msg, (P.Backups, P.RegisterAck)):
+        for _rank, host, port in msg.backups:
+            assert 0 < port <= 65535
+            _socket.getaddrinfo(host, port, flags=_socket.AI_NUMERICHOST)
+    if isinstance(msg, (P.StoreRequest, P.StoreReply)):
+        for v in msg.values:
+            P.b64decode(v)
+
+
+@settings(max_examples=500, deadline=None)
+@given(hostile_body())
+def test_fuzz_valid_macs_over_hostile_bodies_are_refused_or_safe_to_use(drawn):
+    """A key holder (a bug, a compromised host) can MAC anything: the decoder either refuses
+    the body with ProtocolError or hands out a message every use of which is safe, and that
+    this runtime would send itself; nothing else is ever raised."""
+    cls, body = drawn
+    try:  # NaN and Infinity go out as JSON's extensions, which json.loads takes back
+        msgs = P.FrameDecoder(KEY).feed(frame(cls.TYPE, json.dumps(body).encode()))
+    except P.ProtocolError:
+        return
+    (msg,) = msgs
+    used_as_the_runtime_uses_it(msg)
+    assert P.decode_one(P.encode(msg, KEY), KEY) == msg
+
+
+@pytest.mark.parametrize("field,bad", [
+    ("challenge", "\ud800"), ("host", "\ud800"), ("host", "node7"), ("host", "0.0.0.0"),
+    ("standby_port", 70000), ("standby_port", -1), ("rank", -1), ("rank", P.MAX_RANKS),
+    ("dp_ranks", [0, -3]), ("nonce", "zz" * 16), ("pid", True), ("step", -1),
+])
+def test_a_signed_register_with_a_bad_field_is_refused_by_the_decoder(field, bad):
+    good = P.Register(1, 4, [0, 1, 2, 3], 2, "127.0.0.1", 5000, 42, 3, False, False, False,
+                      "ab" * 16, "cd" * 16)
+    assert P.decode_one(P.encode(good, KEY), KEY) == good
+    body = {f.name: getattr(good, f.name) for f in fields(good)}
+    body[field] = bad
+    with pytest.raises(P.ProtocolError, match=f"Register.{field}: bad value"):
+        P.FrameDecoder(KEY).feed(frame(P.Register.TYPE, json.dumps(body).encode()))
+    with pytest.raises(P.ProtocolError, match="refusing to send"):
+        P.encode(P.Register(**body), KEY)  # nor does this runtime send one

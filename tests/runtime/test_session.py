@@ -41,7 +41,7 @@ def test_a_short_or_malformed_nonce_is_a_protocol_error(nonce, match):
 
 
 def register() -> P.Register:
-    return P.Register(1, 4, [0, 1, 2, 3], 2, "h", 0, 0, 3, False, False, False)
+    return P.Register(1, 4, [0, 1, 2, 3], 2, "127.0.0.1", 0, 0, 3, False, False, False)
 
 
 def test_both_ends_agree_and_later_frames_flow_both_ways():

@@ -22,6 +22,9 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
   first thing (before torch is imported): ``sigkill`` for a replacement that fails to start,
   ``sigstop`` for one that never gets ready.
 
+``TTP_FAULT_CORRUPT_REFILL=R`` (no plan needed) changes one value of what replacement rank R
+received in its refill, as a bad link or a bug would: the recovery's hash check must refuse it.
+
 ``TTP_FAULT_RECORD_DIR`` (optional) is where the plan records the fault time and coordinates
 ranks killed together. With it, a planned fault fires once per job: after an in-memory
 recovery, the replacement of a killed rank (same plan, same rank) redoes the step the fault
@@ -221,7 +224,27 @@ def _replacement_fault(plan, record_dir) -> None:
         plan.check(int(join["rank"]), int(join["step"]), Phase.REPLACEMENT, record_dir)
 
 
+def _corrupt_refill(module) -> None:
+    """After replacement rank TTP_FAULT_CORRUPT_REFILL applied what its partner sent, add
+    1e-3 to the first element of its own stripe's first main param."""
+    apply = module._apply
+    target = int(os.environ["TTP_FAULT_CORRUPT_REFILL"])
+
+    def corrupting_apply(payload, model, optimizer, scheduler, args):
+        apply(payload, model, optimizer, scheduler, args)
+        if optimizer.place.rank == target:
+            main = optimizer.own.main_params()[0]
+            main.data.view(-1)[0] += 1e-3
+            print(f"rank {target} | FAULT: corrupted the refill", flush=True)
+
+    module._apply = corrupting_apply
+
+
 def _install() -> None:
+    if os.environ.get("TTP_FAULT_CORRUPT_REFILL"):
+        from testkit.import_hooks import after_import
+
+        after_import("mindio_ttp.megatron_ttp.refill", _corrupt_refill)
     plans = os.environ.get("TTP_FAULT_PLAN", "").split("|")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     text = plans[attempt] if attempt < len(plans) else ""

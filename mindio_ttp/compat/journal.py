@@ -1,4 +1,5 @@
-"""Undo log for every change the adaptor makes, so a failed install leaves nothing behind.
+"""Undo log for every change the compatibility layer and the CPU adaptor make, so a failed
+install leaves nothing behind.
 
 Installing touches torch, numpy, ``sys.modules``, ``sys.meta_path`` and the environment.
 Each change goes through a :class:`Journal` that remembers the previous value; if any step

@@ -1,12 +1,12 @@
 """Who counts as "Megatron" when a patch only lies to Megatron.
 
-Some patches change answers that other code relies on (``torch.cuda.is_available()``, the
-string ``Tensor.type()`` returns, ``torch.load``'s default). They look at the module of the
-direct caller, so the launcher, the TTP runtime and the test suite in the same process keep
-seeing stock torch. Megatron code is: modules named ``megatron`` / ``megatron.*``, the glue
-``mindio_ttp.megatron_ttp`` (it runs Megatron's own save/load code paths and mirrors their
-calls), and entry scripts run as ``__main__`` from a Megatron tree root (``pretrain_gpt.py``,
-recognised by a ``megatron/__init__.py`` beside the script).
+Some patches change answers that other code relies on (``torch.load``'s default here; the CPU
+adaptor's ``torch.cuda.is_available()`` and the string ``Tensor.type()`` returns). They look at
+the module of the direct caller, so the launcher, the TTP runtime and the test suite in the same
+process keep seeing stock torch. Megatron code is: modules named ``megatron`` / ``megatron.*``,
+the glue ``mindio_ttp.megatron_ttp`` (it runs Megatron's own save/load code paths and mirrors
+their calls), and entry scripts run as ``__main__`` from a Megatron tree root
+(``pretrain_gpt.py``, recognised by a ``megatron/__init__.py`` beside the script).
 """
 
 from __future__ import annotations

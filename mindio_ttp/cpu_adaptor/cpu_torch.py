@@ -1,20 +1,11 @@
-"""torch 2.x / numpy 2.x API drift that Megatron-LM 285068c (January 2023) trips over.
+"""torch behaviour Megatron-LM 285068c relies on that holds on CUDA but not on CPU with gloo.
 
-Patches (Megatron file:line they serve); "scoped" ones only change Megatron's calls
-(:mod:`.scope`):
+Not API drift (that is :mod:`mindio_ttp.compat`, for every device): these are answers a CPU
+gives differently. "Scoped" patches only change Megatron's calls
+(:mod:`mindio_ttp.compat.scope`).
 
-* ``torch._six`` (removed in torch 2.0): ``optimizer/clip_grads.py:6`` imports ``inf`` from it.
-  A small module is registered in ``sys.modules``.
-* numpy aliases ``np.float/int/bool/object/str/long`` (removed in numpy 1.24):
-  ``data/indexed_dataset.py:98,271``; restored only where missing.
-* ``torch.load`` (scoped): since torch 2.6 ``weights_only`` defaults to True and refuses the
-  pickled ``argparse.Namespace`` in every checkpoint: ``checkpointing.py:399,401,413,414,650``.
-  Megatron calls get ``weights_only=False`` unless they pass it. Worth knowing: the failure is
-  caught at ``checkpointing.py:417-420`` and becomes ``sys.exit()`` with exit code 0.
 * ``DistributedDataParallel`` (scoped): ``training.py:288-290`` (``--DDP-impl torch``) passes
   ``device_ids=[current_device()]``, which torch rejects for CPU modules; dropped.
-* ``TypedStorage._untyped`` -> alias of ``untyped`` (renamed in torch 2.0):
-  ``optimizer/distrib_optimizer.py:391`` builds the param buffer as a view of the grad buffer.
 * ``DataLoader`` (scoped): building an iterator draws a seed from the default CPU generator,
   which on CPU is also the "CUDA" generator dropout uses; Megatron builds its iterators
   (``training.py:134``) after ``load_checkpoint`` restored the RNG (``training.py:377``), so a
@@ -32,47 +23,19 @@ Patches (Megatron file:line they serve); "scoped" ones only change Megatron's ca
 
 from __future__ import annotations
 
-import collections.abc
 import functools
-import math
 import sys
 import threading
-import types
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.nn.parallel.distributed as torch_ddp
 import torch.utils.data as torch_data
 
-from .journal import Journal
-from .scope import called_from_megatron
+from mindio_ttp.compat.journal import Journal
+from mindio_ttp.compat.scope import called_from_megatron
 
 EXIT_DESTROY_TIMEOUT_S = 10.0
-
-_NUMPY_ALIASES = {"float": float, "int": int, "bool": bool, "object": object, "str": str,
-                  "long": int}
-
-
-def _six_module() -> types.ModuleType:
-    six = types.ModuleType("torch._six")
-    six.__doc__ = "torch._six stand-in installed by mindio_ttp.cpu_adaptor (removed in torch 2.0)"
-    six.inf = math.inf
-    six.nan = math.nan
-    six.string_classes = (str, bytes)
-    six.int_classes = int
-    six.container_abcs = collections.abc
-    return six
-
-
-def _load(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def load(*args: Any, **kwargs: Any) -> Any:
-        if "weights_only" not in kwargs and called_from_megatron():
-            kwargs["weights_only"] = False
-        return original(*args, **kwargs)
-
-    return load
 
 
 def _ddp_init(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -113,18 +76,7 @@ def destroy_process_groups_at_exit() -> None:
 
 
 def install(journal: Journal) -> None:
-    """Paper over the API changes listed in the module docstring."""
-    if "torch._six" not in sys.modules:
-        six = _six_module()
-        journal.add_module(six)
-        journal.setattr(torch, "_six", six)
-    for alias, typ in _NUMPY_ALIASES.items():
-        if alias not in np.__dict__:
-            journal.setattr(np, alias, typ)
-    journal.wrap(torch, "load", _load)
+    """Apply the CPU answers listed in the module docstring."""
     journal.wrap(torch_ddp.DistributedDataParallel, "__init__", _ddp_init)
-    if not hasattr(torch.storage.TypedStorage, "_untyped"):
-        journal.setattr(torch.storage.TypedStorage, "_untyped",
-                        torch.storage.TypedStorage.untyped)
     journal.wrap(torch_data.DataLoader, "__init__", _dataloader_init)
     journal.atexit(destroy_process_groups_at_exit)

@@ -1,0 +1,271 @@
+"""Stop this process's device work after a fault: abort every communicator of every group.
+
+Why. A survivor's device queue usually holds a collective that waits for the dead peer and
+never finishes, and work queued behind it (a training kernel, the param copies after an
+all-gather). Reading device memory then depends on how the device schedules around that
+kernel, which CUDA and CANN do not promise for our case (``CUDA_DEVICE_MAX_CONNECTIONS=1``
+folds every stream onto one hardware queue; torch_npu drains one task queue per device before
+a blocking copy). Both anchors stop the device's work first: NVRx's in-process restart aborts
+every communicator (``inprocess/abort.py``: one thread per group), MindSpeed's TFT calls
+``torch_npu.npu.stop_device``. So does this module, once, before the dying checkpoint reads.
+
+What, per backend (the one table; `_abort_call`):
+
+* **NCCL**: ``backend.abort()`` (torch >= 2.6; older torch: ``backend._shutdown()``, as NVRx
+  does). All groups at once, each in its own thread: aborted one after the other, one
+  communicator's abort can block on another's hung kernel (pytorch #119797).
+* **HCCL** (torch_npu): the device is stopped once, ``torch_npu.npu.stop_device(i)``, which
+  ends every task queued on it, HCCL's included, then ``restart_device(i)`` in its default mode
+  (tensors stay valid), because torch_npu refuses device work on a stopped device and the save
+  must read. Without those calls (an older torch_npu), each HCCL backend's ``abort()``.
+* **gloo** and anything else: nothing. A dead peer's TCP reset fails a gloo collective, a hung
+  peer is killed by its launcher, and host memory has no device queue to wait behind. (torch's
+  ``ProcessGroupGloo.abort`` exists but would fail the survivors' own pending collectives for
+  nothing.)
+
+Bounded: every call runs in a daemon thread and the whole abort waits at most ``timeout_s``
+(``config.ABORT_TIMEOUT_S``); a call that hangs (``ncclCommAbort`` can, in NCCL's proxy thread:
+nccl #1013, #1777, pytorch #119215) is reported as timed out and left behind, and the caller
+goes on to its fallback (the dying checkpoint reads on a private stream from outside torch's
+pool, `device_copy`). `abort_all` never raises for a backend: it returns an `AbortReport`.
+
+Afterwards the process can build new groups: with ``destroy=True`` the groups are also
+destroyed (``torch.distributed.destroy_process_group``), after which ``init_process_group`` on
+a fresh store works again (tests/writer/test_abort.py does exactly that on gloo). The watchdog
+of an aborted NCCL group stops by itself; nothing here touches the default stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+
+from mindio_ttp import config
+from mindio_ttp.faulttime.device import NO_DEVICE, DeviceBinding
+
+log = logging.getLogger("mindio_ttp.processor")
+
+ABORTED, SKIPPED, FAILED, TIMED_OUT = "aborted", "skipped", "failed", "timed out"
+DEVICE_BACKENDS = ("nccl", "hccl")
+
+
+@dataclass(frozen=True)
+class GroupAbort:
+    """What happened to one backend of one process group."""
+
+    group: str
+    backend: str
+    outcome: str  # ABORTED, SKIPPED, FAILED or TIMED_OUT
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class AbortReport:
+    groups: Tuple[GroupAbort, ...]
+    device: str  # what was done to the device itself ("" when nothing)
+    destroyed: bool
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """Every device communicator is gone (skipped ones never held device work)."""
+        return all(g.outcome in (ABORTED, SKIPPED) for g in self.groups) and \
+            not self.device.startswith((FAILED, TIMED_OUT))
+
+    @property
+    def aborted(self) -> List[str]:
+        return [g.group for g in self.groups if g.outcome == ABORTED]
+
+    def describe(self) -> str:
+        counts: dict = {}
+        for g in self.groups:
+            counts[g.outcome] = counts.get(g.outcome, 0) + 1
+        parts = [f"{n} {what}" for what, n in sorted(counts.items())] or ["no process group"]
+        bad = [f"{g.group} ({g.backend}): {g.outcome} {g.detail}".strip()
+               for g in self.groups if g.outcome in (FAILED, TIMED_OUT)]
+        text = f"abort in {self.seconds:.3f} s: " + ", ".join(parts)
+        if self.device:
+            text += f"; device: {self.device}"
+        if self.destroyed:
+            text += "; process groups destroyed"
+        return text + (f"; {'; '.join(bad[:4])}" if bad else "")
+
+
+def _torch_older_than(version: str) -> bool:
+    import torch
+
+    def parse(text: str) -> Tuple[int, ...]:
+        return tuple(int("".join(c for c in p if c.isdigit()) or 0)
+                     for p in text.split("+")[0].split(".")[:3])
+
+    return parse(torch.__version__) < parse(version)
+
+
+def _name(obj: Any) -> str:
+    try:
+        return str(obj.name()).lower()
+    except Exception:  # noqa: BLE001 - a backend without name(): its class says enough
+        return type(obj).__name__.lower()
+
+
+def _backends(pg: Any) -> List[Tuple[str, Any]]:
+    """(backend name, backend) of every device type the group serves, each backend once; a
+    group that exposes no backends (older torch, test doubles) is its own backend."""
+    found: List[Tuple[str, Any]] = []
+    for dev in getattr(pg, "_device_types", None) or []:
+        try:
+            backend = pg._get_backend(dev)
+        except (RuntimeError, ValueError):
+            continue
+        if all(backend is not b for _, b in found):
+            found.append((_name(backend), backend))
+    return found or [(_name(pg), pg)]
+
+
+def _group_name(pg: Any) -> str:
+    try:
+        import torch.distributed as dist
+
+        name = dist.distributed_c10d._world.pg_names.get(pg)
+        if name is not None:
+            return str(name)
+    except Exception:  # noqa: BLE001 - not initialised, or a test double
+        pass
+    return str(getattr(pg, "group_name", None) or f"group@{id(pg):x}")
+
+
+def _all_groups() -> List[Any]:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return []
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    return list(dist.distributed_c10d._world.pg_names)
+
+
+def _abort_call(backend_name: str, backend: Any) -> Optional[Callable[[], None]]:
+    """The call that aborts one backend, or None when there is nothing to abort (module doc)."""
+    if backend_name == "nccl":
+        if _torch_older_than("2.6") and hasattr(backend, "_shutdown"):
+            return backend._shutdown
+        return backend.abort
+    if backend_name == "hccl" and hasattr(backend, "abort"):
+        return backend.abort
+    return None
+
+
+def _npu_stop_restart(binding: DeviceBinding) -> Optional[Callable[[], None]]:
+    """torch_npu's device stop then restart for the bound NPU, or None (no torch_npu, or an
+    older one without them: the HCCL backends are aborted one by one instead)."""
+    if binding.kind != "npu":
+        return None
+    torch_npu = sys.modules.get("torch_npu")
+    npu = getattr(torch_npu, "npu", None)
+    stop, restart = getattr(npu, "stop_device", None), getattr(npu, "restart_device", None)
+    if stop is None or restart is None:
+        return None
+
+    def run() -> None:
+        binding.bind()  # torch_npu needs set_device in every thread before device work
+        result = stop(binding.index)
+        if result not in (None, 0):
+            raise RuntimeError(f"torch_npu.npu.stop_device({binding.index}) returned {result}")
+        restart(binding.index)  # default mode: no stream rebuild, tensors stay valid
+
+    return run
+
+
+class _Call(threading.Thread):
+    def __init__(self, fn: Callable[[], None], name: str) -> None:
+        super().__init__(target=self._run, name=name, daemon=True)
+        self.fn, self.error = fn, ""
+
+    def _run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as exc:  # noqa: BLE001 - reported, never raised
+            self.error = f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _join_all(calls: Sequence[_Call], deadline: float) -> None:
+    for call in calls:
+        call.join(max(0.0, deadline - time.monotonic()))
+
+
+def abort_all(timeout_s: float = config.ABORT_TIMEOUT_S, *,
+              binding: DeviceBinding = NO_DEVICE, groups: Optional[Iterable[Any]] = None,
+              destroy: bool = False) -> AbortReport:
+    """Abort every device communicator of every process group (`groups`: default, all of
+    torch's), in parallel, waiting at most `timeout_s`; with `destroy`, then destroy torch's
+    process groups so that new ones can be made. Never raises for a backend (module doc)."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    pending: List[Tuple[str, str, _Call]] = []
+    results: List[GroupAbort] = []
+    with_device: List[str] = []  # HCCL groups that the device stop ends
+    device_call = _npu_stop_restart(binding)
+    for pg in list(_all_groups() if groups is None else groups):
+        gname = _group_name(pg)
+        for bname, backend in _backends(pg):
+            if bname == "hccl" and device_call is not None:
+                with_device.append(gname)
+                continue
+            call = _abort_call(bname, backend)
+            if call is None and bname in DEVICE_BACKENDS:
+                results.append(GroupAbort(gname, bname, FAILED, "this torch_npu has neither "
+                                          "stop_device/restart_device nor a backend abort()"))
+                continue
+            if call is None:
+                why = ("no device work (a dead peer's connection reset fails its collectives)"
+                       if bname == "gloo" else "not a device communicator")
+                results.append(GroupAbort(gname, bname, SKIPPED, why))
+                continue
+            thread = _Call(call, f"ttp-abort-{gname}")
+            pending.append((gname, bname, thread))
+    device_thread = _Call(device_call, "ttp-abort-device") if device_call else None
+    threads = [t for _, _, t in pending] + ([device_thread] if device_thread else [])
+    for thread in threads:
+        thread.start()
+    _join_all(threads, deadline)
+    for gname, bname, thread in pending:
+        if thread.is_alive():
+            results.append(GroupAbort(gname, bname, TIMED_OUT, f"after {timeout_s:g} s"))
+        elif thread.error:
+            results.append(GroupAbort(gname, bname, FAILED, thread.error))
+        else:
+            results.append(GroupAbort(gname, bname, ABORTED))
+    device = ""
+    if device_thread is not None:
+        outcome = (TIMED_OUT if device_thread.is_alive()
+                   else FAILED if device_thread.error else ABORTED)
+        device = {TIMED_OUT: f"{TIMED_OUT}: stop/restart of {binding.describe()}",
+                  FAILED: f"{FAILED}: {device_thread.error}",
+                  ABORTED: f"{binding.describe()} stopped and restarted"}[outcome]
+        results += [GroupAbort(g, "hccl", outcome, f"by the stop of {binding.describe()}")
+                    for g in with_device]
+    destroyed = destroy and _destroy(deadline)
+    report = AbortReport(tuple(results), device, destroyed, time.monotonic() - started)
+    (log.info if report.ok else log.warning)("%s", report.describe())
+    return report
+
+
+def _destroy(deadline: float) -> bool:
+    """destroy_process_group(), bounded by what is left of the deadline (at least 1 s)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    call = _Call(dist.destroy_process_group, "ttp-destroy-groups")
+    call.start()
+    call.join(max(1.0, deadline - time.monotonic()))
+    if call.is_alive() or call.error:
+        log.warning("destroy_process_group %s", call.error or "did not return in time")
+        return False
+    return True

@@ -1,0 +1,80 @@
+"""What ttprun checks before any worker starts, and what its --help ends with.
+
+One pass over the environment with the runtime's own table (mindio_ttp/config.py), so a bad
+value is refused here, once, with every problem in one message and exit 2, instead of in every
+rank after the model is built and the data loaded. Warnings (settings that are legal but
+defeat the dying checkpoint, misspelt names) go to stderr and the launch goes on.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import List, Mapping, Sequence, Tuple
+
+from mindio_ttp import config
+from mindio_ttp.config import ENV_AUTH_KEY, ENV_AUTH_KEY_FILE, ExitCode
+from mindio_ttp.faulttime import collective_env
+from mindio_ttp.launch import timeouts
+
+MULTI_NODE_KEY_MESSAGE = (
+    "a multi-node job needs a control-plane key that every node already has: export "
+    f"{ENV_AUTH_KEY}=<64 hex chars> on every node (e.g. generate it once with `python -c "
+    "'import secrets; print(secrets.token_hex(32))'` and pass it through your scheduler's "
+    f"secret store), or point {ENV_AUTH_KEY_FILE} at a chmod-600 file on every node. ttprun "
+    "does not send keys over the network."
+)
+
+
+def check(env: Mapping[str, str], multi_node: bool, script_args: Sequence[str] = (),
+          script: str = "", is_module: bool = False) -> Tuple[List[str], List[str]]:
+    """(problems, warnings): any problem means nothing may start. `script` is the training
+    script (a module name with `is_module`): the process-group timeout is read from its tree."""
+    problems = config.problems(env)
+    if multi_node and not (env.get(ENV_AUTH_KEY) or env.get(ENV_AUTH_KEY_FILE)):
+        problems.append(MULTI_NODE_KEY_MESSAGE)
+    warnings = config.unknown_names(env) + collective_env.user_value_warnings(env)
+    try:
+        timeout = timeouts.timeout_warning(script, script_args, config.overtime_s(env),
+                                           is_module=is_module or not script)
+    except ValueError:
+        timeout = None  # TTP_OT itself is among the problems
+    if timeout:
+        warnings.append(timeout)
+    return problems, warnings
+
+
+def refusal(problems: Sequence[str]) -> str:
+    """The one message ttprun prints (after "ttprun: error: ") before it exits 2."""
+    return (str(config.SettingsError(list(problems)))
+            + "\nnothing was started; every setting: `ttprun --help` and docs/settings.md")
+
+
+EXIT_CODES = (
+    ("0", "every worker succeeded"),
+    ("1", "a worker failed (also after a saved dying checkpoint, so a scheduler restarts the "
+          "job: rerun the same command to resume)"),
+    ("2", "bad setting, no key on a multi-node start, or an unsafe key file: nothing started"),
+    ("128+N", "stopped by signal N (143: SIGTERM), after the survivors' grace period"),
+)
+RANK_CODES = {
+    ExitCode.SAVED: "dying checkpoint saved",
+    ExitCode.NO_CONSISTENT_STEP: "refused: no step with a clean copy of every shard",
+    ExitCode.SAVE_FAILED: "save or rename failed, nothing marked latest",
+    ExitCode.NO_VERDICT: f"no exit order within {config.ENV_OT}",
+    ExitCode.NOT_CLAIMED: "another part of a split job claimed the fault",
+}
+
+
+def help_epilog() -> str:
+    """TTP's settings and both kinds of exit codes, for the end of ``ttprun --help``."""
+    lines = ["TTP settings (environment; checked before any worker starts):"]
+    lines += config.help_lines()
+    lines += ["", "ttprun exit codes:"]
+    for code, what in EXIT_CODES:
+        lines += textwrap.wrap(f"{code:<6} {what}", 96, initial_indent="  ",
+                               subsequent_indent=" " * 9)
+    lines += ["", "worker exit codes after a fault (named in ttprun's last lines):"]
+    lines += [f"  {int(code):<6} {what}" for code, what in RANK_CODES.items()]
+    lines += ["", "Symptoms, causes and fixes: docs/troubleshooting.md; every setting with "
+              "its range: docs/settings.md."]
+    return "\n".join(lines)

@@ -1,0 +1,100 @@
+"""Edits 6.1-6.2 (ttp-patch's, not the guide's): megatron/initialize.py takes its process-group
+timeout from the runtime.
+
+Megatron-LM 285068c hard-codes 10 minutes (`_initialize_distributed`, lines 174-177) and has no
+`--distributed-timeout-minutes` yet, so with TTP_OT of 10 minutes or more the NCCL watchdog
+aborted the survivors' communicators in the middle of the dying save, and no flag could say
+otherwise. The patched call keeps Megatron's 10 minutes unless TTP_OT needs more
+(`mindio_ttp.megatron_ttp.process_group_timeout`).
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+import libcst as cst
+
+from ..options import Options
+from .base import Assessment, Edit, FileIndex, InsertAfterAnchor, Op, State, where
+from .statements import EMPTY_MODULE
+
+FILE = "megatron/initialize.py"
+
+
+class ImportGlue(InsertAfterAnchor):
+    """After `from datetime import timedelta`; the glue module imports nothing eagerly, so
+    megatron/__init__.py (which imports this file) is not re-entered."""
+
+    id = "initialize/import-ttp"
+    number = "6.1"
+    file = FILE
+    scope = None
+    anchor = "from datetime import timedelta"
+    inserted = "import mindio_ttp.megatron_ttp as mega\n"
+    summary = "import mindio_ttp.megatron_ttp as mega (ttp-patch's, not the guide's)"
+
+
+def _timeout_arg(stmt: cst.BaseStatement) -> Optional[ast.expr]:
+    """The `timeout=` expression of a statement that is one call."""
+    tree = ast.parse(EMPTY_MODULE.code_for_node(stmt))
+    call = tree.body[0].value if isinstance(tree.body[0], ast.Expr) else None
+    if not isinstance(call, ast.Call):
+        return None
+    return next((kw.value for kw in call.keywords if kw.arg == "timeout"), None)
+
+
+def _is_timedelta(expr: Optional[ast.expr]) -> bool:
+    return isinstance(expr, ast.Call) and ast.unparse(expr.func) == "timedelta"
+
+
+class TimeoutFromRuntime(Edit):
+    """Wraps the `timeout=timedelta(...)` of the one `init_process_group` call. Any timedelta:
+    285068c's `minutes=10`, and a later Megatron's `minutes=args.distributed_timeout_minutes`
+    (patched with --allow-modified), which then stays the floor the runtime raises."""
+
+    id = "initialize/pg-timeout"
+    number = "6.2"
+    file = FILE
+    scope = "_initialize_distributed"
+    anchor = (
+        "torch.distributed.init_process_group(\n"
+        "    backend=args.distributed_backend,\n"
+        "    world_size=args.world_size, rank=args.rank,\n"
+        "    timeout=timedelta(minutes=10))"
+    )
+    summary = "process-group timeout at least TTP_OT + margin (ttp-patch's, not the guide's)"
+
+    def anchor_text(self) -> str:
+        return "torch.distributed.init_process_group(..., timeout=timedelta(...))"
+
+    def assess(self, module: cst.Module, index: FileIndex, opts: Options) -> Assessment:
+        calls = [s for s in index.simple(self.scope) if index.shape(s.stmt) == _CALL_SHAPE]
+        if len(calls) != 1:
+            how = "not found" if not calls else f"found {len(calls)} times"
+            return Assessment(State.DRIFTED, f"init_process_group(...) {how} {where(self.scope)}")
+        site = calls[0]
+        timeout = _timeout_arg(site.stmt)
+        if (isinstance(timeout, ast.Call) and ast.unparse(timeout.func) == _RUNTIME_CALL
+                and len(timeout.args) == 1 and _is_timedelta(timeout.args[0])):
+            return Assessment(State.APPLIED)
+        if _is_timedelta(timeout):
+            return Assessment(State.MISSING, ops=[Op(site.block, site.index, rewrite=_wrap)])
+        return Assessment(
+            State.DRIFTED,
+            f"{where(self.scope)}: init_process_group's timeout is neither timedelta(...) nor "
+            f"{_RUNTIME_CALL}(timedelta(...))",
+        )
+
+
+_CALL_SHAPE = "call torch.distributed.init_process_group"
+_RUNTIME_CALL = "mega.process_group_timeout"
+
+
+def _wrap(stmt: cst.BaseStatement) -> cst.BaseStatement:
+    from .rewrites import TimeoutFromRuntime as Wrap
+
+    return stmt.visit(Wrap())
+
+
+EDITS = [ImportGlue(), TimeoutFromRuntime()]
