@@ -23,11 +23,13 @@ def states(clean: Dict[int, int], lost: Set[int]) -> Dict[int, RankState]:
 
 def plan(lost: Set[int], clean: Optional[Dict[int, int]] = None, *, layout: Layout = DP4,
          mode: str = "in-memory", capable=(True, ""), preempted: bool = False,
-         hosts: Optional[Dict[int, str]] = None, world_size: int = 4):
+         hosts: Optional[Dict[int, str]] = None, world_size: int = 4,
+         node_takeover: bool = False, claimed: bool = False):
     clean = {r: 4 for r in range(world_size) if r not in lost} if clean is None else clean
     return plan_recovery(mode=mode, capable=capable, preempted=preempted,
                          world_size=world_size, layout=layout, states=states(clean, lost),
-                         lost=lost, hosts=HOSTS if hosts is None else hosts)
+                         lost=lost, hosts=HOSTS if hosts is None else hosts,
+                         node_takeover=node_takeover, claimed=claimed)
 
 
 def test_one_lost_rank_is_refilled_from_its_partner_relayed_on_its_host():
@@ -100,3 +102,23 @@ def test_the_relay_is_the_lowest_survivor_on_the_lost_ranks_host():
     hosts = {0: "10.0.0.1", 1: "10.0.0.2", 2: "10.0.0.1", 3: "10.0.0.2"}
     p, why = plan({1}, hosts=hosts)
     assert p is not None and p.relays == {1: 3}, why
+
+
+TWO_NODES = {0: "10.0.0.1", 1: "10.0.0.1", 2: "10.0.0.2", 3: "10.0.0.2"}
+
+
+def test_a_lost_node_is_relayed_by_a_survivor_elsewhere_when_a_spare_node_can_take_it_over():
+    """Node 10.0.0.2 (ranks 2, 3) lost: no launcher there. With node takeover (ttprun, c10d)
+    a survivor on another host relays; exactly half survive, so only with the fault's claim."""
+    p, why = plan({2, 3}, hosts=TWO_NODES)
+    assert p is None and "strict majority, or exactly half and the fault's claim" in why
+    p, why = plan({2, 3}, hosts=TWO_NODES, claimed=True)
+    assert p is None and "no spare node can take it over" in why
+    p, why = plan({2, 3}, hosts=TWO_NODES, claimed=True, node_takeover=True)
+    assert p is not None, why
+    assert (p.lost, p.partners, p.relays) == ((2, 3), {2: 0, 3: 1}, {2: 0, 3: 0})
+
+
+def test_less_than_half_never_recovers_even_with_the_claim():
+    p, why = plan({1, 2, 3}, hosts=TWO_NODES, claimed=True, node_takeover=True)
+    assert p is None and "only 1 of 4 ranks survive" in why

@@ -66,7 +66,7 @@ class RecoveringRanks(ScriptedRanks):
                                              "bad refill" if r in self.fail else "", "", 0.1), r)
 
 
-def make_flow(lost: Set[int], step: int = 4, **kwargs) -> Flow:
+def make_flow(lost: Set[int], step: int = 4, claims=lambda: None, **kwargs) -> Flow:
     env = {**ENV, **IN_MEMORY, **{k: v for k, v in kwargs.items() if k.startswith("TTP_")}}
     kwargs = {k: v for k, v in kwargs.items() if not k.startswith("TTP_")}
     cond = threading.Condition(threading.RLock())
@@ -79,7 +79,7 @@ def make_flow(lost: Set[int], step: int = 4, **kwargs) -> Flow:
     sm.transition_to(S.SERVING, "test")
     out = RecoveringRanks(roster, cond, {r: step for r in DP if r not in lost}, **kwargs)
     flow = Flow(TTPConfig.from_env(env), 4, 2, 0, "test flow", sm, cond, roster, out,
-                out.closed.append, address=lambda: ("127.0.0.1", 8000))
+                out.closed.append, claims=claims, address=lambda: ("127.0.0.1", 8000))
     out.flow = flow
     return flow, out
 
@@ -179,4 +179,52 @@ def test_no_launcher_that_replaces_means_no_recovery():
     flow, out = make_flow({1}, TTP_REPLACEMENTS="")
     fault_and_wait(flow, out)
     assert flow.decided.wait(10)
+    assert S.RECOVERING not in [b for _, b, _ in flow.sm.history]
+
+
+def _claims_in(tmp_path) -> tuple:
+    from mindio_ttp.faulttime import claim as C
+
+    folder = tmp_path / ".ttp-claims"
+    folder.mkdir()
+    space = C.ClaimSpace(folder, C.new_fault_id())
+    return folder, space
+
+
+def test_exactly_half_surviving_recovers_only_with_the_faults_claim_and_a_later_fault_claims_anew(
+        tmp_path, monkeypatch):
+    """Half the ranks lost (a node of two): the other half of a split job may be running, so
+    the recovery first wins the fault's claim. After it committed, the same launch goes on: a
+    later fault (here falling back to the dying checkpoint) claims under an id of its own."""
+    import json
+
+    folder, space = _claims_in(tmp_path)
+    flow, out = make_flow({2, 3}, claims=lambda: space)
+    fault_and_wait(flow, out, "ranks 2, 3 dead")
+    wait_state(flow, S.SERVING)
+    (first,) = [json.loads(p.read_text()) for p in folder.glob("fault-*.json")]
+    assert (first["state"], first["outcome"], first["purpose"]) == ("done", "recovered",
+                                                                    "in-memory recovery")
+    monkeypatch.setattr(R.RECOVERY, "epoch", 1)  # what the commit did in the controller's rank
+    out.replace_state = "exited"  # the next recovery fails: the dying checkpoint, claimed
+    out.steps = {r: 5 for r in DP if r != 1}
+    with out.cond:
+        out.roster.set_status(out.roster[1], "dead", "dead")
+    fault_and_wait(flow, out, "rank 1 dead")
+    assert flow.decided.wait(15), flow.sm.history
+    assert flow.decision.outcome is Outcome.SAVED, flow.decision
+    claims = sorted(json.loads(p.read_text())["state"] for p in folder.glob("fault-*.json"))
+    assert claims == ["done", "done"]  # two faults, two claims
+
+
+def test_exactly_half_surviving_does_not_recover_when_the_other_half_holds_the_claim(tmp_path):
+    from mindio_ttp.faulttime import claim as C
+
+    _, space = _claims_in(tmp_path)
+    other, why = C.acquire(space, "the other half's controller")  # alive: its lock is held
+    assert other is not None, why
+    flow, out = make_flow({2, 3}, claims=lambda: space)
+    fault_and_wait(flow, out, "ranks 2, 3 dead")
+    assert flow.decided.wait(15), flow.sm.history
+    assert flow.decision.outcome is Outcome.NOT_CLAIMED, flow.decision
     assert S.RECOVERING not in [b for _, b, _ in flow.sm.history]

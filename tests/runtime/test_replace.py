@@ -44,7 +44,7 @@ class Context:
         self.envs = {0: {"RANK": "5", "LOCAL_RANK": "0", "MASTER_PORT": "1111"}}
         self.stdouts: Dict[int, str] = {0: ""}
         self.stderrs: Dict[int, str] = {0: ""}
-        self.subprocess_handlers = {0: R._Handler(old, 0)}
+        self.subprocess_handlers = {0: R.AdoptedHandler(old, 0)}
         self._failures = {0: "the lost worker's failure"}
         self._running_local_ranks: set = set()
 
