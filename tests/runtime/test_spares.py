@@ -71,10 +71,13 @@ ENTRY = textwrap.dedent(
 )
 WAITER = textwrap.dedent(
     """
-    import os, sys, time
+    import json, os, sys, time
     from pathlib import Path
     import spare_test_mod
     stop = Path(sys.argv[1])
+    record = {k: os.environ.get(k) for k in ("RANK", "TTP_RECOVERY_JOIN")}
+    record["pid"] = os.getpid()
+    (stop.parent / f"worker-{os.getpid()}.json").write_text(json.dumps(record))
     while not stop.exists():
         time.sleep(0.05)
     """
@@ -353,3 +356,40 @@ def test_a_spare_still_importing_dies_with_a_killed_launcher(
         launcher.spares()
         launcher.proc.kill()
         _until(lambda: not _alive(spare), "the importing spare gone", timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_ttprun_serves_a_replacement_request_from_a_warm_spare(scripts: Path,
+                                                               free_port: int) -> None:
+    """The recovery's relay asks ttprun for a replacement of rank 1 (launch/replace.py's request
+    file, written here by the test): the launcher stops the old worker and hands the rank to
+    its warm spare, which runs it with the request's environment; the relay hears the pid."""
+    import json
+
+    with _ttprun(scripts, free_port, spares=1) as launcher:
+        (spare,) = launcher.wait_for_spares(1)
+        _until(lambda: any(int(i[0]) == spare and i[1] == "-" for i in _imports(scripts)),
+               "the spare's imports")
+
+        def workers() -> List[dict]:
+            return [json.loads(p.read_text()) for p in scripts.glob("worker-*.json")]
+
+        _until(lambda: len(workers()) == 2, "both workers")
+        old = next(w["pid"] for w in workers() if w["RANK"] == "1")
+        run_dir = next((scripts / "runs").glob("ttprun-*"))
+        (run_dir / "replace").mkdir(mode=0o700, exist_ok=True)
+        request = {"recovery_id": 1, "rank": 1, "env": {"TTP_RECOVERY_JOIN": "order"}}
+        (run_dir / "replace" / "r1-rank1.json").write_text(json.dumps(request))
+        status = run_dir / "replace" / "r1-rank1.status.json"
+        _until(status.is_file, "the relay's answer")
+        answer = json.loads(status.read_text())
+        assert (answer["state"], answer["pid"]) == ("started", spare), answer
+        _until(lambda: any(w["pid"] == spare for w in workers()), "the spare as rank 1")
+        new = next(w for w in workers() if w["pid"] == spare)
+        assert new == {"RANK": "1", "TTP_RECOVERY_JOIN": "order", "pid": spare}
+        assert not _alive(old)
+        assert len([i for i in _imports(scripts) if int(i[0]) == spare]) == 1  # imported once
+        # the launcher started the next spare (the used one keeps its command line)
+        _until(lambda: bool(set(launcher.spares()) - {spare}), "the next warm spare")
+        (scripts / "stop").touch()
+        assert launcher.proc.wait(DEADLINE_S) == 0
