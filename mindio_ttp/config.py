@@ -328,7 +328,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "from the recovery order to every rank (the replacement too) refilled and checked; "
             "TTP_OT then counts again for the dying checkpoint"),
     Setting(ENV_REPLACEMENTS, "text", "set by ttprun", "",
-            "how the launcher starts a lost rank's replacement (cold)", text, None,
+            "how the launcher starts a lost rank's replacement (cold; node: a spare node "
+            "takes over a lost node's ranks)", text, None,
             "set by ttprun for its workers, not by you: unset (another launcher), a fault ends "
             "in the dying checkpoint"),
     Setting(ENV_RECOVERY_JOIN, "JSON", "set by ttprun", "",
