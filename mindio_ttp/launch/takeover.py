@@ -37,8 +37,8 @@ where their replacements look for the controller. So each record is HMAC-signed 
 control-plane key over the round's fresh nonces (one per agent, written first): a forged record
 or one replayed from an earlier round is refused, and that round's takeover does not happen
 (the recovery then falls back to the dying checkpoint). The key that starts a takeover is
-signed too. An outsider who can reach the store can
-still disturb a rendezvous, as they always could: that denies service, it decides nothing.
+signed too. An outsider who can reach the store can still disturb a rendezvous, as they always
+could: that denies service, it decides nothing.
 
 Only a job whose nodes all run the same number of workers can be taken over (torch gives group
 rank *g* the global ranks ``g*L .. g*L+L-1`` then); anything else is refused with the reason.
@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from mindio_ttp.config import ENV_RECOVERY, RECOVERY_MODES
 from mindio_ttp.launch.replace import AdoptedHandler, ReplacementRequest
 
 logger = logging.getLogger("ttprun")
@@ -67,7 +68,6 @@ MEMBER_KEY = "ttprun/takeover/member/{}"
 MAC_CONTEXT = b"ttprun-takeover-v1"
 MAX_RECORD = 64 * 1024 + 64  # a record names one node's ranks: a few KiB even at 1k workers
 EXCHANGE_TIMEOUT = timedelta(seconds=60)
-ENV_RECOVERY = "TTP_RECOVERY"
 
 
 class TakeoverRefused(RuntimeError):
@@ -266,8 +266,8 @@ def wanted(handler, env: Mapping[str, str]) -> bool:
     spare node (c10d and the other dynamic backends; not static) and the job recovers in
     memory (``TTP_RECOVERY``, in-memory by default; a job that restarts anyway gains nothing
     from it)."""
-    mode = env.get(ENV_RECOVERY, "").strip().lower() or "in-memory"
-    return handler.get_backend() != "static" and mode == "in-memory"
+    mode = env.get(ENV_RECOVERY, "").strip().lower() or RECOVERY_MODES[0]
+    return handler.get_backend() != "static" and mode == RECOVERY_MODES[0]
 
 
 class NodeTakeover:
@@ -283,7 +283,6 @@ class NodeTakeover:
         self._me = me
         self._key = key
         self.assignment: Optional[Assignment] = None
-        self.survived = False  # the last round kept this node's workers
         # the highest restart count in the last round: a node new to a job that restarted
         # (started after a loss) must start its workers at the same attempt as the others, or
         # torch's env:// store prefix (/worker/attempt_N) differs and gloo reads stale keys
@@ -354,7 +353,7 @@ class NodeTakeover:
     def _next_rendezvous(self):
         info = self._next()
         me = self._me({rank: request.env for rank, request in self.pending.items()})
-        self.assignment, self.survived = None, me.running
+        self.assignment = None
         try:
             members = exchange(info.store, info.rank, info.world_size,
                                self.handler.get_run_id(), self._key, me)
