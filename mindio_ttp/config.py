@@ -46,8 +46,20 @@ ENV_STEP_TIMEOUT = "TTP_STEP_TIMEOUT"
 ENV_CHECKPOINT_KEY = "TTP_CHECKPOINT_KEY"
 ENV_CPU_BUILD_DIR = "TTP_CPU_BUILD_DIR"
 ENV_RDZV_NOTICE = "TTPRUN_RDZV_NOTICE_S"
+# ttprun: warm spares per node (processes that imported torch and the entry's imports and wait
+# to replace a lost rank); 0 = none. `ttprun --warm-spares N` sets it.
+ENV_WARM_SPARES = "TTP_WARM_SPARES"
 # "1": refuse to start when both holders of an optimizer shard share a host (default: warn)
 ENV_REQUIRE_CROSS_HOST_REPLICAS = "TTP_REQUIRE_CROSS_HOST_REPLICAS"
+# in-memory recovery (docs/recovery.md): "in-memory" (default) or "dying-checkpoint"
+ENV_RECOVERY = "TTP_RECOVERY"
+# seconds from the recovery order to every rank's READY; past it: the dying checkpoint
+ENV_RECOVER_TIMEOUT = "TTP_RECOVER_TIMEOUT"
+# set by ttprun in its workers: how it starts a lost rank's replacement ("cold"); unset: the
+# launcher cannot (torchrun), so a fault ends in the dying checkpoint
+ENV_REPLACEMENTS = "TTP_REPLACEMENTS"
+# set by ttprun in a replacement's environment: the recovery it joins (recovery/rank.py)
+ENV_RECOVERY_JOIN = "TTP_RECOVERY_JOIN"
 
 # The controller's TCP port, inclusive: no privileged port (ranks do not run as root), and the
 # one range everything holds a port to: the port argument, TTP_CONTROLLER_PORT, `ttp-patch
@@ -211,6 +223,26 @@ def text(raw: str) -> str:
     return raw
 
 
+def count(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("is not a whole number: give a count, e.g. 1") from None
+    if value < 0:
+        raise ValueError("is negative: use 0 (none) or more")
+    return value
+
+
+RECOVERY_MODES = ("in-memory", "dying-checkpoint")
+
+
+def recovery_mode(raw: str) -> str:
+    mode = raw.strip().lower()
+    if mode not in RECOVERY_MODES:
+        raise ValueError(f"must be {' or '.join(RECOVERY_MODES)}")
+    return mode
+
+
 @dataclass(frozen=True)
 class Setting:
     """One environment variable: what the docs, ``ttprun --help`` and the check say of it."""
@@ -289,6 +321,30 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting(ENV_REQUIRE_CROSS_HOST_REPLICAS, "0/1", "0", "0 or 1",
             "1: refuse to start when both copies of a shard share a host", flag, False,
             "0 warns instead"),
+    Setting(ENV_RECOVERY, "mode", RECOVERY_MODES[0], " or ".join(RECOVERY_MODES),
+            "after a fault, go on in memory (replace the lost rank) or save and exit",
+            recovery_mode, RECOVERY_MODES[0],
+            "in-memory needs ttprun, --load and the patched tree's recovery hooks; whenever it "
+            "cannot work or fails half-way, the dying checkpoint is written (docs/recovery.md)"),
+    # a cold replacement imports torch and Megatron and builds its model inside this bound
+    Setting(ENV_RECOVER_TIMEOUT, "seconds", "120", "(0, 604800]",
+            "an in-memory recovery not finished within this falls back to the dying "
+            "checkpoint", seconds, 120.0,
+            "from the recovery order to every rank (the replacement too) refilled and checked; "
+            "TTP_OT then counts again for the dying checkpoint"),
+    Setting(ENV_REPLACEMENTS, "text", "set by ttprun", "",
+            "how the launcher starts a lost rank's replacement (cold; node: a spare node "
+            "takes over a lost node's ranks)", text, None,
+            "set by ttprun for its workers, not by you: unset (another launcher), a fault ends "
+            "in the dying checkpoint"),
+    Setting(ENV_RECOVERY_JOIN, "JSON", "set by ttprun", "",
+            "in a replacement process: the recovery it joins", text, None,
+            "set by ttprun for a replacement only (its step, store, acting controller), not by "
+            "you"),
+    Setting(ENV_WARM_SPARES, "count", "0", ">= 0",
+            "ttprun: warm spares per node, processes ready to replace a lost rank", count, 0,
+            "each has imported torch, the training script's imports and torch._dynamo and "
+            "waits; `ttprun --warm-spares N` sets it (docs/spares.md)"),
     Setting(ENV_CHECKPOINT_KEY, "text", "", "non-empty",
             "HMAC every checkpoint manifest with this secret", text, None,
             "a checkpoint without a valid MAC is then refused at load"),
@@ -433,6 +489,11 @@ def _port_env(env: Mapping[str, str]) -> Optional[int]:
     return value(env, ENV_CONTROLLER_PORT)
 
 
+def warm_spares(env: Optional[Mapping[str, str]] = None) -> int:
+    """``TTP_WARM_SPARES``: how many warm spares ``ttprun`` keeps per node (default 0)."""
+    return value(os.environ if env is None else env, ENV_WARM_SPARES)
+
+
 def _parse_key(raw: str, source: str) -> bytes:
     try:
         return hex_key(raw)
@@ -530,6 +591,9 @@ class TTPConfig:
     step_timeout: float = 0.0  # 0: off
     handshake_timeout: float = BY_NAME[ENV_HANDSHAKE_TIMEOUT].value
     listen_ports: Optional[Tuple[int, int]] = field(default=None)
+    recovery: str = RECOVERY_MODES[0]
+    recover_timeout: float = 120.0
+    replacements: str = ""  # what the launcher offers (ENV_REPLACEMENTS); "": none
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None,
@@ -570,6 +634,9 @@ class TTPConfig:
             step_timeout=v[ENV_STEP_TIMEOUT],
             handshake_timeout=v[ENV_HANDSHAKE_TIMEOUT],
             listen_ports=v[ENV_LISTEN_PORTS],
+            recovery=v[ENV_RECOVERY],
+            recover_timeout=v[ENV_RECOVER_TIMEOUT],
+            replacements=(v[ENV_REPLACEMENTS] or "").strip(),
         )
         budget = cfg.collect_timeout + cfg.save_time_limit + cfg.rename_time_limit
         if budget >= cfg.ot:

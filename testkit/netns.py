@@ -1,16 +1,18 @@
-"""Two "nodes" on one machine, for node-loss tests: network namespaces joined by a veth pair.
+"""Several "nodes" on one machine, for node-loss tests: network namespaces on one switch.
 
-Each node is a network namespace with one end of a veth pair (``SUBNET.1`` and ``SUBNET.2``, no
-other route), so the only way between the nodes is the link the test can take down. A node runs
-one launcher (``ttprun``) started with ``ip netns exec``. A node is *lost* by freezing and then
-killing every process in its namespace (``ip netns pids``: torch puts each worker in a session of
-its own, so one killpg would miss them); a *silent* loss takes the link down first (no FIN, no
-RST reaches the survivors); a *partition* takes the link down and leaves both halves running.
+Each node is a network namespace whose only link is one end of a veth pair (node *i* has
+``SUBNET.<i+1>``, no other route); the other end sits in a switch namespace of its own, on a
+bridge, so every node reaches every other and the test can take any node's link down. Nothing
+is added to the host's own namespace. A node runs one launcher (``ttprun``) started with
+``ip netns exec``. A node is *lost* by freezing and then killing every process in its namespace
+(``ip netns pids``: torch puts each worker in a session of its own, so one killpg would miss
+them); a *silent* loss takes its link down first (no FIN, no RST reaches the others); a
+*partition* takes links down and leaves every part running.
 
-Everything made here (processes, namespaces, the veth pair) is removed by :meth:`TwoNodes.close`,
-which :func:`two_nodes` calls also when the test fails. Making namespaces needs root and
-iproute2: :func:`namespaces_unavailable` says why not, for a skip. Every wait has a deadline and
-fails with both nodes' output.
+Everything made here (processes, namespaces, veth pairs, the bridge) is removed by
+:meth:`Nodes.close`, which :func:`made_nodes` (and :func:`two_nodes`) calls also when the test
+fails. Making namespaces needs root and iproute2: :func:`namespaces_unavailable` says why not,
+for a skip. Every wait has a deadline and fails with every node's output.
 """
 
 from __future__ import annotations
@@ -79,36 +81,39 @@ class Node:
 
 
 class NodeWaitError(AssertionError):
-    """A bounded wait ran out; the message carries both nodes' output."""
+    """A bounded wait ran out; the message carries every node's output."""
 
 
-class TwoNodes:
-    """Two namespaces joined by one veth pair, and a launcher in each (see the module doc)."""
+class Nodes:
+    """``count`` namespaces on one switch, and a launcher in each (see the module doc)."""
 
-    def __init__(self, work: Path, subnet: str = SUBNET) -> None:
+    def __init__(self, work: Path, count: int = 2, subnet: str = SUBNET) -> None:
         tag = secrets.token_hex(3)
         self.work = Path(work)
-        self.nodes = [Node(i, f"ttp-nl{i}-{tag}", f"tnl{i}{tag}", subnet) for i in range(2)]
-        self.ckpt = self.work / "ckpt"  # the checkpoint directory both nodes share
+        self.nodes = [Node(i, f"ttp-nl{i}-{tag}", f"tnl{i}{tag}", subnet) for i in range(count)]
+        self.switch = f"ttp-sw-{tag}"
+        self.ckpt = self.work / "ckpt"  # the checkpoint directory every node shares
         self.cut_at: Optional[float] = None
         self._made: List[str] = []
         self._etc: List[Path] = []  # /etc/netns/<ns>/ made by launch(hostname=...)
 
     # -- set-up and tear-down ---------------------------------------------------------------
     def create(self) -> None:
-        a, b = self.nodes
+        for ns in (self.switch, *(n.ns for n in self.nodes)):
+            ip("netns", "add", ns)
+            self._made.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.switch, "link", "set", "br0", "up")
         for n in self.nodes:
-            ip("netns", "add", n.ns)
-            self._made.append(n.ns)
-            ip("-n", n.ns, "link", "set", "lo", "up")
-        ip("link", "add", a.veth, "type", "veth", "peer", "name", b.veth)
-        try:
-            for n in self.nodes:
-                ip("link", "set", n.veth, "netns", n.ns)
-                ip("-n", n.ns, "addr", "add", f"{n.addr}/24", "dev", n.veth)
-                ip("-n", n.ns, "link", "set", n.veth, "up")
-        finally:
-            ip("link", "del", a.veth, check=False)  # only if it is still outside (failure)
+            port = "p" + n.veth  # the switch's end
+            # made inside the switch namespace, so a failure half-way leaves nothing outside
+            ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", n.veth)
+            ip("-n", self.switch, "link", "set", n.veth, "netns", n.ns)
+            ip("-n", self.switch, "link", "set", port, "master", "br0")
+            ip("-n", self.switch, "link", "set", port, "up")
+            ip("-n", n.ns, "addr", "add", f"{n.addr}/24", "dev", n.veth)
+            ip("-n", n.ns, "link", "set", n.veth, "up")
 
     def close(self) -> None:
         for n in self.nodes:
@@ -122,7 +127,7 @@ class TwoNodes:
             if n.reader is not None:
                 n.reader.join(5)
         for ns in self._made:
-            ip("netns", "del", ns, check=False)  # the veth pair goes with its namespaces
+            ip("netns", "del", ns, check=False)  # veth pairs and the bridge go with them
         self._made.clear()
         for etc in self._etc:
             shutil.rmtree(etc, ignore_errors=True)
@@ -135,23 +140,26 @@ class TwoNodes:
         return self.work / f"{RUNS_PREFIX}{n.index}"
 
     def ttprun_args(self, n: Node, *, nproc: int, port: int, rdzv: str = "static",
-                    rdzv_id: str = "ttp-node-loss") -> List[str]:
-        """``ttprun`` arguments for node ``n`` of 2, rendezvous at node 0 on ``port``.
+                    rdzv_id: str = "ttp-node-loss", nnodes: Optional[int] = None,
+                    rdzv_conf: Sequence[str] = ()) -> List[str]:
+        """``ttprun`` arguments for node ``n`` of ``nnodes`` (default: all of them),
+        rendezvous at node 0 on ``port``.
 
         c10d: node 0's agent hosts the rendezvous store (``is_host`` is given explicitly,
         torch's guess from host names does not see the namespace's address) and each agent
         names its own address (``--local-addr``) so its workers reach the agent that hosts the
-        workers' store."""
-        common = ["--nnodes=2", f"--nproc-per-node={nproc}", "--monitor-interval=0.05",
+        workers' store. ``rdzv_conf``: more ``key=value`` for ``--rdzv-conf``."""
+        count = len(self.nodes) if nnodes is None else nnodes
+        common = [f"--nnodes={count}", f"--nproc-per-node={nproc}", "--monitor-interval=0.05",
                   f"--rdzv-backend={rdzv}"]
         head = self.nodes[0].addr
         if rdzv == "static":
             return [*common, f"--master-addr={head}", f"--master-port={port}",
                     f"--node-rank={n.index}"]
         if rdzv == "c10d":
+            conf = ",".join([f"is_host={'1' if n.index == 0 else '0'}", *rdzv_conf])
             return [*common, f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={rdzv_id}",
-                    f"--rdzv-conf=is_host={'1' if n.index == 0 else '0'}",
-                    f"--local-addr={n.addr}"]
+                    f"--rdzv-conf={conf}", f"--local-addr={n.addr}"]
         raise ValueError(f"rdzv={rdzv!r}: use 'static' or 'c10d'")
 
     def launch(self, n: Node, cmd: Sequence[str], env: Mapping[str, str],
@@ -237,10 +245,12 @@ class TwoNodes:
                         os.kill(pid, sig)
             time.sleep(0.05)
 
-    def cut(self) -> None:
-        """Take the link down on both ends: from now on nothing crosses, not even a RST."""
-        for n in self.nodes:
+    def cut(self, *nodes: Node) -> None:
+        """Take the links of ``nodes`` (default: every node) down on both ends: from now on
+        nothing crosses them, not even a RST."""
+        for n in nodes or self.nodes:
             ip("-n", n.ns, "link", "set", n.veth, "down")
+            ip("-n", self.switch, "link", "set", "p" + n.veth, "down")
         self.cut_at = time.time()
 
     # -- results ------------------------------------------------------------------------------
@@ -261,15 +271,22 @@ class TwoNodes:
         return "\n".join(f"===== node {n.index} =====\n{n.output()}" for n in self.nodes)
 
 
-T = TypeVar("T", bound=TwoNodes)
+TwoNodes = Nodes  # the two-node tests' name for it
+T = TypeVar("T", bound=Nodes)
 
 
 @contextlib.contextmanager
-def two_nodes(work: Path, kind: Type[T] = TwoNodes) -> Iterator[T]:  # type: ignore[assignment]
-    """Made on entry, removed on exit (processes, namespaces, link), also on failure."""
-    nodes = kind(work)
+def made_nodes(work: Path, count: int = 2,
+               kind: Type[T] = Nodes) -> Iterator[T]:  # type: ignore[assignment]
+    """``count`` nodes made on entry, removed on exit (processes, namespaces, links, the
+    bridge), also on failure."""
+    nodes = kind(work, count)
     try:
         nodes.create()
         yield nodes
     finally:
         nodes.close()
+
+
+def two_nodes(work: Path, kind: Type[T] = Nodes) -> contextlib.AbstractContextManager[T]:  # type: ignore[assignment]
+    return made_nodes(work, 2, kind)

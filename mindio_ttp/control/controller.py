@@ -170,7 +170,8 @@ class Controller:
         self.store = KeySpace()  # the authenticated store; only the I/O thread touches it
         self.flow = Flow(cfg, world_size, replica, host_rank, self.name, self.sm, self._cond,
                          self._ranks, self._outbox, self.close_store,
-                         claims or (lambda: C.registered(self.fault_id)))
+                         claims or (lambda: C.registered(self.fault_id)),
+                         address=lambda: self.address)
 
     # -- what the flow found (read by tests, benchmarks and the API) ---------------------------
     @property
@@ -227,6 +228,7 @@ class Controller:
 
     def start(self) -> None:
         assert self._listener is not None, "listen() first"
+        self.flow.recovery.preload()
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
         self.sm.transition_to(S.STANDBY if self.standby else S.SERVING,
@@ -237,8 +239,8 @@ class Controller:
     def stop(self, wait_goodbyes: float = 0.0) -> None:
         """Normal end of training: wait (bounded) for every rank's goodbye, tell the rest the
         controller is closing on purpose, then stop. Refuses to cut a running flow short."""
-        if self.sm.is_in(S.COLLECTING, S.SAVING, S.RENAMING):
-            log.warning("%s: a dying-checkpoint flow is running; not stopping", self.name)
+        if self.sm.is_in(S.COLLECTING, S.RECOVERING, S.SAVING, S.RENAMING):
+            log.warning("%s: a fault flow is running; not stopping", self.name)
             return
         if self.sm.is_in(S.SERVING) and wait_goodbyes > 0:
             deadline = time.monotonic() + wait_goodbyes
@@ -260,6 +262,7 @@ class Controller:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
         self._close_all()
+        self.flow.recovery.close()
 
     def flush(self, timeout: float) -> bool:
         return self._outbox.flush(timeout)
@@ -533,7 +536,7 @@ class Controller:
                     "%s: %s did not complete the handshake within TTP_HANDSHAKE_TIMEOUT=%g s; "
                     "closing", self.name, conn.peer, self.cfg.handshake_timeout)
                 self._drop(conn, "no registration")
-        if not self.sm.is_in(S.SERVING, S.COLLECTING, S.SAVING, S.RENAMING):
+        if not self.sm.is_in(S.SERVING, S.COLLECTING, S.RECOVERING, S.SAVING, S.RENAMING):
             return
         seen = self._clock.now()
         stall = self.cfg.step_timeout
@@ -578,7 +581,14 @@ class Controller:
             conn.ack_due = msg.seq  # acked once the read is done (_on_readable)
         elif isinstance(msg, P.FaultReport):
             with self._cond:
-                self.flow.fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}")
+                self.flow.fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}",
+                                rank=info.rank, kind=msg.kind)
+        elif isinstance(msg, P.RecoverReady):
+            with self._cond:
+                self.flow.recovery.ready(msg, info.rank)
+        elif isinstance(msg, P.ReplaceStatus):
+            with self._cond:
+                self.flow.recovery.replace_status(msg)
         elif isinstance(msg, P.StateReport):
             with self._cond:
                 self.flow.report(msg.flow_id, msg.phase, info.rank, msg.step, msg.updating)
@@ -624,10 +634,13 @@ class Controller:
         now = self._clock.now()
         with self._cond:
             old = self._ranks.get(m.rank)
-            if old is not None and old.status in ("dead", "hung"):
+            joining = self.sm.is_in(S.RECOVERING) and m.rank in self.flow.recovery.expecting
+            if old is not None and old.status in ("dead", "hung", "replaced") and not joining:
                 return self._refuse(conn, f"rank {m.rank} was already declared {old.note}")
+            if joining:
+                self.flow.recovery.replacement_registered(m.rank)
             if old is not None and old.conn is not None and old.conn is not conn:
-                if now - old.last_seen < self.cfg.heartbeat_timeout:
+                if now - old.last_seen < self.cfg.heartbeat_timeout and not joining:
                     # the rank's own connection is live and heartbeating: a second Register
                     # for it is a replay or an impostor, never a reason to drop the real one
                     log.warning("%s: refused a Register for rank %d from %s: that rank is "

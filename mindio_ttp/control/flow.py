@@ -19,11 +19,12 @@ own answer sets), its state machine (the one place for states), its `Roster`, an
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
 from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
@@ -41,6 +42,9 @@ from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
 from mindio_ttp.faulttime import claim as C
 from mindio_ttp.faulttime import save_session
+from mindio_ttp.recovery.coordinator import RecoveryCoordinator
+from mindio_ttp.recovery.decision import IN_MEMORY, plan_recovery
+from mindio_ttp.recovery.rank import RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
 
@@ -54,6 +58,9 @@ class Decision:
     ranks: List[int]
     reason: str
     seconds: float  # from the first fault to the exit orders
+
+
+RECOVERED = object()  # what _run_flow returns when the in-memory recovery committed
 
 
 class Outbox(Protocol):
@@ -77,7 +84,8 @@ class Flow:
     def __init__(self, cfg: TTPConfig, world_size: int, replica: int, host_rank: int, name: str,
                  sm: StateMachine, lock: threading.Condition, roster: Roster, outbox: Outbox,
                  close_store: Callable[[str], None],
-                 claims: Callable[[], Optional[C.ClaimSpace]] = lambda: None) -> None:
+                 claims: Callable[[], Optional[C.ClaimSpace]] = lambda: None,
+                 address: Optional[Callable[[], Tuple[str, int]]] = None) -> None:
         self.cfg, self.world_size, self.replica = cfg, world_size, replica
         self.host_rank, self.name = host_rank, name
         self.sm = sm
@@ -102,15 +110,28 @@ class Flow:
         self._save_ns: Optional[str] = None  # the store namespace of the current save order
         self._faulty: Dict[int, str] = {}  # ranks whose reports are refused, and why
         self._failed: List[int] = []  # ranks that failed the last order (`_order`)
+        # for the in-memory recovery's decision (docs/recovery.md)
+        self._raised: Set[int] = set()  # ranks that reported their own exception
+        self._preempted = False
+        self.known_hosts: Dict[int, str] = {}  # hosts of ranks that never registered here
+        self.recovery = RecoveryCoordinator(cfg, world_size, name, lock, roster, outbox,
+                                            address or (lambda: ("", 0)))
 
     # -- called by the controller's I/O thread, holding `lock` ----------------------------------
-    def fault(self, desc: str, promoted: bool = False) -> None:
+    def fault(self, desc: str, promoted: bool = False, rank: Optional[int] = None,
+              kind: str = "") -> None:
         """Record a fault; the first one while SERVING starts the flow thread. `promoted`: this
         controller is a standby that just took over, so slower processors may still fail over
-        to it before the flow freezes the membership."""
+        to it before the flow freezes the membership. `rank`/`kind`: a rank's own report (its
+        exception, a preemption, a collective that failed under it), for the recovery."""
         self.faults.append(desc)
+        if rank is not None and kind == "exception":
+            self._raised.add(rank)
+        self._preempted = self._preempted or kind == "preempted"
         if self._thread is not None:
             log.warning("%s: further fault during the flow: %s", self.name, desc)
+            if self.sm.is_in(S.RECOVERING) and kind != "collective":  # not a casualty's report
+                self.recovery.fault(desc)
             return
         if not self.sm.is_in(S.SERVING):
             return
@@ -149,12 +170,25 @@ class Flow:
     # -- the flow thread -----------------------------------------------------------------------
     def _flow(self) -> None:
         try:
-            outcome, step, ranks, reason = self._run_flow()
+            result: Any = self._run_flow()
         except Exception as exc:  # a bug must still end the job, not leave it hanging
             log.exception("%s: flow failed", self.name)
-            outcome, step, ranks, reason = (Outcome.SAVE_FAILED, None, [],
-                                            f"controller error: {exc!r}")
-        self._finish(outcome, step, ranks, reason)
+            result = (Outcome.SAVE_FAILED, None, [], f"controller error: {exc!r}")
+        if result is RECOVERED:
+            self._rearm()
+            return
+        self._finish(*result)
+
+    def _rearm(self) -> None:
+        """After a committed recovery: serve again, ready for the next fault."""
+        with self._cond:
+            self._thread = None
+            self._lock_msgs = []
+            self._reports = {1: {}, 2: {}}
+            self._faulty, self._raised, self._preempted = {}, set(), False
+            self.fault_at = None
+            self.sm.transition_to(S.SERVING, f"recovery {self.recovery.recovery_id} committed")
+            self._cond.notify_all()
 
     def _wait_for_failovers(self) -> None:
         """A promoted standby waits for the rest of the job to fail over to it: until all but
@@ -246,6 +280,11 @@ class Flow:
         except ValueError as exc:
             return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
         states = states_from(reports, range(self.world_size), notes)
+        recovered, replaced = self._try_recovery(fid, layout, states, reports)
+        if recovered:
+            return RECOVERED  # type: ignore[return-value]
+        for r in replaced:  # an abandoned recovery killed them: not savers
+            states[r] = RankState(False, None, False, "replaced by the abandoned recovery")
         step, reason = choose_step(layout, states, self.world_size)
         if step is None:
             log.error("%s: %s; nothing is saved", self.name, reason)
@@ -345,13 +384,82 @@ class Flow:
             log.info("%s: store namespace %s closed: %s", self.name, self._save_ns, why)
             self._save_ns = None
 
+    def _try_recovery(self, fid: int, layout: Layout, states: Dict[int, RankState],
+                      reports: Dict[int, Tuple[Optional[int], bool]]) -> Tuple[bool, Set[int]]:
+        """In-memory recovery when it can work (recovery/decision.py): (committed, ranks it
+        replaced). Not committed: the dying checkpoint (also after an abandoned recovery)."""
+        with self._cond:
+            lost = ({r for r in range(self.world_size) if r not in reports} | self._raised
+                    | set(self._faulty))
+            hosts = {**self.known_hosts, **{i.rank: i.host for i in self._ranks.values()}}
+            self._lock_msgs = []  # a replacement registering now must not be locked
+        capable = RECOVERY.capability()
+        if capable[0] and not self.cfg.replacements:
+            capable = (False, "the launcher does not start replacements (ttprun does)")
+        claimed = False
+        if capable[0] and self.cfg.recovery == IN_MEMORY and 2 * len(lost) == self.world_size:
+            claimed = self._claim_half(fid, sorted(set(range(self.world_size)) - lost))
+        plan, why = plan_recovery(mode=self.cfg.recovery, capable=capable,
+                                  preempted=self._preempted, world_size=self.world_size,
+                                  layout=layout, states=states, lost=lost, hosts=hosts,
+                                  node_takeover="node" in self.cfg.replacements.split(","),
+                                  claimed=claimed)
+        if plan is None:
+            log.info("%s: no in-memory recovery (%s): the dying checkpoint", self.name, why)
+            return False, set()
+        self.sm.transition_to(S.RECOVERING, why)
+        self.timeline["recovering"] = time.monotonic()
+        ok, why = self.recovery.run(fid, plan)
+        self.timeline["recovered" if ok else "recovery_abandoned"] = time.monotonic()
+        if ok and self._claim is not None:
+            try:
+                self._claim.update(C.DONE, outcome="recovered", reason=why[:500])
+            except OSError as exc:
+                log.warning("%s: cannot record the recovery in the claim: %s", self.name, exc)
+            self._claim = None
+        if not ok:
+            log.error("%s: falling back to the dying checkpoint of step %d: %s", self.name,
+                      plan.step, why)
+        return ok, set(plan.lost)
+
+    def _claim_space(self) -> Optional[C.ClaimSpace]:
+        """This fault's claim: the launch's fault id, and after in-memory recoveries (the same
+        launch goes on, so a later fault needs a claim of its own) one derived from it and
+        their count, which both halves of a split job share. ValueError as `_claims`."""
+        space = self._claims()
+        if space is not None and RECOVERY.epoch:
+            derived = hashlib.sha256(f"{space.fault_id}:{RECOVERY.epoch}".encode()).hexdigest()
+            space = C.ClaimSpace(space.directory, derived[:32])
+        return space
+
+    def _claim_half(self, fid: int, survivors: List[int]) -> bool:
+        """Exactly half the ranks survive: a split job's other half may be running. Only the
+        half that wins this fault's claim may recover (the claim is the one decision both
+        halves see); the other one's dying checkpoint is then refused by the same claim."""
+        try:
+            space = self._claim_space()
+        except ValueError as exc:
+            log.warning("%s: half the ranks survive and the fault cannot be claimed: %s",
+                        self.name, exc)
+            return False
+        if space is None:
+            return False
+        won, why = C.acquire(space, self.name, flow=fid, ranks=survivors[:64],
+                             answered=len(survivors), world_size=self.world_size,
+                             purpose="in-memory recovery")
+        log.info("%s: half the ranks survive: %s", self.name, why)
+        self._claim = won
+        return won is not None
+
     def _settle(self, fid: int, step: int, members: List[int]) -> Tuple[bool, str]:
         """May this flow order a save? With a claim directory, only if it wins this fault's
         claim (whatever its size: a split job's halves cannot count each other, the claim file
         is the one decision both see). Without one, only with a strict majority of the world
         answering: two disjoint parts cannot both have one."""
+        if self._claim is not None:  # won for a recovery that was abandoned
+            return True, f"this flow holds fault claim {self._claim.space.path}"
         try:
-            space = self._claims()
+            space = self._claim_space()
         except ValueError as exc:  # a claim directory, but no valid fault id to claim under
             return False, f"cannot claim the fault: {exc}; this part of the job saves nothing"
         if space is None:

@@ -39,6 +39,12 @@ class TTPForceStop(TTPError):
     runtime is saving a dying checkpoint and will end the process with its exit code."""
 
 
+class TTPRecovering(TTPError):
+    """Raised out of the decorated `train` on a survivor when the controller ordered an
+    in-memory recovery: the patched Megatron start-up catches it and rejoins the new world
+    (mindio_ttp/megatron_ttp/rejoin.py)."""
+
+
 class HotState:
     """This rank's optimizer-update state. `locked` (a fault is being handled) makes the next
     start_updating_os wait for the controller's limit: a rank behind its partners may still
@@ -103,6 +109,16 @@ class HotState:
     def stop(self) -> None:
         with self.cond:
             self.locked = self.stopped = True
+            self.cond.notify_all()
+
+    def resume(self, step: int, ckpt_args: Tuple[Any, ...]) -> None:
+        """After a committed in-memory recovery: this rank holds `step`, trains again."""
+        with self.cond:
+            self.state = (step, False)
+            self.locked = self.stopped = False
+            self.limit = None
+            self.offer = None
+            self.ckpt_args = ckpt_args
             self.cond.notify_all()
 
     def _wait_for_permission(self) -> None:
@@ -231,11 +247,33 @@ def _wait_for_verdict(rt: Any) -> None:
             left = deadline - time.monotonic()
             if left <= 0 or rt.wait_for_exit(min(left, CATCH_UP_POLL_S)):
                 return
+            if getattr(rt, "recovery_ordered", False):
+                break
             _catch_up_if_allowed()
         except BaseException as exc:  # noqa: B902 - anything, see above
             log.warning("ignoring %r while waiting for the controller's verdict", exc)
             if time.monotonic() >= deadline:
                 return
+    log.warning("in-memory recovery ordered: leaving train() to rejoin")
+    raise TTPRecovering("in-memory recovery ordered by the controller")
+
+
+# What a collective that lost its peer raises (gloo: a plain RuntimeError naming its transport;
+# NCCL/HCCL: torch's Dist*Error). Such a rank is a casualty of another rank's fault.
+_COLLECTIVE_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                       "NCCL", "HCCL", "ProcessGroup")
+
+
+def fault_kind(exc: BaseException, fault_seen: bool) -> str:
+    """"collective" when `exc` only says a collective failed (a peer died or left: the fault
+    is elsewhere) or came after this rank was already locked for a fault; else "exception":
+    this rank's own fault, which an in-memory recovery replaces the rank for."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    text = str(exc)
+    if fault_seen or names & {"DistError", "DistBackendError", "DistNetworkError",
+                               "DistStoreError"} or any(m in text for m in _COLLECTIVE_MARKERS):
+        return "collective"
+    return "exception"
 
 
 def to_persist(func: F) -> F:
@@ -270,8 +308,12 @@ def to_persist(func: F) -> F:
                 _shielded(log.error, "exception in train: %r; reporting it and waiting up to %g "
                           "s for the controller's verdict", exc, rt.ot)
                 _shielded(rt.report_exception, exc)
-            _wait_for_verdict(rt)
+            _wait_for_verdict(rt)  # raises TTPRecovering when a recovery was ordered
             log.error("no exit order within TTP_OT=%g s: re-raising", rt.ot)
+            try:
+                exc._ttp_waited = True  # type: ignore[attr-defined] # callers: do not wait again
+            except AttributeError:
+                pass
             raise
         rt = RUNTIME
         if rt is not None:

@@ -38,10 +38,13 @@ from mindio_ttp.control import protocol as P
 from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.flow_record import FlowRecord
 from mindio_ttp.control.handlers import HANDLERS, Handlers, Job
-from mindio_ttp.control.hooks import STATE, TTPError
+from mindio_ttp.control.hooks import STATE, TTPError, fault_kind
 from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
+from mindio_ttp.launch import replace as R
+from mindio_ttp.recovery.coordinator import parse_address
+from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder
 
 log = logging.getLogger("mindio_ttp.processor")
 
@@ -159,6 +162,9 @@ class Processor:
             raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: {exc}") from None
         STATE.wait_limit = self.cfg.ot
         self.standby.fault_id = self.fault_id  # if promoted, it claims under the primary's id
+        if self.controller_rank is not None:  # where the controller's rank runs, should the
+            self.standby.flow.known_hosts[self.controller_rank] = ip  # standby take over
+        RECOVERY.reporter = self._report_ready
         self._set_conn(conn)
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
         self.running = True
@@ -191,9 +197,12 @@ class Processor:
 
     # -- called from the training thread -------------------------------------------------------
     def report_exception(self, exc: BaseException) -> None:
+        """Reported as "exception" (this rank's own fault) or "collective" (a collective failed
+        because of another rank's fault: hooks.fault_kind)."""
+        kind = fault_kind(exc, self.fault_seen)
         tb = traceback.extract_tb(exc.__traceback__)
         where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-        self._mail.put("fault", "exception", f"{type(exc).__name__}: {exc}{where}"[:2000])
+        self._mail.put("fault", kind, f"{type(exc).__name__}: {exc}{where}"[:2000])
 
     def report_preempted(self) -> None:
         if not self._preempted:
@@ -413,6 +422,10 @@ class Processor:
                 self._send(P.StateReport(item[1], 2, self.rank, item[2], item[3]))
             elif kind == "job_done":
                 self.handlers.finished(item[1], item[2], item[3])
+            elif kind == "ready":
+                self._send(P.RecoverReady(item[1], self.rank, *item[2:]))
+            elif kind == "replace_status":
+                self._send(item[1])
             elif kind == "goodbye":
                 self._closing = True
                 self._send(P.Goodbye(self.rank))
@@ -453,11 +466,19 @@ class Processor:
                 self._mail.put("state", fid, step, updating)
             threading.Thread(target=advance, name="ttp-advance", daemon=True).start()
         elif isinstance(m, P.SaveOrder):
+            RECOVERY.abandon("the controller fell back to the dying checkpoint")
             self.handlers.start_save(m)
         elif isinstance(m, P.RenameOrder):
             self.handlers.start_rename(m)
         elif isinstance(m, P.ExitOrder):
+            RECOVERY.abandon(f"exit order: {m.outcome}")
             self._exit(Outcome(m.outcome), m.step, m.ranks, m.reason, m.exit_code)
+        elif isinstance(m, P.RecoverOrder):
+            self._on_recover(m)
+        elif isinstance(m, P.ReplaceOrder):
+            self._relay_replacement(m)
+        elif isinstance(m, P.RecoverCommit):
+            self._on_commit(m)
         elif isinstance(m, P.Closing):
             log.warning("rank %d: controller closed (%s); this rank is no longer protected",
                         self.rank, m.reason)
@@ -466,6 +487,64 @@ class Processor:
             self._backups = m.backups or self._backups
         else:
             log.warning("rank %d: unexpected %s from the controller", self.rank, type(m).__name__)
+
+    # -- in-memory recovery (docs/recovery.md) --------------------------------------------------
+    def _on_recover(self, m: P.RecoverOrder) -> None:
+        self._note_fault()
+        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous, "",
+                              m.deadline)
+        if RECOVERY.ordered(order):
+            STATE.stop()  # the training thread leaves the step at its next update, if not yet
+            # TTP_OT counts again once the recovery's own bound has passed
+            self._fault_time = time.monotonic() + m.deadline
+
+    def _on_commit(self, m: P.RecoverCommit) -> None:
+        RECOVERY.commit(m.recovery_id)
+        self._fault_time = None
+        self.fault_seen = False
+        log.warning("rank %d: recovery %d committed", self.rank, m.recovery_id)
+
+    def _report_ready(self, recovery_id: int, ok: bool, detail: str, digest: str,
+                      seconds: float) -> None:
+        """RECOVERY.reporter (training thread): sent from this thread, which owns the socket."""
+        self._mail.put("ready", recovery_id, ok, detail, digest, seconds)
+
+    def _relay_replacement(self, m: P.ReplaceOrder) -> None:
+        """Ask this host's launcher for a replacement of rank `m.rank`, and forward what it
+        answers until the recovery ends."""
+        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous,
+                              m.controller, m.deadline)
+        host, port = parse_address(m.rendezvous)
+        env = {"MASTER_ADDR": host, "MASTER_PORT": str(port),
+               "TTP_RECOVERY_JOIN": order.to_env(m.rank)}
+        run_dir = self.cfg.run_dir
+        if not run_dir:
+            self._send(P.ReplaceStatus(m.recovery_id, m.rank, R.FAILED, 0,
+                                       "no launcher here (TTP_RUN_DIR unset: not under ttprun)"))
+            return
+        try:
+            R.write_request(run_dir, R.ReplacementRequest(m.recovery_id, m.rank, env))
+        except OSError as exc:
+            self._send(P.ReplaceStatus(m.recovery_id, m.rank, R.FAILED, 0,
+                                       f"cannot write the request into {run_dir}: {exc}"))
+            return
+        log.warning("rank %d: asked the launcher for a replacement of rank %d (recovery %d)",
+                    self.rank, m.rank, m.recovery_id)
+
+        def watch() -> None:
+            deadline = time.monotonic() + m.deadline
+            seen = None
+            while time.monotonic() < deadline and not self._stop.is_set():
+                status = R.read_status(run_dir, m.recovery_id, m.rank)
+                if status is not None and status.state != seen:
+                    seen = status.state
+                    self._mail.put("replace_status", P.ReplaceStatus(
+                        m.recovery_id, m.rank, status.state, status.pid, status.detail))
+                if seen in (R.EXITED, R.FAILED) or (seen == R.STARTED and not RECOVERY.active
+                                                    and RECOVERY.epoch >= m.recovery_id):
+                    return
+                self._stop.wait(0.05)
+        threading.Thread(target=watch, name="ttp-replace-watch", daemon=True).start()
 
     # -- failover and exit -----------------------------------------------------------------------
     def _controller_lost(self, why: str) -> None:

@@ -61,7 +61,8 @@ _STORE_ARITY = {  # op: (keys, values)
     "wait": ((1, STORE_KEYS_MAX), (0, 0)), "delete_key": ((1, 1), (0, 0)),
     "num_keys": ((0, 0), (0, 0)),
 }
-FAULT_KINDS = ("exception", "preempted", "controller_lost")
+# "collective": a collective failed because of another rank's fault (hooks.fault_kind)
+FAULT_KINDS = ("exception", "preempted", "controller_lost", "collective")
 
 
 def pre_auth_max_payload(world_size: int) -> int:
@@ -381,7 +382,8 @@ class Backups(Message):
 @_message(7, rank=RANK, kind=one_of(*FAULT_KINDS))
 @dataclass
 class FaultReport(Message):
-    """A rank reports its own fault: `kind` is "exception", "preempted" or "controller_lost"."""
+    """A rank reports a fault: "exception" (its own), "preempted", "controller_lost", or
+    "collective" (a collective failed under it because of another rank's fault)."""
     rank: int
     kind: str
     detail: str
@@ -519,6 +521,76 @@ class StoreReply(Message):
     values: List[str]
     number: int
     error: str
+
+
+# -- in-memory recovery (docs/recovery.md) ------------------------------------------------------
+# "host:port" as recovery.coordinator.format_address writes it
+ADDRESS = text(80, r"(?:\[[0-9A-Fa-f:.]+\]|[0-9.]+):[0-9]{1,5}")
+REPLACE_STATES = ("started", "exited", "failed")
+
+
+@_message(40, flow_id=NONNEG, recovery_id=ints(1, 2**62), step=ints(0, MAX_STEP), lost=ranks,
+          rendezvous=ADDRESS, deadline=seconds)
+@dataclass
+class RecoverOrder(Message):
+    """Controller → every survivor: leave the step, roll back to `step`, rejoin the world on the
+    TCPStore at `rendezvous` ("host:port"); `lost` are replaced; READY is awaited `deadline` s."""
+    flow_id: int
+    recovery_id: int
+    step: int
+    lost: List[int]
+    rendezvous: str
+    deadline: float
+
+
+@_message(41, recovery_id=ints(1, 2**62), flow_id=NONNEG, rank=RANK, step=ints(0, MAX_STEP),
+          lost=ranks, rendezvous=ADDRESS, controller=ADDRESS, deadline=seconds)
+@dataclass
+class ReplaceOrder(Message):
+    """Controller → one survivor on the lost rank's host: ask that host's launcher (through
+    this rank's TTP_RUN_DIR) to start a replacement for `rank`; `controller` is the acting
+    controller's "host:port", where the replacement registers."""
+    recovery_id: int
+    flow_id: int
+    rank: int
+    step: int
+    lost: List[int]
+    rendezvous: str
+    controller: str
+    deadline: float
+
+
+@_message(42, recovery_id=ints(1, 2**62), rank=RANK, state=one_of(*REPLACE_STATES),
+          pid=ints(0, 2**31 - 1))
+@dataclass
+class ReplaceStatus(Message):
+    """Relay → controller: what the launcher did with the request (started, exited, failed)."""
+    recovery_id: int
+    rank: int
+    state: str
+    pid: int
+    detail: str
+
+
+@_message(43, recovery_id=ints(1, 2**62), rank=RANK, digest=text(64, "(?:[0-9a-f]{64})?"),
+          seconds=seconds)
+@dataclass
+class RecoverReady(Message):
+    """Any rank → controller: it holds the recovery's step, checked against the other copies
+    by hash (`ok`), or why not; `digest` summarises its state for the log."""
+    recovery_id: int
+    rank: int
+    ok: bool
+    detail: str
+    digest: str
+    seconds: float
+
+
+@_message(44, recovery_id=ints(1, 2**62))
+@dataclass
+class RecoverCommit(Message):
+    """Controller → every rank: every rank is ready; train on."""
+    recovery_id: int
 
 
 # -- codec ---------------------------------------------------------------------------------------

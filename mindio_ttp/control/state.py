@@ -20,6 +20,8 @@ class ControllerState(enum.Enum):
     STANDBY = "standby"  # backup: listening, takes over once enough processors fail over to it
     SERVING = "serving"  # active controller, no fault
     COLLECTING = "collecting"  # fault seen: locking ranks and collecting their state
+    RECOVERING = "recovering"  # in-memory recovery ordered (docs/recovery.md); back to
+    # SERVING once committed, on to the dying checkpoint (SAVING / EXITING) if it fails
     SAVING = "saving"  # save orders sent to the chosen ranks
     RENAMING = "renaming"  # every save succeeded; rename ordered on one rank
     EXITING = "exiting"  # exit orders sent to every process
@@ -31,7 +33,8 @@ ALLOWED: Dict[ControllerState, FrozenSet[ControllerState]] = {
     S.INIT: frozenset({S.SERVING, S.STANDBY, S.STOPPED}),
     S.STANDBY: frozenset({S.SERVING, S.STOPPED}),
     S.SERVING: frozenset({S.COLLECTING, S.STOPPED}),
-    S.COLLECTING: frozenset({S.SAVING, S.EXITING, S.STOPPED}),
+    S.COLLECTING: frozenset({S.RECOVERING, S.SAVING, S.EXITING, S.STOPPED}),
+    S.RECOVERING: frozenset({S.SERVING, S.SAVING, S.EXITING, S.STOPPED}),
     S.SAVING: frozenset({S.RENAMING, S.EXITING, S.STOPPED}),
     S.RENAMING: frozenset({S.EXITING, S.STOPPED}),
     S.EXITING: frozenset({S.STOPPED}),

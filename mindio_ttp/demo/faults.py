@@ -45,6 +45,13 @@ class Phase(str, enum.Enum):
     SAVE: inside the save handler while writing the checkpoint of step ``k``.
     ANYTIME: at a random instant from the start of step ``k``, up to the length of step k-1
     (a timer thread armed by the injector; where it lands is the point of the fault).
+    EVAL: in the first forward step of the evaluation after step ``k``.
+    PERIODIC_SAVE: inside Megatron's periodic save of step ``k``, after this rank wrote its
+    first file.
+    REFILL: on a rank of an in-memory recovery to step ``k``, as it starts refilling
+    (docs/recovery.md): a second fault during a recovery.
+    REPLACEMENT: in the process started to replace rank ``rank`` in a recovery to step ``k``,
+    before it imports anything: a replacement that dies (SIGKILL) or hangs (SIGSTOP).
     """
 
     BEFORE = "before"
@@ -53,6 +60,10 @@ class Phase(str, enum.Enum):
     AFTER = "after"
     SAVE = "save"
     ANYTIME = "anytime"
+    EVAL = "eval"
+    PERIODIC_SAVE = "periodic-save"
+    REFILL = "refill"
+    REPLACEMENT = "replacement"
 
 
 class InjectedFault(RuntimeError):
@@ -74,6 +85,10 @@ class FaultSpec:
             Phase.AFTER: "after the update of",
             Phase.SAVE: "while saving the checkpoint of",
             Phase.ANYTIME: "at a random instant of",
+            Phase.EVAL: "during the evaluation after",
+            Phase.PERIODIC_SAVE: "during the periodic save of",
+            Phase.REFILL: "while refilling in the recovery to",
+            Phase.REPLACEMENT: "as the replacement starts in the recovery to",
         }[self.phase]
         return f"{self.fault.name} rank {self.rank} {where} step {self.step}"
 

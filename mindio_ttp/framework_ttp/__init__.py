@@ -41,6 +41,7 @@ from mindio_ttp.faulttime import device as _device
 from mindio_ttp.faulttime import device_copy as _device_copy
 from mindio_ttp.faulttime.save_session import SaveSession
 from mindio_ttp.faulttime.save_session import current as _current_session
+from mindio_ttp.recovery.rank import RECOVERY as _RECOVERY
 
 __all__ = [
     "ttp_offer_update",
@@ -188,6 +189,9 @@ def ttp_start_controller(ip: str, port: int) -> None:
     if _controller_args is None:
         raise TTPError("call ttp_init_controller(rank, world_size, replica, False) before "
                        "ttp_start_controller")
+    if _rejoined():  # the acting controller already runs (here, or on a standby)
+        log.info("ttp_start_controller after an in-memory recovery: the controller runs on")
+        return
     with _lock:
         if _controller is not None:
             raise TTPError("ttp_start_controller was already called in this process")
@@ -234,8 +238,23 @@ def ttp_init_processor(rank: int, dp_ranks: Sequence[int], dp_size: int, world_s
 def ttp_start_processor(ip: str, port: int) -> None:
     """Connect this rank to the controller and start its background thread (blocks until
     registered, at most TTP_CONNECT_TIMEOUT)."""
-    global _processor
     ip, port = _ip(ip), _port(port)
+    if _rejoined() and _processor is not None:
+        log.info("ttp_start_processor after an in-memory recovery: the processor runs on")
+        return
+    start_processor_at(ip, port)
+
+
+def _rejoined() -> bool:
+    """This process went through an in-memory recovery: a survivor re-running Megatron's
+    start-up, or a replacement (both keep the runtime they have: docs/recovery.md)."""
+    return _RECOVERY.order is not None
+
+
+def start_processor_at(ip: str, port: int) -> None:
+    """ttp_start_processor at exactly ip:port (a replacement reaches the acting controller,
+    which may be a standby on a port of its own, whatever TTP_CONTROLLER_PORT says)."""
+    global _processor
     if _processor_args is None:
         raise TTPError("call ttp_init_processor(rank, dp_ranks, dp_size, world_size, replica, "
                        "False) before ttp_start_processor")
@@ -373,6 +392,11 @@ class _Runtime:
     def report_exception(self, exc: BaseException) -> None:
         if _processor is not None:
             _processor.report_exception(exc)
+
+    @property
+    def recovery_ordered(self) -> bool:
+        """A survivor's in-memory recovery was ordered (hooks: leave train() to rejoin)."""
+        return _RECOVERY.pending
 
     def wait_for_exit(self, timeout: float) -> bool:
         return _processor.wait_for_exit(timeout) if _processor is not None else True

@@ -53,15 +53,21 @@ from mindio_ttp.config import (
     ENV_AUTH_KEY,
     ENV_AUTH_KEY_FILE,
     ENV_OT,
+    ENV_REPLACEMENTS,
     ENV_RUN_DIR,
+    ENV_WARM_SPARES,
     FLOW_FINISHED_FILE,
     RUNTIME_STARTED_DIR,
     Outcome,
+    auth_key_from_env,
+    warm_spares,
 )
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.faulttime import collective_env
-from mindio_ttp.launch import gloo_iface, preflight
+from mindio_ttp.launch import gloo_iface, preflight, takeover
 from mindio_ttp.launch.procstate import read_proc_state
+from mindio_ttp.launch.replace import ReplacementDesk, cold_start
+from mindio_ttp.launch.spares import pool_from_spec
 
 logger = logging.getLogger("ttprun")
 
@@ -116,6 +122,24 @@ class TTPElasticAgent(LocalElasticAgent):
         self._attempt = 0
         self._attempt_store = None  # the TCPStore this node hosts for the current attempt
         self._store_lost = False
+        spec = self._worker_group.spec
+        self._spares = pool_from_spec(warm_spares(), spec.entrypoint, spec.args)
+        self._takeover: Optional[takeover.NodeTakeover] = None
+        if spec.rdzv_handler.get_backend() != "static":
+            takeover.republish_bootstrap(spec.rdzv_handler)
+        if takeover.wanted(spec.rdzv_handler, os.environ):
+            self._takeover = takeover.NodeTakeover(
+                spec.rdzv_handler, lambda requests: takeover.member_of(
+                    self._worker_group, spec.max_restarts - self._remaining_restarts,
+                    requests),
+                auth_key_from_env(os.environ))
+            os.environ[ENV_REPLACEMENTS] = "cold,node"  # the recovery may ask for a lost node
+        self._spare_waiting_said = False
+        # in-memory recovery (replace.py): a warm spare when one is left, else a cold start;
+        # a lost node's ranks go to the takeover
+        self._replacements = ReplacementDesk(
+            self._run_dir, (self._spares.start, cold_start),
+            foreign=self._takeover.hold if self._takeover else None)
         self._guard_rendezvous()
 
     # -- the rendezvous ---------------------------------------------------------------------
@@ -169,21 +193,35 @@ class TTPElasticAgent(LocalElasticAgent):
 
     # -- worker lifecycle -------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        """Give every restarted attempt a store of its own (static rendezvous).
+        """Give every restarted attempt a store of its own.
 
-        torch's static rendezvous keeps one TCPStore for the whole run and its workers use it
-        without a per-attempt prefix, so a restarted attempt reads the previous attempt's keys
-        (Gloo's peer addresses: "connectFullMesh failed ... Connection refused"; NCCL's unique
-        id). Node 0's agent hosts a fresh store per restart on a free port and publishes the
-        port in the rendezvous store under the attempt's own key; every node's workers get it
-        as MASTER_PORT.
+        torch's static rendezvous keeps one TCPStore for the whole run, and c10d's shared one
+        lives as long as the agent of the round's rank 0 (torch assumes a new store per retry);
+        workers use it without a per-attempt prefix, so a restarted attempt reads the previous
+        attempt's keys (Gloo's peer addresses: "connectFullMesh failed ... Connection
+        refused"; NCCL's unique id). Group rank 0's agent hosts a fresh store per restart on a
+        free port and publishes the port in the rendezvous store under the attempt's own key;
+        every node's workers get it as MASTER_PORT.
         """
         spec = worker_group.spec
-        with _say_what_we_wait_for(spec):
+        self._spares.replenish()  # warm while this node waits for the others
+        with _say_what_we_wait_for(spec, may_be_spare=self._attempt == 0):
             super()._rendezvous(worker_group)
+        taking = self._takeover.assignment if self._takeover else None
+        if taking is not None:  # a lost node's place, not the round's numbering
+            worker_group.group_rank = taking.group_rank
+            worker_group.group_world_size = taking.group_world_size
+            worker_group.master_addr, worker_group.master_port = (taking.master_addr,
+                                                                   taking.master_port)
+            self._remaining_restarts = spec.max_restarts - taking.restart_count
+            return
+        if self._takeover is not None and self._takeover.restart_count > (
+                spec.max_restarts - self._remaining_restarts):
+            logger.warning("ttprun: joining a job at restart %d", self._takeover.restart_count)
+            self._remaining_restarts = spec.max_restarts - self._takeover.restart_count
         restart = spec.max_restarts - self._remaining_restarts
-        if restart == 0 or spec.rdzv_handler.get_backend() != "static":
-            return  # the first attempt uses torch's store; c10d makes a new one per round
+        if restart == 0:
+            return  # the first attempt uses torch's store
         from torch.distributed import TCPStore
 
         key = f"ttprun/attempt{restart}/store_port"
@@ -197,22 +235,58 @@ class TTPElasticAgent(LocalElasticAgent):
                     worker_group.master_addr, port)
         worker_group.master_port = port
 
+    def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec):
+        taking = self._takeover.assignment if self._takeover else None
+        if taking is not None:
+            return takeover.workers_for(taking)
+        return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """A node waits while this node's workers are healthy: a spare node. It takes over a
+        lost node's ranks when the recovery asked for them (mindio_ttp.launch.takeover);
+        otherwise it stays a spare and nothing restarts."""
+        if self._takeover is None or worker_group.state != WorkerState.HEALTHY:
+            return super()._restart_workers(worker_group)
+        if not self._takeover.should_join(self._store):
+            if not self._spare_waiting_said:
+                self._spare_waiting_said = True
+                logger.warning("ttprun: a node waits in the rendezvous and no takeover is "
+                               "wanted: it stays a spare; this node's workers keep running")
+            return None
+        try:
+            info = self._takeover.join_with_running_workers()
+        except Exception as exc:  # noqa: BLE001 - RendezvousError, DistStoreError, refusal
+            logger.error("ttprun: the takeover round failed (%s: %s); this node's workers keep "
+                         "running (their recovery falls back to the dying checkpoint)",
+                         type(exc).__name__, exc)
+            return None
+        self._store = worker_group.store = info.store  # the round this node now belongs to
+        for request, detail in self._takeover.handed_over_requests():
+            self._replacements.answer(request, "started", detail)
+        self._spare_waiting_said = False
+        return None
+
     def _start_workers(self, worker_group: WorkerGroup):  # noqa: D401 - torch's signature
         marker = self._run_dir / FLOW_FINISHED_FILE
         if marker.exists():
             marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
         shutil.rmtree(self._run_dir / RUNTIME_STARTED_DIR, ignore_errors=True)  # per attempt
         self._attempt += 1
-        return super()._start_workers(worker_group)
+        if self._takeover is None or self._takeover.assignment is None:
+            return super()._start_workers(worker_group)
+        with takeover.replacement_workers(self._takeover.assignment, self._spares):
+            return super()._start_workers(worker_group)
 
     def _runtime_started(self) -> bool:
         started = self._run_dir / RUNTIME_STARTED_DIR
         return started.is_dir() and any(started.iterdir())
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._spares.replenish()
         pcontext = self._pcontext
         if not isinstance(pcontext, SubprocessContext):
             return super()._monitor_workers(worker_group)  # function entry points: stock policy
+        self._serve_replacements(pcontext, worker_group)
         with _close_deferred(pcontext):
             result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.FAILED:
@@ -235,7 +309,8 @@ class TTPElasticAgent(LocalElasticAgent):
                 failed,
                 self._ot_s,
             )
-        self._hold_survivors(pcontext)
+        if self._hold_survivors(pcontext, worker_group):
+            return RunResult(state=WorkerState.HEALTHY)  # every failed worker was replaced
         with _close_deferred(pcontext):
             final = super()._monitor_workers(worker_group)
         if final.state != WorkerState.FAILED:
@@ -259,6 +334,26 @@ class TTPElasticAgent(LocalElasticAgent):
             if failure.exitcode == consequence:
                 failure.timestamp = after
 
+    def _serve_replacements(self, pcontext: SubprocessContext, worker_group: WorkerGroup) -> None:
+        """The recovery's requests: this node's ranks started here; a lost node's held for a
+        spare node (failed at once when none waits)."""
+        self._replacements.serve(pcontext, worker_group.workers)
+        if self._takeover is not None:
+            for request in self._takeover.announce(self._store):
+                self._replacements.answer(request, "failed", "no spare node waits in the "
+                                          "rendezvous to take over the lost node")
+
+    def run(self, role: str = "default") -> RunResult:
+        result = super().run(role)
+        if result is None:  # torch: the rendezvous closed while this node waited (a spare)
+            logger.warning("ttprun: the job ended while this node waited as a spare; exit 0")
+            return RunResult(state=WorkerState.SUCCEEDED)
+        return result
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self._spares.close()
+        super()._shutdown(death_sig, timeout)
+
     def _invoke_run(self, role: str = "default") -> RunResult:
         try:
             return super()._invoke_run(role)
@@ -274,10 +369,15 @@ class TTPElasticAgent(LocalElasticAgent):
                     _signal_group(pid, signal.SIGTERM)
                 self._hold_survivors(pcontext)
             raise
+        finally:
+            self._spares.close()
 
     # -- the grace period -------------------------------------------------------------------
-    def _hold_survivors(self, pcontext: SubprocessContext) -> None:
-        """Wait for the flow to finish and the workers to exit; kill whatever is left after."""
+    def _hold_survivors(self, pcontext: SubprocessContext,
+                        worker_group: Optional[WorkerGroup] = None) -> bool:
+        """Wait for the flow to finish and the workers to exit; kill whatever is left after.
+        With `worker_group`, an in-memory recovery may replace the failed workers instead:
+        True when every worker runs again (nothing was killed)."""
         start = time.monotonic()
         deadline = start + self._ot_s
         marker = self._run_dir / FLOW_FINISHED_FILE
@@ -298,9 +398,15 @@ class TTPElasticAgent(LocalElasticAgent):
                         now - start,
                         _read_marker(marker),
                     )
+                if worker_group is not None and flow_done_at is None:
+                    self._serve_replacements(pcontext, worker_group)
+                    if all(h.proc.poll() is None for h in pcontext.subprocess_handlers.values()):
+                        logger.warning("ttprun: in-memory recovery: every failed worker "
+                                       "replaced after %.2f s", time.monotonic() - start)
+                        return True
                 if not alive:
                     logger.warning("ttprun: every worker exited after %.2f s", now - start)
-                    return
+                    return False
                 if flow_done_at is not None:
                     for rank, pid in alive.items():
                         if _is_stopped(pid):
@@ -323,6 +429,7 @@ class TTPElasticAgent(LocalElasticAgent):
         for handler in pcontext.subprocess_handlers.values():
             with contextlib.suppress(Exception):
                 handler.proc.wait(timeout=10)
+        return False
 
 
 class _OffLoopQuery:
@@ -361,7 +468,7 @@ class _OffLoopQuery:
 
 
 @contextlib.contextmanager
-def _say_what_we_wait_for(spec) -> Iterator[None]:
+def _say_what_we_wait_for(spec, may_be_spare: bool = False) -> Iterator[None]:
     """While the rendezvous blocks (torch waits up to 600 s for absent nodes, silently), say
     every RDZV_WAIT_NOTICE_S what it waits for, where, and how to bound the wait."""
     done = threading.Event()
@@ -376,6 +483,12 @@ def _say_what_we_wait_for(spec) -> Iterator[None]:
         waited = 0.0
         while not done.wait(RDZV_WAIT_NOTICE_S):
             waited += RDZV_WAIT_NOTICE_S
+            if may_be_spare and takeover.is_spare(handler):
+                logger.warning("ttprun: this node is a spare: the rendezvous of run %r is full; "
+                               "it waits, with no deadline, to take over a lost node",
+                               handler.get_run_id())
+                done.wait()
+                return
             logger.warning(
                 "ttprun: waited %.0f s for the other nodes of run %r (%s rendezvous at %s): "
                 "start ttprun on every node with the same --nnodes, --rdzv-id and endpoint; "
@@ -466,7 +579,8 @@ def ttp_environment(extra: Optional[dict] = None) -> Iterator[Path]:
     """
     extra = extra or {}
     saved = {name: os.environ.get(name)
-             for name in (ENV_RUN_DIR, ENV_AUTH_KEY, *collective_env.NAMES, *extra)}
+             for name in (ENV_RUN_DIR, ENV_AUTH_KEY, ENV_REPLACEMENTS, *collective_env.NAMES,
+                          *extra)}
     parent = saved[ENV_RUN_DIR]
     if parent:
         Path(parent).mkdir(parents=True, exist_ok=True)
@@ -476,6 +590,7 @@ def ttp_environment(extra: Optional[dict] = None) -> Iterator[Path]:
         os.environ[ENV_AUTH_KEY] = secrets.token_hex(32)  # single node (preflight.check)
     collective_env.apply_defaults(os.environ)
     os.environ.update(extra)
+    os.environ[ENV_REPLACEMENTS] = "cold"  # this launcher starts a lost rank's replacement
     try:
         yield run_dir
     finally:
@@ -515,6 +630,10 @@ def build_parser():
     from mindio_ttp import __version__
 
     parser.add_argument("--version", action="version", version=f"ttprun {__version__}")
+    parser.add_argument(
+        "--warm-spares", type=int, default=None, metavar="N",
+        help=f"keep N warm spares per node: processes that have imported torch and the training "
+        f"script's imports and wait to replace a lost rank (default ${ENV_WARM_SPARES} or 0)")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = preflight.help_epilog()
     return parser
@@ -526,6 +645,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     global RDZV_WAIT_NOTICE_S
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.warm_spares is not None:
+        os.environ[ENV_WARM_SPARES] = str(args.warm_spares)
     problems, warnings = preflight.check(os.environ, is_multi_node(args.nnodes),
                                          args.training_script_args, args.training_script,
                                          is_module=args.module)

@@ -22,6 +22,8 @@ __all__ = [
     "load_checkpoint",
     "ttp_save_checkpoint",
     "rename_save_result",
+    "in_memory_recovery",
+    "reuse_on_recovery",
     "process_group_timeout",
 ]
 
@@ -48,6 +50,10 @@ def __getattr__(name: str) -> Any:
         from mindio_ttp.megatron_ttp.save import rename_save_result
 
         return rename_save_result
+    if name in ("in_memory_recovery", "reuse_on_recovery"):
+        from mindio_ttp.megatron_ttp import rejoin
+
+        return getattr(rejoin, name)
     if name == "process_group_timeout":
         from mindio_ttp.megatron_ttp.timeout import process_group_timeout
 

@@ -17,7 +17,7 @@ import torch
 from megatron import checkpointing, get_args, print_rank_0
 from megatron.core import mpu
 
-from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.megatron_ttp import manifest, rejoin
 from mindio_ttp.megatron_ttp.args_check import NEEDS_REPLICATED
 from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer, loading_from
 from mindio_ttp.megatron_ttp.save import parallel_layout
@@ -33,8 +33,13 @@ def require_replicated(optimizer) -> None:
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load",
                     strict: bool = True) -> int:
-    """Drop-in for megatron.checkpointing.load_checkpoint with validation and fallback."""
+    """Drop-in for megatron.checkpointing.load_checkpoint with validation and fallback; during
+    an in-memory recovery, the state comes from memory instead (refill.py)."""
     require_replicated(optimizer)
+    if rejoin.current() is not None:
+        from mindio_ttp.megatron_ttp.refill import load_in_memory
+
+        return load_in_memory(model, optimizer, opt_param_scheduler)
     args = get_args()
     if getattr(args, load_arg) is None:
         optimizer.record_loaded_step(0, opt_param_scheduler)

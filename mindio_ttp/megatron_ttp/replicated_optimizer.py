@@ -54,6 +54,7 @@ from mindio_ttp import config as ttp_config
 from mindio_ttp import framework_ttp
 from mindio_ttp.faulttime import device_copy
 from mindio_ttp.megatron_ttp import pairing
+from mindio_ttp.megatron_ttp.manifest import ParallelLayout
 from mindio_ttp.megatron_ttp.step_record import StepRecord
 
 REPLICAS = 2  # the striped layout keeps every stripe on exactly two ranks
@@ -73,6 +74,16 @@ def loading_from(iter_dir: Optional[Path], optim_file) -> Iterator[None]:
         yield
     finally:
         _load_source = previous
+
+
+@dataclass(frozen=True)
+class Place:
+    """This rank's global, tensor- and pipeline-parallel rank and the job's layout."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    layout: ParallelLayout
 
 
 @dataclass
@@ -167,11 +178,30 @@ def stock_gbuf_range(model, dtype, position: int, dp: int) -> dict:
 
 
 class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
-    """Drop-in for `DistributedOptimizer` (same constructor) that keeps each stripe twice."""
+    """Drop-in for `DistributedOptimizer` (same constructor) that keeps each stripe twice.
+
+    During a survivor's in-memory recovery (rejoin.py) Megatron's start-up builds the optimizer
+    again: the constructor then gives back the survivor's own optimizer, whose state is the
+    recovery's, with only its pair groups made anew on the new world."""
+
+    _reused = False  # set on an instance __new__ hands back during a recovery
+
+    def __new__(cls, *args, **kwargs):
+        from mindio_ttp.megatron_ttp.rejoin import kept_optimizer
+
+        kept = kept_optimizer()
+        if kept is not None:
+            kept._reused = True
+            return kept
+        return super().__new__(cls)
 
     def __init__(self, optimizer, clip_grad, log_num_zeros_in_grad, params_have_main_grad,
                  use_contiguous_buffers_in_local_ddp, fp16, bf16, params_dtype, grad_scaler,
                  models, replica_count: Optional[int] = None):
+        if self._reused:  # the survivor's own optimizer: only the groups are new
+            self._reused = False
+            self.pair_group = self._build_pair_groups()
+            return
         dp = mpu.get_data_parallel_world_size()
         replica_count = REPLICAS if replica_count is None else replica_count
         if replica_count != REPLICAS or dp % REPLICAS:
@@ -183,6 +213,12 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         self.replica_count = REPLICAS
         self.num_shards = dp // REPLICAS
         self.dp_size = dp
+        # where this rank sits, kept for the dying checkpoint: after a survivor left the world
+        # for an in-memory recovery that then fails, torch.distributed and mpu know nothing
+        self.place = Place(torch.distributed.get_rank(), mpu.get_tensor_model_parallel_rank(),
+                           mpu.get_pipeline_model_parallel_rank(),
+                           ParallelLayout(mpu.get_tensor_model_parallel_world_size(),
+                                          mpu.get_pipeline_model_parallel_world_size(), dp))
         self.dp_position = mpu.get_data_parallel_rank()
         self.dp_ranks: List[int] = list(
             torch.distributed.get_process_group_ranks(mpu.get_data_parallel_group())
@@ -442,7 +478,7 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
                     f"save ranks {sorted(save_ranks)} hold no copy of shard {k} of DP group "
                     f"{self.dp_ranks} (positions {a} and {b})")
         if self.dp_position not in chosen:
-            raise RuntimeError(f"rank {torch.distributed.get_rank()} is not among the save "
+            raise RuntimeError(f"rank {self.place.rank} is not among the save "
                                f"ranks {sorted(save_ranks)}")
         positions = [self.dp_position]
         if self.partner_position not in chosen:

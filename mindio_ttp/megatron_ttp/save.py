@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from megatron import get_args
 from megatron.core import mpu
 from megatron.utils import unwrap_model
 
 from mindio_ttp.faulttime import checkpoint_writer, device_copy, save_session
 from mindio_ttp.megatron_ttp import exchange, manifest
+from mindio_ttp.megatron_ttp.rejoin import megatron_args as get_args
 from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer
 
 
@@ -61,6 +61,8 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     meta = optimizer.step_meta(step)
     positions, writes_model = optimizer.save_plan(save_ranks)
     tag = exchange.attempt_tag(step, save_ranks)
+    place = optimizer.place  # not mpu / torch.distributed: see ReplicatedOptimizer.place
+    me = place.rank
 
     root = manifest.tmp_root(args.save, step, _order_tag(step))
     # this order's own directory: nothing to clear, and another flow's is never touched.
@@ -71,11 +73,10 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     # ranks, gathered to the writer alone. The writer decides, the others follow.
     full = _main_params_if_needed(optimizer, save_ranks, tag, writes_model, ready.gathered)
 
-    par = parallel_layout()
+    par = place.layout
     iter_dir = root / manifest.iter_dir_name(step)
     iter_dir.mkdir(parents=True, exist_ok=True)
-    tp_rank = mpu.get_tensor_model_parallel_rank()
-    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    tp_rank, pp_rank = place.tp_rank, place.pp_rank
     written: Dict[str, Dict[str, object]] = {}
     if writes_model:
         state = _model_state(step, model, optimizer, full, meta, args)
@@ -89,7 +90,7 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
                  "opt_param_scheduler": sched}
         rel = par.optim_file(tp_rank, pp_rank, position)
         written[rel] = _save(iter_dir, rel, state)
-    manifest.write_part(iter_dir, torch.distributed.get_rank(), written)
+    manifest.write_part(iter_dir, me, written)
 
 
 def rename_save_result(step: int, ckpt_args: tuple) -> None:
@@ -98,7 +99,7 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     save_dir = Path(args.save)
     root = manifest.tmp_root(args.save, step, _order_tag(step))
     staged = root / manifest.iter_dir_name(step)
-    manifest.merge_parts(staged, step, parallel_layout())
+    manifest.merge_parts(staged, step, ckpt_args[2].place.layout)
     final = save_dir / manifest.iter_dir_name(step)
     if final.exists():  # another flow's checkpoint, or a periodic save: never replaced
         raise RuntimeError(f"{final} already exists: not replacing it with the dying "
@@ -181,7 +182,7 @@ def _main_params_if_needed(optimizer: ReplicatedOptimizer, save_ranks: Sequence[
     writer needs them does each other chosen rank send its two stripes to the writer, over a
     2-rank gloo group of its own (CPU tensors, read on the private stream): the writer holds
     one DP group's fp32 weights, the others only their own stripes."""
-    me = torch.distributed.get_rank()
+    me = optimizer.place.rank  # not torch.distributed: see ReplicatedOptimizer.place
     chosen = sorted(r for r in save_ranks if r in optimizer.dp_ranks)
     writer = min(chosen, key=optimizer.dp_ranks.index)
     prefix = f"{tag}/dp-{'-'.join(map(str, chosen))}/"

@@ -146,6 +146,33 @@ class SetCheckpointArgs(InsertAfterAnchor):
     summary = "ttp_set_ckpt_args(...) after iteration += 1 in train()"
 
 
+class RecoverInMemory(DecorateTopLevelDef):
+    """Not in the guide: after an in-memory recovery a survivor runs pretrain() again in its
+    own process, around the model and optimizer it holds (docs/recovery.md)."""
+
+    id = "training/in-memory-recovery"
+    number = "2.9"
+    file = FILE
+    scope = None
+    def_name = "pretrain"
+    decorator = "mega.in_memory_recovery"
+    anchor = "def pretrain("
+    summary = "@mega.in_memory_recovery on pretrain(): survivors rejoin after a fault"
+
+
+class ReuseModelOnRecovery(DecorateTopLevelDef):
+    """Not in the guide: during that re-run, get_model() gives back the survivor's model."""
+
+    id = "training/reuse-model-on-recovery"
+    number = "2.10"
+    file = FILE
+    scope = None
+    def_name = "get_model"
+    decorator = "mega.reuse_on_recovery"
+    anchor = "def get_model("
+    summary = "@mega.reuse_on_recovery on get_model(): a survivor keeps its model"
+
+
 EDITS = [
     ImportTTPModules(),
     LoadCheckpointThroughTTP(),
@@ -155,4 +182,6 @@ EDITS = [
     PersistTrain(),
     StartTTP(),
     SetCheckpointArgs(),
+    RecoverInMemory(),
+    ReuseModelOnRecovery(),
 ]

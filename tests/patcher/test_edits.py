@@ -90,6 +90,8 @@ def test_every_seed_edit_has_a_stable_unique_id() -> None:
         "2.6",
         "2.7",
         "2.8",
+        "2.9",
+        "2.10",
         "3.1",
         "3.2",
         "3.3",
@@ -99,7 +101,7 @@ def test_every_seed_edit_has_a_stable_unique_id() -> None:
         "6.1",
         "6.2",
     ]
-    assert len({e.id for e in ALL_EDITS}) == 18
+    assert len({e.id for e in ALL_EDITS}) == 20
 
 
 def test_only_the_port_literal_changes_with_port() -> None:
@@ -212,6 +214,9 @@ BREAK_ANCHOR = {
         "        iteration += 1\n        args.consumed",
         "        iteration = iteration + 1\n        args.consumed",
     ),
+    "training/in-memory-recovery": ("def pretrain(train_valid", "def pretrain_model(train_valid"),
+    "training/reuse-model-on-recovery": ("def get_model(model_provider_func",
+                                         "def build_model(model_provider_func"),
     "optimizer/import-replicated": (
         "from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer",
         "from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params",

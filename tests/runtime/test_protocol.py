@@ -38,6 +38,14 @@ VALID = {
     "store": st.from_regex(r"[a-z0-9][a-z0-9/._-]{0,20}", fullmatch=True),
     "tag": HEX, "outcome": st.sampled_from([o.value for o in P.Outcome]),
     "req": st.integers(1, 2**63 - 1), "timeout": SECONDS, ("step", "int"): NONNEG,
+    # the in-memory recovery's messages
+    "recovery_id": st.integers(1, 2**62), "lost": st.lists(RANK, max_size=20),
+    "deadline": SECONDS, "state": st.sampled_from(P.REPLACE_STATES),
+    "digest": st.just("") | st.binary(min_size=32, max_size=32).map(bytes.hex),
+    "rendezvous": st.tuples(IP, st.integers(1, 65535)).map(
+        lambda a: f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}"),
+    "controller": st.tuples(IP, st.integers(1, 65535)).map(
+        lambda a: f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}"),
 }
 BY_TYPE = {
     "int": INT, "Optional[int]": st.none() | INT, "bool": st.booleans(), "str": TEXT,

@@ -138,10 +138,13 @@ def _running(proc: psutil.Process) -> bool:
 
 
 def worker_env(extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """Environment for a CPU run: deterministic hashing, one OpenMP thread per rank."""
+    """Environment for a CPU run: deterministic hashing, one OpenMP thread per rank. A fault
+    ends in the dying checkpoint (what this rehearsal shows) unless `extra` asks for the
+    in-memory recovery (TTP_RECOVERY=in-memory, docs/recovery.md)."""
     env = dict(os.environ)
     env.update({"CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1",
-                "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"})
+                "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
+                "TTP_RECOVERY": "dying-checkpoint"})
     env.update(extra or {})
     return env
 

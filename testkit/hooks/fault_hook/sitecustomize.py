@@ -13,12 +13,29 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
 * ``after``: after ``ttp_end_updating_os(k)``, before the parameter all-gather;
 * ``anytime``: a timer armed when iteration k starts fires after a random delay, uniform in
   [0, the wall time of iteration k-1) (``TTP_FAULT_SEED`` seeds it), wherever the rank then is:
-  in a collective, the update window, the logging, or already in iteration k+1.
+  in a collective, the update window, the logging, or already in iteration k+1;
+* ``eval``: in the first forward step of the evaluation after iteration k;
+* ``periodic-save``: inside Megatron's periodic save of iteration k, once this rank wrote its
+  first file;
+* ``refill``: on a rank of an in-memory recovery to step k, as it starts refilling;
+* ``replacement``: in the process ttprun starts to replace rank r in a recovery to step k,
+  first thing (before torch is imported): ``sigkill`` for a replacement that fails to start,
+  ``sigstop`` for one that never gets ready;
 * ``save``: inside the dying checkpoint of step k, after the first write of the rank's first
   file (``checkpoint_writer.write_torch``): the rank dies (or throws) half-way through a file.
 
+``TTP_FAULT_CORRUPT_REFILL=R`` (no plan needed) changes one value of what replacement rank R
+received in its refill, as a bad link or a bug would: the recovery's hash check must refuse it.
+
 ``TTP_FAULT_RECORD_DIR`` (optional) is where the plan records the fault time and coordinates
-ranks killed together.
+ranks killed together. With it, a planned fault fires once per job: after an in-memory
+recovery, the replacement of a killed rank (same plan, same rank) redoes the step the fault
+hit without firing it again, and later faults of the plan still fire (``1:5:sigkill:before,
+2:6:sigkill:before`` kills rank 1 at step 5, then, right after the recovery, rank 2 at step 6).
+
+``TTP_STEP_RECORD_DIR`` (optional, also without a plan): every rank appends one JSON line per
+completed iteration to ``steps-<rank>.jsonl`` there (step, wall-clock start and end, pid,
+attempt), so a benchmark can tell when a step completed on every rank.
 
 Under ``ttprun --max-restarts``, ``|`` separates the plans of successive attempts
 (``1:3:sigkill:before|2:6:sigkill:inside``: attempt 0 kills rank 1, the restarted attempt 1
@@ -32,7 +49,35 @@ import os
 TARGET = "megatron.training"
 
 
-def _wrap_train_step(train_step, get_args, plan, record_dir):
+def _marker(record_dir, rank, step, phase):
+    return record_dir / f"fired-{rank}-{step}-{phase.value}"
+
+
+def _fired(record_dir, rank, step, phase) -> bool:
+    """This planned fault already fired in this job."""
+    return record_dir is not None and _marker(record_dir, rank, step, phase).exists()
+
+
+class _Once:
+    """The plan, each fault firing at most once per job (see the module doc): a marker file per
+    fault in the record directory, written just before it fires."""
+
+    def __init__(self, plan) -> None:
+        self._plan = plan
+
+    def has(self, rank, step, phase, record_dir=None) -> bool:
+        return self._plan.has(rank, step, phase) and not _fired(record_dir, rank, step, phase)
+
+    def check(self, rank, step, phase, record_dir) -> None:
+        if not self._plan.has(rank, step, phase) or _fired(record_dir, rank, step, phase):
+            return
+        if record_dir is not None:
+            _marker(record_dir, rank, step, phase).touch()
+        self._plan.check(rank, step, phase, record_dir)
+
+
+def _wrap_train_step(train_step, get_args, plan, record_dir, steps_dir=None):
+    import json
     import random
     import threading
     import time
@@ -50,7 +95,8 @@ def _wrap_train_step(train_step, get_args, plan, record_dir):
         rank = torch.distributed.get_rank()
         fired = []
         started.append(time.monotonic())
-        if plan.has(rank, step, Phase.ANYTIME) and len(started) >= 2:
+        started_at = time.time()
+        if plan.has(rank, step, Phase.ANYTIME, record_dir) and len(started) >= 2:
             rng = random.Random(f"{os.environ.get('TTP_FAULT_SEED', '0')}:{rank}:{step}")
             delay = rng.uniform(0.0, started[-1] - started[-2])
             print(f"rank {rank} | fault timer: {delay:.3f} s into iteration {step}", flush=True)
@@ -95,20 +141,119 @@ def _wrap_train_step(train_step, get_args, plan, record_dir):
         optimizer.reduce_model_grads = reduce
         torch.distributed.barrier = barrier
         try:
-            return train_step(forward_step, data_iterator, model, optimizer, opt_param_scheduler,
-                              *rest, **kwargs)
+            out = train_step(forward_step, data_iterator, model, optimizer, opt_param_scheduler,
+                             *rest, **kwargs)
         finally:
             del optimizer.step, optimizer.gather_model_params, optimizer.reduce_model_grads
             torch.distributed.barrier = real_barrier
+        if steps_dir is not None:
+            line = json.dumps({"rank": rank, "step": step, "start": started_at,
+                               "end": time.time(), "pid": os.getpid(),
+                               "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")})
+            with open(steps_dir / f"steps-{rank}.jsonl", "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        return out
 
     return fault_injecting_train_step
 
 
+def _wrap_evaluate(evaluate, get_args, plan, record_dir):
+    import torch
+
+    from mindio_ttp.demo.faults import Phase
+
+    def fault_injecting_evaluate(forward_step_func, *args, **kwargs):
+        step = get_args().curr_iteration + 1
+        rank = torch.distributed.get_rank()
+        fired = []
+
+        def forward_step(*a, **kw):
+            if not fired:
+                fired.append(True)
+                plan.check(rank, step, Phase.EVAL, record_dir)
+            return forward_step_func(*a, **kw)
+
+        return evaluate(forward_step, *args, **kwargs)
+
+    return fault_injecting_evaluate
+
+
+def _wrap_save(save_checkpoint, plan, record_dir):
+    import torch
+
+    from mindio_ttp.demo.faults import Phase
+
+    def fault_injecting_save(iteration, *args, **kwargs):
+        rank = torch.distributed.get_rank()
+        if not plan.has(rank, iteration, Phase.PERIODIC_SAVE, record_dir):
+            return save_checkpoint(iteration, *args, **kwargs)
+        real_save = torch.save
+
+        def save(*a, **kw):
+            real_save(*a, **kw)
+            plan.check(rank, iteration, Phase.PERIODIC_SAVE, record_dir)
+
+        torch.save = save
+        try:
+            return save_checkpoint(iteration, *args, **kwargs)
+        finally:
+            torch.save = real_save
+
+    return fault_injecting_save
+
+
+def _wrap_refill(load_in_memory, plan, record_dir):
+    from mindio_ttp.demo.faults import Phase
+
+    def fault_injecting_refill(model, optimizer, scheduler):
+        from mindio_ttp.megatron_ttp import rejoin
+
+        job = rejoin.current()
+        if job is not None:
+            plan.check(job.rank, job.order.step, Phase.REFILL, record_dir)
+        return load_in_memory(model, optimizer, scheduler)
+
+    return fault_injecting_refill
+
+
+def _replacement_fault(plan, record_dir) -> None:
+    """In a replacement process (the launcher set TTP_RECOVERY_JOIN), first thing."""
+    import json
+
+    from mindio_ttp.demo.faults import Phase
+
+    text = os.environ.get("TTP_RECOVERY_JOIN")
+    if text:
+        join = json.loads(text)
+        plan.check(int(join["rank"]), int(join["step"]), Phase.REPLACEMENT, record_dir)
+
+
+def _corrupt_refill(module) -> None:
+    """After replacement rank TTP_FAULT_CORRUPT_REFILL applied what its partner sent, add
+    1e-3 to the first element of its own stripe's first main param."""
+    apply = module._apply
+    target = int(os.environ["TTP_FAULT_CORRUPT_REFILL"])
+
+    def corrupting_apply(payload, model, optimizer, scheduler, args):
+        apply(payload, model, optimizer, scheduler, args)
+        if optimizer.place.rank == target:
+            main = optimizer.own.main_params()[0]
+            main.data.view(-1)[0] += 1e-3
+            print(f"rank {target} | FAULT: corrupted the refill", flush=True)
+
+    module._apply = corrupting_apply
+
+
 def _install() -> None:
+    if os.environ.get("TTP_FAULT_CORRUPT_REFILL"):
+        from testkit.import_hooks import after_import
+
+        after_import("mindio_ttp.megatron_ttp.refill", _corrupt_refill)
     plans = os.environ.get("TTP_FAULT_PLAN", "").split("|")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     text = plans[attempt] if attempt < len(plans) else ""
-    if not text:
+    steps = os.environ.get("TTP_STEP_RECORD_DIR")
+    if not text and not steps:
         return
     from pathlib import Path
 
@@ -116,12 +261,20 @@ def _install() -> None:
     from testkit.import_hooks import after_import
 
     record = os.environ.get("TTP_FAULT_RECORD_DIR")
-    plan, record_dir = FaultPlan.from_text(text), Path(record) if record else None
+    plan, record_dir = _Once(FaultPlan.from_text(text)), Path(record) if record else None
+    _replacement_fault(plan, record_dir)
 
     def wrap(module) -> None:
-        module.train_step = _wrap_train_step(module.train_step, module.get_args, plan, record_dir)
+        module.train_step = _wrap_train_step(module.train_step, module.get_args, plan, record_dir,
+                                             Path(steps) if steps else None)
+        module.evaluate = _wrap_evaluate(module.evaluate, module.get_args, plan, record_dir)
+        module.save_checkpoint = _wrap_save(module.save_checkpoint, plan, record_dir)
+
+    def wrap_refill(module) -> None:
+        module.load_in_memory = _wrap_refill(module.load_in_memory, plan, record_dir)
 
     after_import(TARGET, wrap)
+    after_import("mindio_ttp.megatron_ttp.refill", wrap_refill)
     after_import("mindio_ttp.faulttime.checkpoint_writer",
                  lambda module: _wrap_writer(module, plan, record_dir))
 

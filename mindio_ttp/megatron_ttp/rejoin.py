@@ -1,0 +1,411 @@
+"""In-memory recovery, Megatron's side: survivors re-enter Megatron's start-up around the state
+they hold; a replacement runs it from scratch; both meet on the recovery's store.
+
+Two decorators, put on the patched tree by ttp-patch (edits R.1, R.2):
+
+* `@mega.in_memory_recovery` on `pretrain`: runs it; when the decorated `train` raises
+  `TTPRecovering` (the controller ordered a recovery), stops this process's device work,
+  destroys every process group, forgets Megatron's global state and runs `pretrain` again with
+  `MASTER_ADDR`/`MASTER_PORT` naming the recovery's store. In a replacement process
+  (``TTP_RECOVERY_JOIN`` set by the launcher) the first run already is the recovery's.
+* `@mega.reuse_on_recovery` on `get_model`: during a survivor's re-run, returns the model the
+  survivor holds, after the one collective its construction made (the pipeline's embedding
+  all-reduce), instead of building a new one. `ReplicatedOptimizer` does the same for itself
+  (`ReplicatedOptimizer.__new__`), re-creating its pair groups.
+
+Why re-run the start-up rather than rejoin inside `train()`: the replacement runs Megatron's
+whole start-up, and each of its collectives (barriers, timing reductions, the data loaders'
+broadcasts, the embedding all-reduce) needs its counterpart on the survivors. The same code on
+both sides gives every one its counterpart, for whatever start-up the tree has; a survivor
+skips only the construction of what it already holds. The patched loader
+(`mega.load_checkpoint`) then refills and rolls back in memory (refill.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple, TypeVar
+
+from mindio_ttp.control import hooks
+from mindio_ttp.control.hooks import TTPRecovering
+from mindio_ttp.recovery.coordinator import parse_address
+from mindio_ttp.recovery.machine import RecoveryState as S
+from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, SURVIVOR, RecoveryOrder, join_order
+
+log = logging.getLogger("mindio_ttp.recovery")
+F = TypeVar("F", bound=Callable[..., Any])
+
+# megatron.global_vars' module state, which set_global_variables refuses to set twice
+_MEGATRON_GLOBALS = ("_GLOBAL_ARGS", "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", "_GLOBAL_TOKENIZER",
+                     "_GLOBAL_TENSORBOARD_WRITER", "_GLOBAL_ADLR_AUTORESUME", "_GLOBAL_TIMERS",
+                     "_GLOBAL_SIGNAL_HANDLER")
+
+
+@dataclass
+class Rejoin:
+    """One recovery as this process runs it: its order, its role, what a survivor keeps."""
+
+    order: RecoveryOrder
+    role: str
+    rank: int
+    model: Any = None  # survivor: its model chunks, returned by get_model
+    optimizer: Any = None  # survivor: its ReplicatedOptimizer, returned by its constructor
+    scheduler_state: Optional[dict] = None  # survivor: its scheduler's state before the re-run
+    model_reused: bool = False
+    optimizer_reused: bool = False
+    model_groups: Optional[list] = None  # (module, attribute, mpu getter) of held groups
+    args: Any = None  # survivor: Megatron's arguments before the re-run
+
+
+_current: Optional[Rejoin] = None
+
+
+def current() -> Optional[Rejoin]:
+    """The recovery this process is in, while it is in one (None once committed)."""
+    return _current if _current is not None and RECOVERY.active else None
+
+
+def megatron_args() -> Any:
+    """Megatron's arguments; between a survivor's leaving the world and its re-run parsing them
+    again (when a fallback to the dying checkpoint may need them), the ones it trained with."""
+    from megatron import get_args
+
+    try:
+        return get_args()
+    except AssertionError:
+        if _current is not None and _current.args is not None:
+            return _current.args
+        raise
+
+
+def finished() -> None:
+    global _current
+    _current = None
+
+
+# -- capability: can this process's job recover in memory at all? --------------------------------
+def capability() -> Tuple[bool, str]:
+    import megatron.training as training
+    from megatron import get_args
+
+    try:
+        args = get_args()
+    except (AssertionError, RuntimeError):
+        return False, "Megatron's arguments are not parsed yet"
+    if not getattr(training.get_model, "_ttp_reuses_on_recovery", False):
+        return False, ("megatron/training.py's get_model lacks @mega.reuse_on_recovery (run "
+                       "`ttp-patch apply` again)")
+    if args.load is None:
+        return False, ("Megatron runs without --load (the patched loader, called only with "
+                       "--load, is where a recovery refills the state)")
+    if not args.use_distributed_optimizer:
+        return False, "the replicated optimizer needs --use-distributed-optimizer"
+    return True, ""
+
+
+# -- @mega.in_memory_recovery on pretrain ---------------------------------------------------------
+def in_memory_recovery(pretrain: F) -> F:
+    """Run `pretrain`; run it again in this process after each in-memory recovery."""
+
+    @functools.wraps(pretrain)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        global _current
+        RECOVERY.capability = capability
+        joined = join_order()
+        if joined is not None:  # a replacement: this first run is the recovery's
+            order, rank = joined
+            RECOVERY.joining(order)
+            _current = Rejoin(order, REPLACEMENT, rank)
+            RECOVERY.machine.transition_to(S.REGROUPING, f"new world on {order.store}")
+        while True:
+            try:
+                return pretrain(*args, **kwargs)
+            except TTPRecovering:
+                pass  # leave the except block first: its traceback holds the old groups
+            except BaseException as exc:
+                if not _hold_for_verdict(exc):
+                    raise
+            try:
+                _current = _survivor_leaves_the_world()
+            except BaseException as exc:
+                _fail_and_wait(exc)
+                raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _survivor_leaves_the_world() -> Rejoin:
+    """Stop, destroy every group, forget Megatron's globals, point env:// at the new store."""
+    order = RECOVERY.order
+    assert order is not None and RECOVERY.machine.state is S.ORDERED, RECOVERY.machine.state
+    RECOVERY.machine.transition_to(S.STOPPING, "left train()")
+    ckpt = hooks.STATE.ckpt_args
+    if len(ckpt) != 4:
+        raise RuntimeError("no training state registered (ttp_set_ckpt_args): nothing to "
+                           "recover from")
+    _, model, optimizer, scheduler = ckpt
+    if getattr(optimizer, "current_step", None) != order.step:
+        raise RuntimeError(f"this rank holds step {getattr(optimizer, 'current_step', None)}, "
+                           f"not the recovery's step {order.step}")
+    import torch.distributed as dist
+    from megatron import get_args
+
+    rejoin = Rejoin(order, SURVIVOR, dist.get_rank(), model, optimizer,
+                    dict(scheduler.state_dict()), args=get_args())
+    _destroy_groups(rejoin)
+    _forget_megatron_globals()
+    host, port = parse_address(order.store)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    RECOVERY.machine.transition_to(S.REGROUPING, f"new world on {order.store}")
+    return rejoin
+
+
+def _destroy_groups(rejoin: Rejoin) -> None:
+    """Abort the communicators (NCCL/HCCL; gloo has none to abort), destroy every group, and
+    drop every reference to them: on gloo, the last one closes the group's sockets, which fails
+    a survivor's collective still waiting for this rank (it then leaves its step too). The
+    model holds some (ParallelTransformer.fp8_group): detached here, re-attached to the new
+    groups when get_model hands the model back."""
+    import torch.distributed as dist
+    from megatron.core import mpu
+
+    try:
+        from mindio_ttp.faulttime.abort import abort_all  # the device path (faulttime/abort.py)
+    except ImportError:
+        abort_all = None
+    rejoin.model_groups = _detach_model_groups(rejoin.model)
+    alive = [(weakref.ref(pg), name) for pg, name in
+             dict(getattr(dist.distributed_c10d._world, "pg_names", {})).items()]
+    if abort_all is not None:
+        report = abort_all(destroy=True)
+        log.warning("recovery: %s", report.describe())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    mpu.destroy_model_parallel()
+    rejoin.optimizer.pair_group = None
+    _release_default_arguments(dist.ProcessGroup)
+    gc.collect()
+    held = [(ref(), name) for ref, name in alive if ref() is not None]
+    for pg, name in held:  # on gloo its sockets stay open: a peer waiting on it hangs
+        log.warning("recovery: process group %s is still referenced after its destruction "
+                    "(by %s)", name, _referrers(pg))
+    del held
+
+
+def _release_default_arguments(kind: type) -> None:
+    """Functions whose default arguments hold a process group: torch.distributed.nn.functional
+    writes `group=group.WORLD`, bound to the default group when the module is imported after
+    `init_process_group` (pipeline parallelism does, here). That reference alone keeps the old
+    world's sockets open; None means the default group to those functions."""
+    import types
+
+    for fn in gc.get_objects():
+        if not isinstance(fn, types.FunctionType):
+            continue
+        if fn.__defaults__ and any(isinstance(d, kind) for d in fn.__defaults__):
+            fn.__defaults__ = tuple(None if isinstance(d, kind) else d for d in fn.__defaults__)
+        if fn.__kwdefaults__ and any(isinstance(d, kind) for d in fn.__kwdefaults__.values()):
+            fn.__kwdefaults__ = {k: None if isinstance(d, kind) else d
+                                 for k, d in fn.__kwdefaults__.items()}
+
+
+def _referrers(obj: Any, depth: int = 3) -> str:
+    """Who holds `obj` (for the warning above): attributes, frames, closures, containers."""
+    import types
+
+    out = []
+    for ref in gc.get_referrers(obj):
+        if isinstance(ref, dict):
+            out += [f"attribute {k!r}" for k, v in ref.items() if v is obj]
+        elif isinstance(ref, types.FrameType):
+            out.append(f"frame of {ref.f_code.co_name} ({ref.f_code.co_filename}:"
+                       f"{ref.f_lineno})")
+        elif isinstance(ref, types.FunctionType):
+            out.append(f"function {ref.__qualname__} ({ref.__code__.co_filename})")
+        elif isinstance(ref, types.CellType) or isinstance(ref, tuple):
+            inner = _referrers(ref, depth - 1) if depth > 0 else "..."
+            out.append(f"{type(ref).__name__} in [{inner}]")
+        elif not isinstance(ref, list):  # lists: gc.get_referrers' own results
+            out.append(type(ref).__name__)
+    for fn in gc.get_objects():  # closures holding it, directly or in a tuple
+        if isinstance(fn, types.FunctionType) and fn.__closure__:
+            for cell in fn.__closure__:
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                if v is obj or (isinstance(v, (tuple, list)) and any(x is obj for x in v)):
+                    out.append(f"closure of {fn.__qualname__} ({fn.__code__.co_filename})")
+        elif isinstance(fn, types.GeneratorType) and fn.gi_frame is not None:
+            if any(v is obj for v in fn.gi_frame.f_locals.values()):
+                out.append(f"generator {fn.__qualname__}")
+    return ", ".join(out[:8]) or "a running frame or native code"
+
+
+# which mpu getter gives each group a module may hold, in the order to try them (the first that
+# is the held object names it: in DP4 the data-parallel group has the ranks of the world, but it
+# is its own object)
+_GROUP_GETTERS = ("get_data_parallel_group", "get_tensor_model_parallel_group",
+                  "get_pipeline_model_parallel_group", "get_model_parallel_group",
+                  "get_embedding_group", "get_position_embedding_group")
+
+
+def _detach_model_groups(model: Any) -> list:
+    """[(module, attribute, mpu getter)] for every process group a module of `model` holds,
+    each attribute set to None."""
+    import torch.distributed as dist
+    from megatron.core import mpu
+
+    known = {}
+    for getter in _GROUP_GETTERS:
+        try:
+            known.setdefault(id(getattr(mpu, getter)()), getter)
+        except (AssertionError, AttributeError, RuntimeError):
+            continue
+    found = []
+    for chunk in model:
+        for module in chunk.modules():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, dist.ProcessGroup):
+                    getter = known.get(id(value))
+                    if getter is None:
+                        raise RuntimeError(f"{type(module).__name__}.{name} holds a process "
+                                           "group that is none of Megatron's: cannot rebuild it")
+                    found.append((module, name, getter))
+                    setattr(module, name, None)
+    return found
+
+
+def _attach_model_groups(found: list) -> None:
+    from megatron.core import mpu
+
+    for module, name, getter in found:
+        setattr(module, name, getattr(mpu, getter)())
+
+
+def _forget_megatron_globals() -> None:
+    import megatron.global_vars as gv
+
+    handler = getattr(gv, "_GLOBAL_SIGNAL_HANDLER", None)
+    if handler is not None:
+        handler.__exit__(None, None, None)  # give SIGTERM back (TTP's handler stays first)
+    writer = getattr(gv, "_GLOBAL_TENSORBOARD_WRITER", None)
+    if writer is not None:
+        writer.close()
+    for name in _MEGATRON_GLOBALS:
+        if hasattr(gv, name):
+            setattr(gv, name, None)
+
+
+def _hold_for_verdict(exc: BaseException) -> bool:
+    """An exception out of Megatron's start-up or `train` with the runtime running: like the
+    decorated `train` does, report it and wait for the controller's verdict (the process ends
+    on the exit order). True when the verdict is another in-memory recovery instead (a fault
+    right after a recovery, while Megatron rebuilds its data loaders, say)."""
+    rt = hooks.RUNTIME
+    if rt is None or not rt.running or getattr(exc, "_ttp_waited", False):
+        return False
+    if RECOVERY.active:
+        _fail_and_wait(exc)
+        return False
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)) and not rt.fault_seen:
+        return False
+    log.error("exception in Megatron's start-up or train(): %r; reporting it and waiting for "
+              "the controller's verdict", exc)
+    hooks._shielded(rt.report_exception, exc)
+    try:
+        hooks._wait_for_verdict(rt)
+    except TTPRecovering:
+        return True
+    return False
+
+
+def _fail_and_wait(exc: BaseException) -> None:
+    """A step of the recovery failed here: say so (the controller falls back to the dying
+    checkpoint), then wait for the exit order like after any fault."""
+    log.error("in-memory recovery failed on this rank: %r", exc)
+    RECOVERY.report_ready(False, f"{type(exc).__name__}: {exc}")
+    RECOVERY.abandon(f"failed here: {exc!r}"[:300])
+    rt = hooks.RUNTIME
+    if rt is not None and rt.running:
+        try:
+            hooks._wait_for_verdict(rt)
+        except TTPRecovering:
+            pass
+
+
+# -- @mega.reuse_on_recovery on get_model ---------------------------------------------------------
+def reuse_on_recovery(get_model: F) -> F:
+    """During a survivor's re-run, `get_model` returns the model the survivor holds."""
+
+    @functools.wraps(get_model)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        rejoin = current()
+        if rejoin is None or rejoin.role != SURVIVOR or rejoin.model_reused:
+            return get_model(*args, **kwargs)
+        rejoin.model_reused = True
+        _adopt_model_arguments(rejoin.args)
+        _attach_model_groups(rejoin.model_groups or [])
+        mirror_model_construction(rejoin.model)
+        return rejoin.model
+
+    wrapper._ttp_reuses_on_recovery = True  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+def _adopt_model_arguments(old: Any) -> None:
+    """What building the model wrote into Megatron's arguments (get_model sets `model_type`,
+    `allow_transformer_engine`): the survivor's previous arguments hold it; the fresh ones lack
+    it. Only absent attributes are taken: everything parsed stays as parsed now."""
+    from megatron import get_args
+
+    args = get_args()
+    for name, value in vars(old).items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+
+
+def mirror_model_construction(model: Any) -> None:
+    """The collectives a model chunk's construction makes, with throw-away copies:
+    `MegatronModule.initialize_word_embeddings` (megatron/model/module.py:102-119) all-reduces
+    the word embeddings between the first and last pipeline stage, and the position embeddings
+    with the split stage. A replacement at either end waits for its peer's part."""
+    import torch
+    from megatron import get_args
+    from megatron.core import mpu
+    from megatron.model import DistributedDataParallel as LocalDDP
+    from megatron.model import Float16Module
+    from megatron.utils import unwrap_model
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    args = get_args()
+    if args.pipeline_model_parallel_size == 1:
+        return
+    chunks = unwrap_model(model, (TorchDDP, LocalDDP, Float16Module))
+    for i, chunk in enumerate(chunks):
+        if len(chunks) > 1:
+            mpu.set_virtual_pipeline_model_parallel_rank(i)
+        if not getattr(chunk, "share_word_embeddings", False):
+            continue
+        if mpu.is_rank_in_embedding_group():
+            torch.distributed.all_reduce(chunk.word_embeddings_weight().data.clone(),
+                                         group=mpu.get_embedding_group())
+        if mpu.is_rank_in_position_embedding_group() and \
+                args.pipeline_model_parallel_split_rank is not None:
+            weight = chunk.language_model.embedding.position_embeddings.weight
+            torch.distributed.all_reduce(weight.data.clone(),
+                                         group=mpu.get_position_embedding_group())
+
+
+def kept_optimizer() -> Any:
+    """The survivor's optimizer, once, for ReplicatedOptimizer.__new__ during its re-run."""
+    rejoin = current()
+    if rejoin is None or rejoin.role != SURVIVOR or rejoin.optimizer_reused:
+        return None
+    rejoin.optimizer_reused = True
+    return rejoin.optimizer

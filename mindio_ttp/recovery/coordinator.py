@@ -1,0 +1,172 @@
+"""The controller's side of an in-memory recovery: order it, wait for every rank, commit.
+
+The flow (control/flow.py) calls `run` from its thread once `plan_recovery` said yes; the
+controller's I/O thread calls `ready`, `replace_status`, `replacement_registered` and `fault`,
+always holding the controller's condition. `run` returns whether the recovery committed; when
+it did not, the flow goes on to the dying checkpoint of the same step (the survivors never
+changed their optimizer state), and `reason` says why.
+
+The new world's rendezvous store is a TCPStore this controller hosts, kept alive until the next
+recovery replaces it or the controller stops: the new default group's later `new_group` calls
+and the fault-id agreement use it, as the first world used torch's agent store. (COORD
+interface 1's AuthStore cannot stand in here yet: Megatron 285068c initialises its default
+group with env://, which only reaches a TCPStore at MASTER_ADDR:MASTER_PORT.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, Optional, Set, Tuple
+
+from mindio_ttp.config import TTPConfig
+from mindio_ttp.control import protocol as P
+from mindio_ttp.control.roster import Roster
+from mindio_ttp.recovery.decision import IN_MEMORY, RecoveryPlan
+from mindio_ttp.recovery.rank import RECOVERY
+
+log = logging.getLogger("mindio_ttp.controller")
+
+
+class RecoveryCoordinator:
+    def __init__(self, cfg: TTPConfig, world_size: int, name: str, cond: threading.Condition,
+                 roster: Roster, outbox: Any, address: Callable[[], Tuple[str, int]]) -> None:
+        self.cfg, self.world_size, self.name = cfg, world_size, name
+        self._cond = cond
+        self._ranks = roster
+        self._out = outbox
+        self._address = address
+        self._store: Any = None  # the current world's rendezvous store (kept alive)
+        self.recovery_id = 0
+        self._plan: Optional[RecoveryPlan] = None
+        self._ready: Dict[int, P.RecoverReady] = {}
+        self._failed = ""
+        self.timeline: Dict[str, float] = {}
+
+    def preload(self) -> None:
+        """Import torch.distributed now, if this controller may order a recovery (it hosts the
+        new world's TCPStore): the import holds the GIL for seconds, which inside a flow would
+        starve the controller's I/O thread and make live ranks look hung."""
+        if self.cfg.recovery == IN_MEMORY and self.cfg.replacements:
+            import torch.distributed  # noqa: F401
+
+    # -- called by the controller's I/O thread, holding the condition ---------------------------
+    @property
+    def expecting(self) -> Set[int]:
+        """Lost ranks whose replacement may register now."""
+        return set(self._plan.lost) if self._plan is not None else set()
+
+    def replacement_registered(self, rank: int) -> None:
+        log.info("%s: replacement for rank %d registered", self.name, rank)
+        self.timeline.setdefault(f"registered-{rank}", time.monotonic())
+
+    def ready(self, msg: P.RecoverReady, rank: int) -> None:
+        if self._plan is None or msg.recovery_id != self.recovery_id:
+            return
+        self._ready[rank] = msg
+        if not msg.ok and not self._failed:
+            self._failed = f"rank {rank} failed the recovery: {msg.detail}"
+        self._cond.notify_all()
+
+    def replace_status(self, msg: P.ReplaceStatus) -> None:
+        if self._plan is None or msg.recovery_id != self.recovery_id:
+            return
+        log.info("%s: replacement of rank %d: %s (pid %d) %s", self.name, msg.rank, msg.state,
+                 msg.pid, msg.detail)
+        if msg.state == "started":
+            self.timeline.setdefault(f"started-{msg.rank}", time.monotonic())
+        elif not self._failed:
+            self._failed = (f"the replacement for rank {msg.rank} {msg.state}: "
+                            f"{msg.detail or 'no detail'}")
+            self._cond.notify_all()
+
+    def fault(self, desc: str) -> None:
+        """Another fault while recovering: give the recovery up (the dying checkpoint next)."""
+        if self._plan is not None and not self._failed:
+            self._failed = f"another fault during the recovery: {desc}"
+            self._cond.notify_all()
+
+    # -- the flow's thread ----------------------------------------------------------------------
+    def run(self, flow_id: int, plan: RecoveryPlan) -> Tuple[bool, str]:
+        """Order the recovery of `plan` and wait (bounded) for every rank's READY."""
+        cfg = self.cfg
+        self.recovery_id = RECOVERY.epoch + 1  # the job's count: survivors agree on it
+        rid = self.recovery_id
+        ctl_host, ctl_port = self._address()
+        store, port = host_store(ctl_host, cfg.recover_timeout)
+        address, controller = format_address(ctl_host, port), format_address(ctl_host, ctl_port)
+        with self._cond:
+            self._plan, self._ready, self._failed = plan, {}, ""
+            self.timeline = {"ordered": time.monotonic()}
+            for r in plan.lost:  # a raising (still connected) lost rank: no longer a member
+                info = self._ranks.get(r)
+                if info is not None and info.status == "alive":
+                    self._ranks.set_status(info, "replaced", f"replaced in recovery {rid}")
+        previous, self._store = self._store, store  # the old world's store can go now
+        del previous
+        log.warning("%s: recovering in memory (recovery %d): step %d, replacing %s from %s; "
+                    "new world on %s", self.name, rid, plan.step, list(plan.lost),
+                    [plan.partners[r] for r in plan.lost], address)
+        self._out.send_many(list(plan.survivors),
+                            P.RecoverOrder(flow_id, rid, plan.step, list(plan.lost), address,
+                                           cfg.recover_timeout))
+        for lost in plan.lost:
+            self._out.send(plan.relays[lost],
+                           P.ReplaceOrder(rid, flow_id, lost, plan.step, list(plan.lost),
+                                          address, controller, cfg.recover_timeout))
+        ok, why = self._wait_all_ready(cfg.recover_timeout)
+        with self._cond:
+            self._plan = None
+        if not ok:
+            log.error("%s: recovery %d abandoned: %s", self.name, rid, why)
+            return False, why
+        self._out.send_many(list(range(self.world_size)), P.RecoverCommit(rid))
+        self._out.flush(2.0)
+        self.timeline["committed"] = time.monotonic()
+        took = self.timeline["committed"] - self.timeline["ordered"]
+        log.warning("%s: recovery %d committed in %.2f s: training goes on from step %d",
+                    self.name, rid, took, plan.step)
+        return True, f"recovered in memory to step {plan.step} in {took:.2f} s"
+
+    def _wait_all_ready(self, timeout: float) -> Tuple[bool, str]:
+        deadline = time.monotonic() + timeout
+        everyone = set(range(self.world_size))
+        with self._cond:
+            while True:
+                if self._failed:
+                    return False, self._failed
+                if set(self._ready) >= everyone:
+                    return True, ""
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(everyone - set(self._ready))
+                    return False, (f"ranks {missing[:16]} not ready within TTP_RECOVER_TIMEOUT="
+                                   f"{timeout:g} s")
+                self._cond.wait(left)
+
+    def close(self) -> None:
+        self._store = None
+
+
+def host_store(ip: str, timeout: float) -> Tuple[Any, int]:
+    """A TCPStore server for a new world, on a free port of this controller's address; it
+    serves as long as the object lives."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    return store, int(store.port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_address(text: str) -> Tuple[str, int]:
+    """"host:port" or "[v6]:port"; ValueError with what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"store address {text[:80]!r} is not host:port")
+    return host.strip("[]"), int(port)

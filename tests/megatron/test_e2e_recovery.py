@@ -1,0 +1,248 @@
+"""In-memory recovery on real Megatron-LM 285068c (docs/recovery.md): a fault mid-training, the
+survivors stay up, ttprun starts a replacement, the replacement is refilled from its replica
+partner, and the job ends as an uninterrupted run would: same printed losses, bit-identical
+final checkpoint, exit 0, and no checkpoint written or read for the recovery. When the recovery
+cannot finish, the job falls back to the dying checkpoint, bit-identical to Megatron's own save
+of that step. Needs TTP_MEGATRON_DIR.
+
+Step arithmetic as in test_e2e_dying_checkpoint.py: a fault in the forward step of iteration k
+("before") leaves every survivor at k-1, so the recovery rolls back to k-1 and redoes k.
+Every run here evaluates every 3 iterations (2 batches), like its reference, which also saves
+every iteration, so a dying checkpoint of any step has Megatron's own save to be compared with.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pytest
+from megatron_e2e import N_ITERS, run_job, tracker_step
+
+from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
+from mindio_ttp.megatron_ttp import manifest
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+IN_MEMORY = {"TTP_RECOVERY": "in-memory", "TTP_RECOVER_TIMEOUT": "90"}
+EVAL = ["--eval-interval", "3", "--eval-iters", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+_COMMITTED = re.compile(r"recovery (\d+) committed in ([0-9.]+) s: training goes on from step "
+                        r"(\d+)")
+_ABANDONED = re.compile(r"recovery (\d+) abandoned: (.*)")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("recovery")
+
+
+def _reference(tree, data, work: Path, name: str, tp: int = 1, extra: Sequence[str] = ()):
+    """N uninterrupted iterations, saved at every one."""
+    ckpt = work / f"{name}_ckpt"
+    result = run_job(tree, data, work / f"{name}.log", ckpt, tp=tp, save_interval=1,
+                     extra=[*EVAL, *extra])
+    assert result.returncode == 0, result.tail()
+    assert sorted(result.losses) == list(range(1, N_ITERS + 1))
+    return result, ckpt
+
+
+@pytest.fixture(scope="module")
+def reference(patched_megatron_tree, tiny_dataset, work):
+    return _reference(patched_megatron_tree, tiny_dataset, work, "ref")
+
+
+@pytest.fixture(scope="module")
+def reference_tp2(patched_megatron_tree, tiny_dataset, work):
+    return _reference(patched_megatron_tree, tiny_dataset, work, "ref_tp2", tp=2)
+
+
+@pytest.fixture(scope="module")
+def reference_pp2(patched_megatron_tree, tiny_dataset, work):
+    return _reference(patched_megatron_tree, tiny_dataset, work, "ref_pp2", extra=PP2)
+
+
+def recover(tree, data, work: Path, name: str, plan: str, *,
+            env: Optional[Dict[str, str]] = None, tp: int = 1, extra: Sequence[str] = (),
+            save_interval: int = 10_000):
+    ckpt = work / f"{name}_ckpt"
+    result = run_job(tree, data, work / f"{name}.log", ckpt, plan=plan, tp=tp,
+                     save_interval=save_interval, extra=[*EVAL, *extra],
+                     env_extra={**IN_MEMORY, **(env or {})}, timeout_s=420)
+    return result, ckpt
+
+
+def commits(log: str) -> List[Tuple[int, float, int]]:
+    """[(recovery id, seconds, step)] of every committed recovery, in order."""
+    return [(int(a), float(b), int(c)) for a, b, c in _COMMITTED.findall(log)]
+
+
+def assert_recovered_like_reference(result, ckpt: Path, reference, steps: List[int],
+                                    also: Sequence[int] = ()) -> None:
+    """Exit 0 after `len(steps)` recoveries to those steps; same printed losses as the
+    reference; final checkpoint (and the periodic ones in `also`) bit-identical to its."""
+    ref_result, ref_ckpt = reference
+    assert result.returncode == 0, result.tail(8000)
+    assert [s for _, _, s in commits(result.log)] == steps, result.tail(8000)
+    assert not _ABANDONED.search(result.log)
+    assert result.losses == ref_result.losses, (result.losses, ref_result.losses)
+    # nothing written for the recovery (no dying checkpoint), nothing read (no load)
+    assert tracker_step(ckpt) == N_ITERS
+    assert "loading checkpoint from" not in result.log
+    assert not list(ckpt.glob(".ttp_tmp_*"))
+    for it in (*also, N_ITERS):
+        comparison = compare_checkpoints(ckpt, ref_ckpt, it)
+        assert comparison.bit_exact, f"iteration {it}: {comparison.summary()}"
+
+
+def assert_fell_back(result, ckpt: Path, reference, step: int, why: str) -> None:
+    """The recovery was abandoned for `why`; the dying checkpoint of `step` was saved instead,
+    bit-identical to Megatron's own save of it, and marked latest."""
+    assert result.returncode != 0
+    abandoned = _ABANDONED.search(result.log)
+    assert abandoned and why in abandoned.group(2), result.tail(8000)
+    assert f"falling back to the dying checkpoint of step {step}" in result.log
+    assert tracker_step(ckpt) == step, result.tail(8000)
+    assert manifest.verify(ckpt / manifest.iter_dir_name(step),
+                           manifest.ParallelLayout(1, 1, 4)) is None
+    comparison = compare_checkpoints(ckpt, reference[1], step)
+    assert comparison.bit_exact, comparison.summary()
+
+
+# -- recoveries ------------------------------------------------------------------------------------
+def test_dp4_sigkill_recovers_in_memory_bit_exact(reference, patched_megatron_tree,
+                                                   tiny_dataset, work):
+    """SIGKILL of rank 1 in the forward step of 5: rolled back to 4, rank 1 replaced by a cold
+    process refilled from rank 3 (its partner), 5..10 redone."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "dp4_kill",
+                           "1:5:sigkill:before")
+    assert_recovered_like_reference(result, ckpt, reference, steps=[4])
+    assert "ttprun: rank 1 (local 1) replaced by pid" in result.log
+    assert "refilled from [3]" in result.log
+    seconds = commits(result.log)[0][1]
+    print(f"recovery committed {seconds:.2f} s after the order (cold replacement, loaded VM)")
+
+
+def test_tp2_dp2_recovers_bit_exact(reference_tp2, patched_megatron_tree, tiny_dataset, work):
+    """Rank 3 (tensor rank 1 of DP group 1) killed: refilled from rank 1."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "tp2_kill",
+                           "3:5:sigkill:before", tp=2)
+    assert_recovered_like_reference(result, ckpt, reference_tp2, steps=[4])
+    assert "refilled from [1]" in result.log
+
+
+def test_pp2_dp2_recovers_bit_exact(reference_pp2, patched_megatron_tree, tiny_dataset, work):
+    """Rank 1 (first pipeline stage) killed: the last stage's rank 3 mirrors the embedding
+    all-reduce of the replacement's model construction; refilled from rank 0."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "pp2_kill",
+                           "1:5:sigkill:before", extra=PP2)
+    assert_recovered_like_reference(result, ckpt, reference_pp2, steps=[4])
+    assert "refilled from [0]" in result.log
+
+
+@pytest.mark.parametrize("seed, plan", [(1, "1:5:sigkill:anytime"), (2, "3:6:sigkill:anytime")])
+def test_a_kill_at_a_random_instant_recovers_bit_exact(seed, plan, reference,
+                                                       patched_megatron_tree, tiny_dataset,
+                                                       work):
+    """Wherever the timer lands (a collective, the update window, the param all-gather, the
+    logging): every survivor is clean at one step, the one the dying checkpoint would save."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"anytime{seed}", plan,
+                           env={"TTP_FAULT_SEED": str(seed)})
+    step = int(plan.split(":")[1])
+    [(_, _, rolled_back)] = commits(result.log)
+    assert rolled_back in (step - 1, step)
+    assert_recovered_like_reference(result, ckpt, reference, steps=[rolled_back])
+
+
+def test_faults_during_evaluation_and_a_periodic_save_recover_bit_exact(
+        reference, patched_megatron_tree, tiny_dataset, work):
+    """Rank 1 killed in the evaluation after step 6, later rank 2 inside Megatron's periodic
+    save of 9 (once it wrote its first file): each recovery goes on from that step, and the
+    periodic saves the faults cut short (6 and 9) are written again, equal to the reference's."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "eval_save",
+                           "1:6:sigkill:eval,2:9:sigkill:periodic-save", save_interval=3)
+    assert_recovered_like_reference(result, ckpt, reference, steps=[6, 9], also=(3, 6, 9))
+    assert "during the evaluation after step 6" in result.log
+    assert "during the periodic save of step 9" in result.log
+
+
+def test_a_second_fault_right_after_a_recovery_is_recovered_too(reference,
+                                                                 patched_megatron_tree,
+                                                                 tiny_dataset, work):
+    """Rank 1 killed at 5, then rank 2 at 6, the first step after the recovery."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "twice",
+                           "1:5:sigkill:before,2:6:sigkill:before")
+    assert_recovered_like_reference(result, ckpt, reference, steps=[4, 5])
+    assert [rid for rid, _, _ in commits(result.log)] == [1, 2]
+
+
+def test_rank0_lost_the_standby_controller_recovers(reference, patched_megatron_tree,
+                                                    tiny_dataset, work):
+    """Rank 0 hosts the controller: a standby takes over and runs the recovery; rank 0's
+    replacement registers with it (not on port 8000) and starts no controller of its own."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "rank0",
+                           "0:5:sigkill:before")
+    assert_recovered_like_reference(result, ckpt, reference, steps=[4])
+    assert re.search(r"standby controller@rank\d: recovery 1 committed", result.log)
+    assert "ttp_start_controller after an in-memory recovery" in result.log
+
+
+def test_an_exception_and_a_hang_are_recovered(reference, patched_megatron_tree, tiny_dataset,
+                                               work):
+    """Rank 2 raises in the forward step of 5: its process is replaced (the launcher ends it).
+    Later rank 3 stops (SIGSTOP): seen after TTP_HEARTBEAT_TIMEOUT, killed, replaced."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "exc_hang",
+                           "2:5:exception:before,3:8:sigstop:before",
+                           env={"TTP_HEARTBEAT_TIMEOUT": "6"})
+    assert_recovered_like_reference(result, ckpt, reference, steps=[4, 7])
+    assert "rank 2 reported exception: InjectedFault" in result.log
+    assert "rank 3 hung" in result.log
+
+
+# -- fallbacks: never worse than the dying checkpoint ----------------------------------------------
+def test_a_replacement_that_dies_at_start_falls_back(reference, patched_megatron_tree,
+                                                     tiny_dataset, work):
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "fb_dead",
+                           "1:5:sigkill:before,1:4:sigkill:replacement")
+    assert_fell_back(result, ckpt, reference, 4, "the replacement for rank 1 exited")
+
+
+def test_a_recovery_past_its_bound_falls_back(reference, patched_megatron_tree, tiny_dataset,
+                                              work):
+    """The replacement hangs (SIGSTOP) before it imports anything: TTP_RECOVER_TIMEOUT runs
+    out; the survivors save from where they wait for it (outside the old world)."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "fb_timeout",
+                           "1:5:sigkill:before,1:4:sigstop:replacement",
+                           env={"TTP_RECOVER_TIMEOUT": "20"})
+    assert_fell_back(result, ckpt, reference, 4, "not ready within TTP_RECOVER_TIMEOUT=20 s")
+
+
+def test_a_second_fault_during_the_recovery_falls_back(reference, patched_megatron_tree,
+                                                       tiny_dataset, work):
+    """Rank 2 dies as it starts refilling: its partner (0) and rank 1's (3) save step 4."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "fb_second",
+                           "1:5:sigkill:before,2:4:sigkill:refill")
+    assert_fell_back(result, ckpt, reference, 4, "another fault during the recovery")
+
+
+def test_a_refill_that_differs_from_its_holder_falls_back(reference, patched_megatron_tree,
+                                                          tiny_dataset, work):
+    """One value of what rank 1's replacement received is changed: the hash check catches it
+    on every rank before the weights are rebuilt, and the holders' state is saved."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "fb_corrupt",
+                           "1:5:sigkill:before", env={"TTP_FAULT_CORRUPT_REFILL": "1"})
+    assert "FAULT: corrupted the refill" in result.log
+    assert_fell_back(result, ckpt, reference, 4, "stripe 1 differs between ranks [1, 3]")
+
+
+def test_both_holders_of_a_shard_lost_is_the_dying_checkpoints_refusal(
+        patched_megatron_tree, tiny_dataset, work):
+    """Ranks 1 and 3 (both holders of shard 1) killed together: nothing to refill from, and
+    nothing consistent to save: exit 84 as without the recovery; the periodic 3 stays latest."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "fb_both",
+                           "1:5:sigkill:before,3:5:sigkill:before", save_interval=3)
+    assert result.returncode != 0
+    assert "no in-memory recovery (only 2 of 4 ranks survive" in result.log
+    assert "no step had a clean copy of every shard" in result.log
+    assert tracker_step(ckpt) == 3
