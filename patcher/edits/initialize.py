@@ -1,5 +1,5 @@
-"""Edits 6.1-6.2 (ttp-patch's, not the guide's): megatron/initialize.py takes its process-group
-timeout from the runtime.
+"""Edits 6.1-6.3 (ttp-patch's, not the guide's): megatron/initialize.py takes its process-group
+timeout (6.2) and, during an in-memory recovery, its rendezvous store (6.3) from the runtime.
 
 Megatron-LM 285068c hard-codes 10 minutes (`_initialize_distributed`, lines 174-177) and has no
 `--distributed-timeout-minutes` yet, so with TTP_OT of 10 minutes or more the NCCL watchdog
@@ -11,7 +11,7 @@ otherwise. The patched call keeps Megatron's 10 minutes unless TTP_OT needs more
 from __future__ import annotations
 
 import ast
-from typing import Optional
+from typing import Optional, Tuple
 
 import libcst as cst
 
@@ -97,4 +97,53 @@ def _wrap(stmt: cst.BaseStatement) -> cst.BaseStatement:
     return stmt.visit(Wrap())
 
 
-EDITS = [ImportGlue(), TimeoutFromRuntime()]
+def _store_arg(stmt: cst.BaseStatement) -> Tuple[bool, Optional[ast.expr]]:
+    """(is one call, its `store=` expression)."""
+    tree = ast.parse(EMPTY_MODULE.code_for_node(stmt))
+    call = tree.body[0].value if isinstance(tree.body[0], ast.Expr) else None
+    if not isinstance(call, ast.Call):
+        return False, None
+    return True, next((kw.value for kw in call.keywords if kw.arg == "store"), None)
+
+
+class StoreFromRuntime(Edit):
+    """`store=mega.process_group_store()` on the one `init_process_group` call: None (torch's
+    env:// rendezvous, as without it) except while a survivor runs Megatron's start-up again in
+    an in-memory recovery, or a replacement runs it for the first time: then the recovery's
+    namespace of the authenticated store (control/authstore.py), which env:// cannot reach."""
+
+    id = "initialize/pg-store"
+    number = "6.3"
+    file = FILE
+    scope = "_initialize_distributed"
+    anchor = TimeoutFromRuntime.anchor
+    summary = "rendezvous store from the runtime in a recovery (ttp-patch's, not the guide's)"
+
+    def anchor_text(self) -> str:
+        return "torch.distributed.init_process_group(...)"
+
+    def assess(self, module: cst.Module, index: FileIndex, opts: Options) -> Assessment:
+        calls = [s for s in index.simple(self.scope) if index.shape(s.stmt) == _CALL_SHAPE]
+        if len(calls) != 1:
+            how = "not found" if not calls else f"found {len(calls)} times"
+            return Assessment(State.DRIFTED, f"init_process_group(...) {how} {where(self.scope)}")
+        site = calls[0]
+        _, store = _store_arg(site.stmt)
+        if store is None:
+            return Assessment(State.MISSING, ops=[Op(site.block, site.index, rewrite=_add_store)])
+        if ast.unparse(store) == f"{_STORE_CALL}()":
+            return Assessment(State.APPLIED)
+        return Assessment(State.DRIFTED, f"{where(self.scope)}: init_process_group already has "
+                          f"store={ast.unparse(store)}, not {_STORE_CALL}()")
+
+
+_STORE_CALL = "mega.process_group_store"
+
+
+def _add_store(stmt: cst.BaseStatement) -> cst.BaseStatement:
+    from .rewrites import StoreFromRuntime as Add
+
+    return stmt.visit(Add())
+
+
+EDITS = [ImportGlue(), TimeoutFromRuntime(), StoreFromRuntime()]
