@@ -76,8 +76,8 @@ def load_in_memory(model, optimizer, scheduler) -> int:
     optimizer._gathered_step = -1
     stripes = verify_stripes(optimizer)
     _rebuild_weights(optimizer, args)
-    optimizer.record_loaded_step(step, scheduler)
     digest = verify_replicas(model, optimizer, scheduler, step, stripes)
+    optimizer.record_loaded_step(step, scheduler)  # the weights are step's: checked
     RECOVERY.machine.transition_to(S.READY)
     RECOVERY.report_ready(True, "", digest)
     ok, why = RECOVERY.wait_commit(order.deadline_s + 30.0)

@@ -152,7 +152,7 @@ def in_memory_recovery(pretrain: F) -> F:
 
 
 def _survivor_leaves_the_world() -> Rejoin:
-    """Stop, destroy every group, forget Megatron's globals, point env:// at the new store."""
+    """Stop, destroy every group, forget Megatron's globals: the re-run builds anew."""
     order = RECOVERY.order
     assert order is not None and RECOVERY.machine.state is S.ORDERED, RECOVERY.machine.state
     RECOVERY.machine.transition_to(S.STOPPING, "left train()")
