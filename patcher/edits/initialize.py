@@ -11,12 +11,12 @@ otherwise. The patched call keeps Megatron's 10 minutes unless TTP_OT needs more
 from __future__ import annotations
 
 import ast
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import libcst as cst
 
 from ..options import Options
-from .base import Assessment, Edit, FileIndex, InsertAfterAnchor, Op, State, where
+from .base import Assessment, Edit, FileIndex, InsertAfterAnchor, Op, Site, State, where
 from .statements import EMPTY_MODULE
 
 FILE = "megatron/initialize.py"
@@ -69,11 +69,9 @@ class TimeoutFromRuntime(Edit):
         return "torch.distributed.init_process_group(..., timeout=timedelta(...))"
 
     def assess(self, module: cst.Module, index: FileIndex, opts: Options) -> Assessment:
-        calls = [s for s in index.simple(self.scope) if index.shape(s.stmt) == _CALL_SHAPE]
-        if len(calls) != 1:
-            how = "not found" if not calls else f"found {len(calls)} times"
-            return Assessment(State.DRIFTED, f"init_process_group(...) {how} {where(self.scope)}")
-        site = calls[0]
+        site = _the_call(index, self.scope)
+        if isinstance(site, Assessment):
+            return site
         timeout = _timeout_arg(site.stmt)
         if (isinstance(timeout, ast.Call) and ast.unparse(timeout.func) == _RUNTIME_CALL
                 and len(timeout.args) == 1 and _is_timedelta(timeout.args[0])):
@@ -88,6 +86,15 @@ class TimeoutFromRuntime(Edit):
 
 
 _CALL_SHAPE = "call torch.distributed.init_process_group"
+
+
+def _the_call(index: FileIndex, scope: Optional[str]) -> Union[Site, Assessment]:
+    """The one `init_process_group(...)` statement of `scope`, or why the edit drifted."""
+    calls = [s for s in index.simple(scope) if index.shape(s.stmt) == _CALL_SHAPE]
+    if len(calls) != 1:
+        how = "not found" if not calls else f"found {len(calls)} times"
+        return Assessment(State.DRIFTED, f"init_process_group(...) {how} {where(scope)}")
+    return calls[0]
 _RUNTIME_CALL = "mega.process_group_timeout"
 
 
@@ -123,11 +130,9 @@ class StoreFromRuntime(Edit):
         return "torch.distributed.init_process_group(...)"
 
     def assess(self, module: cst.Module, index: FileIndex, opts: Options) -> Assessment:
-        calls = [s for s in index.simple(self.scope) if index.shape(s.stmt) == _CALL_SHAPE]
-        if len(calls) != 1:
-            how = "not found" if not calls else f"found {len(calls)} times"
-            return Assessment(State.DRIFTED, f"init_process_group(...) {how} {where(self.scope)}")
-        site = calls[0]
+        site = _the_call(index, self.scope)
+        if isinstance(site, Assessment):
+            return site
         _, store = _store_arg(site.stmt)
         if store is None:
             return Assessment(State.MISSING, ops=[Op(site.block, site.index, rewrite=_add_store)])
