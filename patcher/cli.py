@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         )
         return sp
 
-    sp = add("apply", "apply the guide's 14 edits and ttp-patch's 6, write the script")
+    sp = add("apply", "apply the guide's 14 edits and ttp-patch's 7, write the script")
     sp.add_argument(
         "--device",
         choices=devices,

@@ -228,7 +228,6 @@ class Controller:
 
     def start(self) -> None:
         assert self._listener is not None, "listen() first"
-        self.flow.recovery.preload()
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
         self.sm.transition_to(S.STANDBY if self.standby else S.SERVING,
@@ -262,7 +261,6 @@ class Controller:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
         self._close_all()
-        self.flow.recovery.close()
 
     def flush(self, timeout: float) -> bool:
         return self._outbox.flush(timeout)

@@ -115,7 +115,7 @@ class Flow:
         self._preempted = False
         self.known_hosts: Dict[int, str] = {}  # hosts of ranks that never registered here
         self.recovery = RecoveryCoordinator(cfg, world_size, name, lock, roster, outbox,
-                                            address or (lambda: ("", 0)))
+                                            address or (lambda: ("", 0)), close_store)
 
     # -- called by the controller's I/O thread, holding `lock` ----------------------------------
     def fault(self, desc: str, promoted: bool = False, rank: Optional[int] = None,

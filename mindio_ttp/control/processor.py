@@ -33,7 +33,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome, TTPConfig
+from mindio_ttp.config import ENV_RECOVERY_JOIN, FLOW_FINISHED_FILE, Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.flow_record import FlowRecord
@@ -43,8 +43,7 @@ from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 from mindio_ttp.launch import replace as R
-from mindio_ttp.recovery.coordinator import parse_address
-from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder
+from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, RecoveryOrder
 
 log = logging.getLogger("mindio_ttp.processor")
 
@@ -513,10 +512,8 @@ class Processor:
         """Ask this host's launcher for a replacement of rank `m.rank`, and forward what it
         answers until the recovery ends."""
         order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous,
-                              m.controller, m.deadline)
-        host, port = parse_address(m.rendezvous)
-        env = {"MASTER_ADDR": host, "MASTER_PORT": str(port),
-               "TTP_RECOVERY_JOIN": order.to_env(m.rank)}
+                              m.controller, m.deadline, REPLACEMENT, tuple(m.dp_ranks))
+        env = {ENV_RECOVERY_JOIN: order.to_env(m.rank)}
         run_dir = self.cfg.run_dir
         if not run_dir:
             self._send(P.ReplaceStatus(m.recovery_id, m.rank, R.FAILED, 0,

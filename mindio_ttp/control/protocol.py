@@ -524,17 +524,18 @@ class StoreReply(Message):
 
 
 # -- in-memory recovery (docs/recovery.md) ------------------------------------------------------
-# "host:port" as recovery.coordinator.format_address writes it
+# "host:port" as recovery.coordinator.format_address writes it (the acting controller)
 ADDRESS = text(80, r"(?:\[[0-9A-Fa-f:.]+\]|[0-9.]+):[0-9]{1,5}")
 REPLACE_STATES = ("started", "exited", "failed")
 
 
 @_message(40, flow_id=NONNEG, recovery_id=ints(1, 2**62), step=ints(0, MAX_STEP), lost=ranks,
-          rendezvous=ADDRESS, deadline=seconds)
+          rendezvous=NAMESPACE, deadline=seconds)
 @dataclass
 class RecoverOrder(Message):
-    """Controller → every survivor: leave the step, roll back to `step`, rejoin the world on the
-    TCPStore at `rendezvous` ("host:port"); `lost` are replaced; READY is awaited `deadline` s."""
+    """Controller → every survivor: leave the step, roll back to `step`, rejoin the world on
+    the authenticated store's namespace `rendezvous`; `lost` are replaced; READY is awaited
+    `deadline` s."""
     flow_id: int
     recovery_id: int
     step: int
@@ -544,12 +545,14 @@ class RecoverOrder(Message):
 
 
 @_message(41, recovery_id=ints(1, 2**62), flow_id=NONNEG, rank=RANK, step=ints(0, MAX_STEP),
-          lost=ranks, rendezvous=ADDRESS, controller=ADDRESS, deadline=seconds)
+          lost=ranks, rendezvous=NAMESPACE, controller=ADDRESS, deadline=seconds,
+          dp_ranks=ranks)
 @dataclass
 class ReplaceOrder(Message):
     """Controller → one survivor on the lost rank's host: ask that host's launcher (through
     this rank's TTP_RUN_DIR) to start a replacement for `rank`; `controller` is the acting
-    controller's "host:port", where the replacement registers."""
+    controller's "host:port", where the replacement registers (with `dp_ranks`, the lost
+    rank's DP group) before it joins the new world on `rendezvous`."""
     recovery_id: int
     flow_id: int
     rank: int
@@ -558,6 +561,7 @@ class ReplaceOrder(Message):
     rendezvous: str
     controller: str
     deadline: float
+    dp_ranks: List[int]
 
 
 @_message(42, recovery_id=ints(1, 2**62), rank=RANK, state=one_of(*REPLACE_STATES),

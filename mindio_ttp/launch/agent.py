@@ -271,6 +271,7 @@ class TTPElasticAgent(LocalElasticAgent):
         if marker.exists():
             marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
         shutil.rmtree(self._run_dir / RUNTIME_STARTED_DIR, ignore_errors=True)  # per attempt
+        self._replacements = self._replacements.fresh()  # a new attempt counts recoveries anew
         self._attempt += 1
         if self._takeover is None or self._takeover.assignment is None:
             return super()._start_workers(worker_group)

@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -161,6 +162,12 @@ class ReplacementDesk:
         self.foreign = foreign
         self._done: Dict[str, Optional[subprocess.Popen]] = {}  # request name -> its process
         self._exit_reported: set = set()
+
+    def fresh(self) -> ReplacementDesk:
+        """The desk for a restarted worker group: its recoveries are numbered from 1 again,
+        so the previous attempt's requests and statuses go."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return ReplacementDesk(self.dir.parent, self.starters)
 
     def serve(self, pcontext: Any, workers: Sequence[Any]) -> List[int]:
         """Start a replacement for every new request; report replacements that exited.

@@ -24,6 +24,7 @@ __all__ = [
     "rename_save_result",
     "in_memory_recovery",
     "reuse_on_recovery",
+    "process_group_store",
     "process_group_timeout",
 ]
 
@@ -50,7 +51,7 @@ def __getattr__(name: str) -> Any:
         from mindio_ttp.megatron_ttp.save import rename_save_result
 
         return rename_save_result
-    if name in ("in_memory_recovery", "reuse_on_recovery"):
+    if name in ("in_memory_recovery", "reuse_on_recovery", "process_group_store"):
         from mindio_ttp.megatron_ttp import rejoin
 
         return getattr(rejoin, name)

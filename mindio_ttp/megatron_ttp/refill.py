@@ -41,7 +41,7 @@ from megatron.optimizer.distrib_optimizer import DistributedOptimizer
 from mindio_ttp.control import hooks
 from mindio_ttp.megatron_ttp import rejoin, transfer
 from mindio_ttp.recovery.machine import RecoveryState as S
-from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT
+from mindio_ttp.recovery.rank import RECOVERY
 from mindio_ttp.recovery.verify import check_digests
 
 log = logging.getLogger("mindio_ttp.recovery")
@@ -59,8 +59,6 @@ def load_in_memory(model, optimizer, scheduler) -> int:
     step, lost = order.step, set(order.lost)
     me = dist.get_rank()
     RECOVERY.machine.transition_to(S.REFILLING, f"step {step}")
-    if job.role == REPLACEMENT:
-        _start_processor(optimizer, order.controller)
     if me in lost:
         _apply(transfer.recv_tree(optimizer.partner_rank, optimizer.pair_group), model,
                optimizer, scheduler, args)
@@ -78,8 +76,8 @@ def load_in_memory(model, optimizer, scheduler) -> int:
     optimizer._gathered_step = -1
     stripes = verify_stripes(optimizer)
     _rebuild_weights(optimizer, args)
-    optimizer.record_loaded_step(step, scheduler)
     digest = verify_replicas(model, optimizer, scheduler, step, stripes)
+    optimizer.record_loaded_step(step, scheduler)  # the weights are step's: checked
     RECOVERY.machine.transition_to(S.READY)
     RECOVERY.report_ready(True, "", digest)
     ok, why = RECOVERY.wait_commit(order.deadline_s + 30.0)
@@ -97,17 +95,6 @@ def load_in_memory(model, optimizer, scheduler) -> int:
     log.warning("rank %d: in-memory recovery %d done (%s): training goes on from step %d", me,
                 order.recovery_id, job.role, step + 1)
     return step
-
-
-def _start_processor(optimizer, controller: str) -> None:
-    """A replacement joins the control plane at the acting controller (maybe a standby)."""
-    from mindio_ttp import framework_ttp as ttp
-    from mindio_ttp.recovery.coordinator import parse_address
-
-    dp_ranks = list(optimizer.dp_ranks)
-    ttp.ttp_init_processor(dist.get_rank(), dp_ranks, len(dp_ranks), dist.get_world_size(),
-                           len(dp_ranks) // 2, False)
-    ttp.start_processor_at(*parse_address(controller))
 
 
 # -- the replica partner's side -------------------------------------------------------------------

@@ -5,9 +5,11 @@ Two decorators, put on the patched tree by ttp-patch (edits R.1, R.2):
 
 * `@mega.in_memory_recovery` on `pretrain`: runs it; when the decorated `train` raises
   `TTPRecovering` (the controller ordered a recovery), stops this process's device work,
-  destroys every process group, forgets Megatron's global state and runs `pretrain` again with
-  `MASTER_ADDR`/`MASTER_PORT` naming the recovery's store. In a replacement process
-  (``TTP_RECOVERY_JOIN`` set by the launcher) the first run already is the recovery's.
+  destroys every process group, forgets Megatron's global state and runs `pretrain` again,
+  whose `init_process_group` then rendezvous on the recovery's namespace of the authenticated
+  store (`mega.process_group_store`, edit 6.3). In a replacement process (``TTP_RECOVERY_JOIN``
+  set by the launcher) the first run already is the recovery's; it registers with the acting
+  controller first, so it can reach that store.
 * `@mega.reuse_on_recovery` on `get_model`: during a survivor's re-run, returns the model the
   survivor holds, after the one collective its construction made (the pipeline's embedding
   all-reduce), instead of building a new one. `ReplicatedOptimizer` does the same for itself
@@ -100,6 +102,11 @@ def capability() -> Tuple[bool, str]:
     if not getattr(training.get_model, "_ttp_reuses_on_recovery", False):
         return False, ("megatron/training.py's get_model lacks @mega.reuse_on_recovery (run "
                        "`ttp-patch apply` again)")
+    import megatron.initialize as initialize
+
+    if "process_group_store" not in initialize._initialize_distributed.__code__.co_names:
+        return False, ("megatron/initialize.py's init_process_group lacks "
+                       "store=mega.process_group_store() (run `ttp-patch apply` again)")
     if args.load is None:
         return False, ("Megatron runs without --load (the patched loader, called only with "
                        "--load, is where a recovery refills the state)")
@@ -121,6 +128,11 @@ def in_memory_recovery(pretrain: F) -> F:
             order, rank = joined
             RECOVERY.joining(order)
             _current = Rejoin(order, REPLACEMENT, rank)
+            try:
+                _register_replacement(order, rank)
+            except BaseException as exc:
+                _fail_and_wait(exc)
+                raise
             RECOVERY.machine.transition_to(S.REGROUPING, f"new world on {order.store}")
         while True:
             try:
@@ -140,7 +152,7 @@ def in_memory_recovery(pretrain: F) -> F:
 
 
 def _survivor_leaves_the_world() -> Rejoin:
-    """Stop, destroy every group, forget Megatron's globals, point env:// at the new store."""
+    """Stop, destroy every group, forget Megatron's globals: the re-run builds anew."""
     order = RECOVERY.order
     assert order is not None and RECOVERY.machine.state is S.ORDERED, RECOVERY.machine.state
     RECOVERY.machine.transition_to(S.STOPPING, "left train()")
@@ -159,10 +171,31 @@ def _survivor_leaves_the_world() -> Rejoin:
                     dict(scheduler.state_dict()), args=get_args())
     _destroy_groups(rejoin)
     _forget_megatron_globals()
-    host, port = parse_address(order.store)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     RECOVERY.machine.transition_to(S.REGROUPING, f"new world on {order.store}")
     return rejoin
+
+
+def _register_replacement(order: RecoveryOrder, rank: int) -> None:
+    """A replacement joins the control plane first, at the acting controller (maybe a standby
+    on a port of its own): the new world's rendezvous is reached through that connection."""
+    from mindio_ttp import framework_ttp as ttp
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    dp = list(order.dp_ranks)
+    ttp.ttp_init_processor(rank, dp, len(dp), world_size, len(dp) // 2, False)
+    ttp.start_processor_at(*parse_address(order.controller))
+
+
+def process_group_store() -> Any:
+    """What megatron/initialize.py passes to `init_process_group` as `store` (edit 6.3): None
+    (torch's env:// rendezvous) outside a recovery; in one, the recovery's namespace of the
+    authenticated store, reached over this rank's TTP connection."""
+    job = current()
+    if job is None:
+        return None
+    from mindio_ttp.control.authstore import AuthStore
+
+    return AuthStore(job.order.store, timeout=job.order.deadline_s)
 
 
 def _destroy_groups(rejoin: Rejoin) -> None:

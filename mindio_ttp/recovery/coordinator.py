@@ -6,25 +6,25 @@ always holding the controller's condition. `run` returns whether the recovery co
 it did not, the flow goes on to the dying checkpoint of the same step (the survivors never
 changed their optimizer state), and `reason` says why.
 
-The new world's rendezvous store is a TCPStore this controller hosts, kept alive until the next
-recovery replaces it or the controller stops: the new default group's later `new_group` calls
-and the fault-id agreement use it, as the first world used torch's agent store. (COORD
-interface 1's AuthStore cannot stand in here yet: Megatron 285068c initialises its default
-group with env://, which only reaches a TCPStore at MASTER_ADDR:MASTER_PORT.)
+The new world's rendezvous is a namespace of this controller's authenticated store
+(control/authstore.py): every rank reaches it over its own TTP connection (a replacement
+registers first), so nothing an outsider can write decides who joins. The patched
+megatron/initialize.py hands it to `init_process_group` (edit 6.3, `mega.process_group_store`).
+It stays open until the next recovery opens its own, or the controller stops.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from mindio_ttp.config import TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.roster import Roster
-from mindio_ttp.recovery.decision import IN_MEMORY, RecoveryPlan
+from mindio_ttp.recovery.decision import RecoveryPlan
 from mindio_ttp.recovery.rank import RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
@@ -32,25 +32,20 @@ log = logging.getLogger("mindio_ttp.controller")
 
 class RecoveryCoordinator:
     def __init__(self, cfg: TTPConfig, world_size: int, name: str, cond: threading.Condition,
-                 roster: Roster, outbox: Any, address: Callable[[], Tuple[str, int]]) -> None:
+                 roster: Roster, outbox: Any, address: Callable[[], Tuple[str, int]],
+                 close_store: Callable[[str], None] = lambda ns: None) -> None:
         self.cfg, self.world_size, self.name = cfg, world_size, name
         self._cond = cond
         self._ranks = roster
         self._out = outbox
         self._address = address
-        self._store: Any = None  # the current world's rendezvous store (kept alive)
+        self._close_store = close_store
+        self._namespace: Optional[str] = None  # the current world's rendezvous
         self.recovery_id = 0
         self._plan: Optional[RecoveryPlan] = None
         self._ready: Dict[int, P.RecoverReady] = {}
         self._failed = ""
         self.timeline: Dict[str, float] = {}
-
-    def preload(self) -> None:
-        """Import torch.distributed now, if this controller may order a recovery (it hosts the
-        new world's TCPStore): the import holds the GIL for seconds, which inside a flow would
-        starve the controller's I/O thread and make live ranks look hung."""
-        if self.cfg.recovery == IN_MEMORY and self.cfg.replacements:
-            import torch.distributed  # noqa: F401
 
     # -- called by the controller's I/O thread, holding the condition ---------------------------
     @property
@@ -94,9 +89,8 @@ class RecoveryCoordinator:
         cfg = self.cfg
         self.recovery_id = RECOVERY.epoch + 1  # the job's count: survivors agree on it
         rid = self.recovery_id
-        ctl_host, ctl_port = self._address()
-        store, port = host_store(ctl_host, cfg.recover_timeout)
-        address, controller = format_address(ctl_host, port), format_address(ctl_host, ctl_port)
+        controller = format_address(*self._address())
+        namespace = f"ttp-recovery/{rid}-{secrets.token_hex(8)}"
         with self._cond:
             self._plan, self._ready, self._failed = plan, {}, ""
             self.timeline = {"ordered": time.monotonic()}
@@ -104,18 +98,20 @@ class RecoveryCoordinator:
                 info = self._ranks.get(r)
                 if info is not None and info.status == "alive":
                     self._ranks.set_status(info, "replaced", f"replaced in recovery {rid}")
-        previous, self._store = self._store, store  # the old world's store can go now
-        del previous
+        if self._namespace is not None:  # the old world's rendezvous can go now
+            self._close_store(self._namespace)
+        self._namespace = namespace
         log.warning("%s: recovering in memory (recovery %d): step %d, replacing %s from %s; "
                     "new world on %s", self.name, rid, plan.step, list(plan.lost),
-                    [plan.partners[r] for r in plan.lost], address)
+                    [plan.partners[r] for r in plan.lost], namespace)
         self._out.send_many(list(plan.survivors),
-                            P.RecoverOrder(flow_id, rid, plan.step, list(plan.lost), address,
+                            P.RecoverOrder(flow_id, rid, plan.step, list(plan.lost), namespace,
                                            cfg.recover_timeout))
         for lost in plan.lost:
             self._out.send(plan.relays[lost],
                            P.ReplaceOrder(rid, flow_id, lost, plan.step, list(plan.lost),
-                                          address, controller, cfg.recover_timeout))
+                                          namespace, controller, cfg.recover_timeout,
+                                          list(plan.groups[lost])))
         ok, why = self._wait_all_ready(cfg.recover_timeout)
         with self._cond:
             self._plan = None
@@ -145,19 +141,6 @@ class RecoveryCoordinator:
                     return False, (f"ranks {missing[:16]} not ready within TTP_RECOVER_TIMEOUT="
                                    f"{timeout:g} s")
                 self._cond.wait(left)
-
-    def close(self) -> None:
-        self._store = None
-
-
-def host_store(ip: str, timeout: float) -> Tuple[Any, int]:
-    """A TCPStore server for a new world, on a free port of this controller's address; it
-    serves as long as the object lives."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
-    return store, int(store.port)
 
 
 def format_address(host: str, port: int) -> str:

@@ -23,6 +23,7 @@ class RecoveryPlan:
     partners: Dict[int, int]  # lost rank -> the survivor that holds both its stripes
     relays: Dict[int, int]  # lost rank -> the survivor on its host that asks for the replacement
     survivors: Tuple[int, ...]
+    groups: Dict[int, Tuple[int, ...]]  # lost rank -> its DP group (a replacement registers it)
 
 
 def plan_recovery(*, mode: str, capable: Tuple[bool, str], preempted: bool, world_size: int,
@@ -61,11 +62,13 @@ def plan_recovery(*, mode: str, capable: Tuple[bool, str], preempted: bool, worl
         spread = "; ".join(f"step {s}: ranks {sorted(rs)[:8]}" for s, rs in sorted(steps.items()))
         return None, f"survivors stopped at different steps ({spread}): no step for all of them"
     step = next(iter(steps))
-    partners, relays = {}, {}
+    partners, relays, groups = {}, {}, {}
     for r in sorted(lost):
+        group = next((g for g in layout.groups if r in g), None)
         holders = _shard_holders(layout, r)
-        if holders is None:
+        if group is None or holders is None:
             return None, f"lost rank {r} is in no DP group this controller knows"
+        groups[r] = tuple(group)
         alive = [h for h in holders if h != r and h not in lost]
         if not alive:
             return None, (f"every holder of lost rank {r}'s optimizer shard is lost "
@@ -80,7 +83,7 @@ def plan_recovery(*, mode: str, capable: Tuple[bool, str], preempted: bool, worl
                           "launcher there to start its replacement, and no spare node can "
                           "take it over (ttprun with c10d rendezvous can)")
         relays[r] = min(on_host or survivors)
-    return (RecoveryPlan(step, tuple(sorted(lost)), partners, relays, survivors),
+    return (RecoveryPlan(step, tuple(sorted(lost)), partners, relays, survivors, groups),
             f"every survivor is clean at step {step}; lost {sorted(lost)} refilled from "
             f"{[partners[r] for r in sorted(lost)]}")
 

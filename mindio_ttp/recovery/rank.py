@@ -29,9 +29,10 @@ SURVIVOR, REPLACEMENT = "survivor", "replacement"
 
 @dataclass(frozen=True)
 class RecoveryOrder:
-    """What one recovery asks of this rank. `store` is the "host:port" of the TCPStore the
-    new world rendezvous on; `controller` the acting controller's "host:port" (a replacement
-    registers there); `deadline_s` how long the controller waits for every rank's READY."""
+    """What one recovery asks of this rank. `store` is the namespace of the authenticated store
+    the new world rendezvous on; `controller` the acting controller's "host:port", where a
+    replacement registers, with `dp_ranks` (its DP group); `deadline_s` how long the
+    controller waits for every rank's READY."""
 
     recovery_id: int
     flow_id: int
@@ -41,10 +42,11 @@ class RecoveryOrder:
     controller: str
     deadline_s: float
     role: str = SURVIVOR
+    dp_ranks: Tuple[int, ...] = ()
 
     def to_env(self, rank: int) -> str:
         return json.dumps({**asdict(self), "lost": list(self.lost), "role": REPLACEMENT,
-                           "rank": rank}, sort_keys=True)
+                           "dp_ranks": list(self.dp_ranks), "rank": rank}, sort_keys=True)
 
     @classmethod
     def from_env(cls, text: str) -> Tuple[RecoveryOrder, int]:
@@ -53,14 +55,16 @@ class RecoveryOrder:
             obj = json.loads(text)
             order = cls(int(obj["recovery_id"]), int(obj["flow_id"]), int(obj["step"]),
                         tuple(int(r) for r in obj["lost"]), str(obj["store"]),
-                        str(obj["controller"]), float(obj["deadline_s"]), REPLACEMENT)
+                        str(obj["controller"]), float(obj["deadline_s"]), REPLACEMENT,
+                        tuple(int(r) for r in obj["dp_ranks"]))
             rank = int(obj["rank"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{ENV_JOIN} is not a recovery order ({exc}): {text[:200]!r}") \
                 from None
-        if rank not in order.lost or order.step < 1:
+        if rank not in order.lost or rank not in order.dp_ranks or order.step < 1:
             raise ValueError(f"{ENV_JOIN}: rank {rank} is not among the lost ranks "
-                             f"{list(order.lost)} or step {order.step} < 1")
+                             f"{list(order.lost)} or its DP group {list(order.dp_ranks)}, or "
+                             f"step {order.step} < 1")
         return order, rank
 
 

@@ -1,6 +1,7 @@
 """The guide's 14 edits in EDITS.md order, plus ttp-patch's own: 0 (the torch compatibility
-layer), 3.3 (an early check of the optimizer flags) and 6.1-6.2 (the process-group timeout
-from the runtime), grouped by the file they change."""
+layer), 2.9-2.10 and 6.3 (the in-memory recovery's hooks), 3.3 (an early check of the
+optimizer flags) and 6.1-6.2 (the process-group timeout from the runtime), grouped by the file
+they change."""
 
 from __future__ import annotations
 

@@ -40,3 +40,23 @@ class TimeoutFromRuntime(m.MatcherDecoratableTransformer):
             args=[cst.Arg(value=updated_node.value)],
         )
         return updated_node.with_changes(value=call)
+
+
+class StoreFromRuntime(m.MatcherDecoratableTransformer):
+    """`init_process_group(..., timeout=...)` -> `init_process_group(..., timeout=...,
+    store=mega.process_group_store())`: the new argument on a line of its own, laid out like
+    the one before it."""
+
+    @m.leave(m.Call(func=m.Attribute(value=m.Attribute(value=m.Name("torch"),
+                                                        attr=m.Name("distributed")),
+                                     attr=m.Name("init_process_group"))))
+    def add_store(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+        args = list(updated_node.args)
+        comma = args[-2].comma if len(args) > 1 and isinstance(args[-2].comma, cst.Comma) \
+            else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        store = cst.Arg(keyword=cst.Name("store"), equal=cst.AssignEqual(
+            whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
+            value=cst.Call(func=cst.Attribute(value=cst.Name("mega"),
+                                              attr=cst.Name("process_group_store"))))
+        args[-1] = args[-1].with_changes(comma=comma)
+        return updated_node.with_changes(args=[*args, store])

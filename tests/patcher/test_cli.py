@@ -111,7 +111,7 @@ def _status(capsys, repo: FixtureRepo, *extra: str):
 
 def test_status_states_and_verify_exit_codes(repo: FixtureRepo, capsys) -> None:
     doc = _status(capsys, repo)
-    assert doc["overall"] == "clean" and len(doc["edits"]) == 21  # 20 edits + the script
+    assert doc["overall"] == "clean" and len(doc["edits"]) == 22  # 21 edits + the script
     assert {e["state"] for e in doc["edits"]} == {"missing"}
     assert ttp(capsys, "verify", str(repo.root))[0] == 1
 

@@ -100,8 +100,9 @@ def test_every_seed_edit_has_a_stable_unique_id() -> None:
         "4.3",
         "6.1",
         "6.2",
+        "6.3",
     ]
-    assert len({e.id for e in ALL_EDITS}) == 20
+    assert len({e.id for e in ALL_EDITS}) == 21
 
 
 def test_only_the_port_literal_changes_with_port() -> None:
@@ -243,6 +244,10 @@ BREAK_ANCHOR = {
         "        timeout=timedelta(minutes=10))\n\n\ndef _decoy",
         "        timeout=my_timeout())\n\n\ndef _decoy",
     ),
+    "initialize/pg-store": (
+        "    # Call the init process\n    torch.distributed.init_process_group(",
+        "    # Call the init process\n    torch.distributed.initialize_process_group(",
+    ),
 }
 
 
@@ -343,13 +348,15 @@ def test_compat_import_after_megatron_is_drift() -> None:
         plan_file(path, late, Options.build("cuda"))
 
 
-def test_only_the_process_group_timeout_of_initialize_distributed_changes() -> None:
+def test_only_the_timeout_and_store_of_initialize_distributed_change() -> None:
     path = "megatron/initialize.py"
     before, after = FILES[path].decode(), golden("npu", path).decode()
     assert after.count("mega.process_group_timeout(timedelta(minutes=10))") == 1
     assert after.count("timeout=timedelta(minutes=10))") == 1  # the decoy's
     assert after.index("mega.process_group_timeout") < after.index("def _decoy")
-    assert len(after.splitlines()) == len(before.splitlines()) + 1  # the import
+    assert after.count("store=mega.process_group_store())") == 1
+    assert after.index("store=mega.process_group_store())") < after.index("def _decoy")
+    assert len(after.splitlines()) == len(before.splitlines()) + 2  # the import, the store
 
 
 def test_a_later_megatrons_timeout_flag_is_wrapped_too() -> None:

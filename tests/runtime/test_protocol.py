@@ -42,8 +42,7 @@ VALID = {
     "recovery_id": st.integers(1, 2**62), "lost": st.lists(RANK, max_size=20),
     "deadline": SECONDS, "state": st.sampled_from(P.REPLACE_STATES),
     "digest": st.just("") | st.binary(min_size=32, max_size=32).map(bytes.hex),
-    "rendezvous": st.tuples(IP, st.integers(1, 65535)).map(
-        lambda a: f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}"),
+    "rendezvous": st.from_regex(r"[a-z0-9][a-z0-9/._-]{0,20}", fullmatch=True),
     "controller": st.tuples(IP, st.integers(1, 65535)).map(
         lambda a: f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}"),
 }

@@ -114,7 +114,10 @@ def test_committed_recovery_sends_no_exit_and_serves_the_next_fault():
     order, replace = out.sent[2][2], out.sent[3][2]
     assert (order.step, order.lost, order.recovery_id) == (4, [1], 1)
     assert replace.rank == 1 and replace.controller == "127.0.0.1:8000"
-    assert replace.rendezvous == order.rendezvous and order.rendezvous.startswith("127.0.0.1:")
+    assert replace.dp_ranks == DP  # the replacement registers its DP group before it joins
+    assert replace.rendezvous == order.rendezvous
+    assert order.rendezvous.startswith("ttp-recovery/1-") and P.NAMESPACE(order.rendezvous)
+    assert out.closed == []  # the new world's rendezvous stays open
     assert [b for _, b, _ in flow.sm.history] == [S.SERVING, S.COLLECTING, S.RECOVERING,
                                                   S.SERVING]
     # rearmed: the next fault runs a flow of its own
@@ -124,6 +127,7 @@ def test_committed_recovery_sends_no_exit_and_serves_the_next_fault():
     fault_and_wait(flow, out, "rank 2 dead")
     wait_state(flow, S.SERVING)
     assert [k for k in out.kinds() if k[2] == "RecoverOrder"][-1][1] == [0, 1, 3]
+    assert out.closed == [order.rendezvous]  # the next recovery's namespace replaced it
 
 
 def abandoned(flow, out) -> None:

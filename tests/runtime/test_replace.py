@@ -145,3 +145,18 @@ def test_cold_start_appends_to_the_workers_log(tmp_path):
                         str(log), None)
     assert proc.wait(30) == 0
     assert log.read_text() == "before the fault\nreplacement\n"
+
+
+def test_a_restarted_worker_group_gets_a_fresh_desk(tmp_path, lost_worker):
+    """Under --max-restarts a new attempt numbers its recoveries from 1 again: a request
+    named like the previous attempt's must be served, not taken as done."""
+    ctx, workers = Context(tmp_path, lost_worker), [Worker(5, 0, lost_worker.pid)]
+    desk = R.ReplacementDesk(tmp_path)
+    R.write_request(str(tmp_path), R.ReplacementRequest(1, 7, {}))
+    desk.serve(ctx, workers)
+    assert R.read_status(str(tmp_path), 1, 7).state == R.FAILED
+    desk = desk.fresh()
+    assert not (tmp_path / R.REPLACE_DIR).exists()
+    R.write_request(str(tmp_path), R.ReplacementRequest(1, 5, {}))
+    assert desk.serve(ctx, workers) == [0]
+    ctx.subprocess_handlers[0].proc.wait(30)
