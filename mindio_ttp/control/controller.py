@@ -655,6 +655,11 @@ class Controller:
                                           conn, now, m.step, m.updating))
             self.flow.joined(m.rank)  # if mid-flow: it gets the phase orders below
             self._cond.notify_all()
+        if self.sm.is_in(S.SERVING) and m.standby_port > 0 and m.rank != self.host_rank:
+            # before the ack, so the list it carries counts this rank too: a rank that is
+            # itself one of the two best backups must not learn a list without it and rely
+            # on a later broadcast reaching it before the controller is lost
+            self._consider_backup(m.rank, m.host, m.standby_port)
         conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
                                  self._backups, self.fault_id or ""))
         for phase_msg in self._phase_msgs:
@@ -662,8 +667,6 @@ class Controller:
         self._flush(conn)
         if m.failover or m.locked:
             log.info("%s: rank %d registered (failover=%s)", self.name, m.rank, m.failover)
-        if self.sm.is_in(S.SERVING) and m.standby_port > 0 and m.rank != self.host_rank:
-            self._consider_backup(m.rank, m.host, m.standby_port)
         if self.sm.is_in(S.STANDBY):
             alive = self._ranks.n_alive
             if 2 * alive >= self.world_size:  # exactly half: the fault claim decides

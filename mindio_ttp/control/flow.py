@@ -427,8 +427,9 @@ class Flow:
         launch goes on, so a later fault needs a claim of its own) one derived from it and
         their count, which both halves of a split job share. ValueError as `_claims`."""
         space = self._claims()
-        if space is not None and RECOVERY.epoch:
-            derived = hashlib.sha256(f"{space.fault_id}:{RECOVERY.epoch}".encode()).hexdigest()
+        epoch = self.recovery.epoch
+        if space is not None and epoch:
+            derived = hashlib.sha256(f"{space.fault_id}:{epoch}".encode()).hexdigest()
             space = C.ClaimSpace(space.directory, derived[:32])
         return space
 

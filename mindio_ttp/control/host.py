@@ -16,7 +16,8 @@ standby, as before. The child ignores SIGINT and SIGTERM (a Ctrl-C or a preempti
 to rank 0's process group is the ranks' to report, and the flow needs the controller), stays in
 rank 0's process group so a launcher's kill of that group still ends it, and ends by itself:
 after the exit orders of a flow, on `stop` from rank 0 (normal end of training), or once rank
-0's process is gone and no rank is connected (or TTP_OT after that at the latest).
+0's process is gone and no rank is connected any more (after an in-memory recovery replaced
+rank 0, it stays the job's controller for the rest of training).
 
 Rank 0 and its controller talk over a socketpair, one JSON object per line: the start
 parameters, `listening` (or `error`), the fault-claim directory when it is registered later,
@@ -41,7 +42,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mindio_ttp.config import TTPConfig
 from mindio_ttp.control.hooks import TTPError
+from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.faulttime import claim as C
+from mindio_ttp.recovery.rank import NO_HOOKS, RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
 
@@ -94,10 +97,13 @@ class ControllerProcess:
     def pid(self) -> Optional[int]:
         return self.proc.pid if self.proc is not None else None
 
-    def start(self, ip: str, port: int, claims: Optional[Path] = None) -> Tuple[str, int]:
+    def start(self, ip: str, port: int, claims: Optional[Path] = None,
+              capable: Tuple[bool, str] = NO_HOOKS) -> Tuple[str, int]:
         """Start the child and return once it listens on ip:port; TTPError (the child's own
         message, e.g. the port is taken) when it cannot. `claims`: the checkpoint directory
-        faults are claimed in (ttp_set_checkpoint_dir), if already known."""
+        faults are claimed in (ttp_set_checkpoint_dir), if already known. `capable`: whether
+        this job's training code can recover in memory, and why not (RECOVERY.capability()
+        of rank 0): the child has no Megatron to ask, and at fault time rank 0 may be gone."""
         mine, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # so the child imports this very tree
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -111,7 +117,8 @@ class ControllerProcess:
         self._chan = _Channel(mine)
         self._chan.send(world_size=self.world_size, replica=self.replica,
                         host_rank=self.host_rank, ip=ip, port=port,
-                        claims=None if claims is None else str(claims))
+                        claims=None if claims is None else str(claims),
+                        capable=[bool(capable[0]), str(capable[1])])
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             msgs = self._chan.recv(max(0.05, deadline - time.monotonic()))
@@ -206,6 +213,9 @@ def serve(fd: int) -> int:
         cfg = TTPConfig.from_env(world_size=p["world_size"])
         if p.get("claims"):
             C.register(p["claims"])
+        told = p.get("capable") or NO_HOOKS
+        capable = (bool(told[0]), str(told[1]))
+        RECOVERY.capability = lambda: capable
         ctl = Controller(cfg, p["world_size"], p["replica"], p["host_rank"])
         address = ctl.listen(p["ip"], p["port"])
     except (TTPError, ValueError) as exc:
@@ -252,14 +262,20 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
                             "faults": ctl.faults[:100], "cpu_s": time.process_time()})
             # serve on until every rank has its exit order (each closes its connection when it
             # exits on it): frames still queued when this process exits would be lost, and
-            # their ranks would wait out TTP_OT for a verdict
-            deadline = time.monotonic() + max(10.0, cfg.handshake_timeout)
+            # their ranks would wait out TTP_OT for a verdict. At 16k+ ranks on a busy node
+            # the orders take longer than a handshake timeout to write; a rank still connected
+            # after TTP_OT has stopped waiting for its verdict anyway.
+            deadline = time.monotonic() + max(10.0, cfg.handshake_timeout, cfg.ot)
             while ctl.registered and time.monotonic() < deadline:
                 time.sleep(POLL_S)
             ctl.stop()
             return 0
-        if parent_gone is not None and not ctl.flow_running and (
-                not ctl.registered or time.monotonic() - parent_gone > cfg.ot):
+        # Rank 0 gone (killed, or replaced by an in-memory recovery that let the job go on):
+        # this process is the job's controller while any rank is connected to it, for as
+        # long as training lasts; it ends once the last rank has left and no flow or
+        # recovery is under way.
+        if parent_gone is not None and not ctl.flow_running \
+                and not ctl.sm.is_in(S.RECOVERING) and not ctl.registered:
             log.warning("%s: no rank left to serve; exiting", ctl.name)
             ctl.stop()
             return 0

@@ -2,7 +2,8 @@
 
 One Enum, one table of allowed transitions, one `transition_to()` that logs and refuses
 anything else: a bug that would, say, order a rename while still collecting state fails loudly
-instead of writing a half checkpoint.
+instead of writing a half checkpoint. `TableMachine` is that holder for any such table: the
+controller's here, a rank's recovery in recovery/machine.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from typing import Dict, FrozenSet, List, Tuple
+from typing import Dict, FrozenSet, Generic, List, Mapping, Tuple, Type, TypeVar
 
 log = logging.getLogger("mindio_ttp.controller")
 
@@ -46,32 +47,53 @@ class InvalidTransition(RuntimeError):
     """A transition the table does not allow: a controller bug, never a user error."""
 
 
-class StateMachine:
-    """Thread-safe holder of the current state; keeps the history for logs and tests."""
+E = TypeVar("E", bound=enum.Enum)
 
-    def __init__(self, name: str = "controller") -> None:
+
+class TableMachine(Generic[E]):
+    """Thread-safe holder of the current state of one table of allowed transitions; keeps the
+    history for logs and tests. A transition the table lacks raises `error` (a bug)."""
+
+    def __init__(self, name: str, initial: E, allowed: Mapping[E, FrozenSet[E]],
+                 error: Type[RuntimeError] = InvalidTransition,
+                 logger: logging.Logger = log) -> None:
         self._name = name
-        self._state = S.INIT
+        self._state = initial
+        self._allowed = allowed
+        self._error = error
+        self._log = logger
         self._lock = threading.Lock()
-        self.history: List[Tuple[ControllerState, ControllerState, str]] = []
+        self.history: List[Tuple[E, E, str]] = []
 
     @property
-    def state(self) -> ControllerState:
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def state(self) -> E:
         return self._state
 
-    def transition_to(self, new: ControllerState, why: str = "") -> ControllerState:
+    def transition_to(self, new: E, why: str = "") -> E:
         with self._lock:
             old = self._state
-            if new not in ALLOWED[old]:
-                log.error("%s: illegal transition %s -> %s (%s)", self._name, old.value,
-                          new.value, why)
-                raise InvalidTransition(f"{self._name}: {old.value} -> {new.value} is not "
-                                        f"allowed (allowed: "
-                                        f"{sorted(s.value for s in ALLOWED[old]) or 'none'})")
+            if new not in self._allowed[old]:
+                self._log.error("%s: illegal transition %s -> %s (%s)", self._name, old.value,
+                                new.value, why)
+                raise self._error(f"{self._name}: {old.value} -> {new.value} is not allowed "
+                                  f"(allowed: "
+                                  f"{sorted(s.value for s in self._allowed[old]) or 'none'})")
             self._state = new
             self.history.append((old, new, why))
-        log.info("%s: %s -> %s%s", self._name, old.value, new.value, f" ({why})" if why else "")
+        self._log.info("%s: %s -> %s%s", self._name, old.value, new.value,
+                       f" ({why})" if why else "")
         return old
 
-    def is_in(self, *states: ControllerState) -> bool:
+    def is_in(self, *states: E) -> bool:
         return self._state in states
+
+
+class StateMachine(TableMachine[ControllerState]):
+    """The controller's: starts in INIT, follows ALLOWED."""
+
+    def __init__(self, name: str = "controller") -> None:
+        super().__init__(name, S.INIT, ALLOWED)

@@ -22,9 +22,12 @@ from typing import Dict, Optional, Tuple, Union
 class Fault(str, enum.Enum):
     """What happens to the rank: it dies, throws, or hangs (stopped, so heartbeats stop too);
     or PREEMPT_ALL: SIGTERM to every process of this node's job at once (the launcher, every
-    rank, their DataLoader workers), as Slurm signals a job step."""
+    rank, their DataLoader workers), as Slurm signals a job step. SIGKILL_GROUP: SIGKILL to
+    the rank's whole process group at once, which for rank 0 includes the controller process
+    it started (control/host.py): node 0's loss, as far as the controller is concerned."""
 
     SIGKILL = "sigkill"
+    SIGKILL_GROUP = "sigkill-group"
     EXCEPTION = "exception"
     SIGSTOP = "sigstop"
     PREEMPT_ALL = "preempt_all"
@@ -41,7 +44,8 @@ class Phase(str, enum.Enum):
     others hold step k and only the catch-up (``ttp_offer_update``) gives this rank k too.
     INSIDE: inside the update window, after this rank's shard is updated but before
     ``ttp_end_updating_os(k)`` (the replica partner finishes k).
-    AFTER: right after ``ttp_end_updating_os(k)``, before the parameter all-gather (k).
+    AFTER: right after ``ttp_end_updating_os(k)``, before the parameter all-gather (k); beside
+    a BARRIER fault of step k (and a record directory) it waits for the same marks.
     SAVE: inside the save handler while writing the checkpoint of step ``k``.
     ANYTIME: at a random instant from the start of step ``k``, up to the length of step k-1
     (a timer thread armed by the injector; where it lands is the point of the fault).
@@ -165,7 +169,11 @@ class FaultPlan:
         spec = self._faults.get((rank, step, phase))
         if spec is None:
             return
-        if spec.phase is Phase.BARRIER and record_dir is not None:
+        if record_dir is not None and (spec.phase is Phase.BARRIER or (
+                spec.phase is Phase.AFTER and self._barrier_fault(step))):
+            # a fault after the update, beside a barrier fault of the same step, waits too: a
+            # rank out of the barrier first may update and die while a slower one is still
+            # inside it, which then fails there instead of updating (a different scenario)
             self._wait_for_the_others(rank, step, record_dir)
         print(f"rank {rank} | FAULT: {spec.describe()}", flush=True)
         if record_dir is not None:
@@ -183,6 +191,8 @@ class FaultPlan:
             _kill_together(rank, step, phase, together, record_dir)
         if spec.fault is Fault.SIGKILL:
             os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.fault is Fault.SIGKILL_GROUP:
+            _kill_own_group()
         elif spec.fault is Fault.SIGSTOP:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif spec.fault is Fault.PREEMPT_ALL:
@@ -215,6 +225,18 @@ def _mark(record_dir: Path, name: str) -> None:
     tmp = record_dir / f".{name}.tmp"
     tmp.write_text(str(time.time()), encoding="utf-8")
     os.replace(tmp, record_dir / name)
+
+
+def _kill_own_group() -> None:
+    """SIGKILL to this rank's process group, itself included, in one call. Only when this
+    process leads its group (a launcher starts each worker in a session of its own): the group
+    of a process that does not lead it is its launcher's, which the plan must not kill."""
+    group = os.getpgid(0)
+    if group != os.getpid():
+        raise InjectedFault(f"fault plan: {Fault.SIGKILL_GROUP.value} needs a rank that leads "
+                            f"its process group (this one is in group {group}, not its own): "
+                            "start the ranks with ttprun or torchrun")
+    os.killpg(group, signal.SIGKILL)
 
 
 def _signal_the_whole_job(sig: int) -> None:

@@ -200,7 +200,8 @@ def ttp_start_controller(ip: str, port: int) -> None:
         ctl = ControllerProcess(TTPConfig.from_env(world_size=world_size), world_size, replica,
                                 rank)
         claims = _claim.registered_directory()
-        ctl.start(ip, port, claims=None if claims is None else claims.parent)
+        ctl.start(ip, port, claims=None if claims is None else claims.parent,
+                  capable=_RECOVERY.capability())
         _controller = ctl
     log.info("controller process (pid %s) for %d rank(s) listening on %s:%d", _controller.pid,
              world_size, ip, port)

@@ -167,7 +167,7 @@ class ReplacementDesk:
         """The desk for a restarted worker group: its recoveries are numbered from 1 again,
         so the previous attempt's requests and statuses go."""
         shutil.rmtree(self.dir, ignore_errors=True)
-        return ReplacementDesk(self.dir.parent, self.starters)
+        return ReplacementDesk(self.dir.parent, self.starters, self.foreign)
 
     def serve(self, pcontext: Any, workers: Sequence[Any]) -> List[int]:
         """Start a replacement for every new request; report replacements that exited.

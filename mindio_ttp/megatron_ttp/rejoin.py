@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Tuple, TypeVar
 
 from mindio_ttp.control import hooks
 from mindio_ttp.control.hooks import TTPRecovering
+from mindio_ttp.faulttime import device_copy
 from mindio_ttp.recovery.coordinator import parse_address
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, SURVIVOR, RecoveryOrder, join_order
@@ -143,7 +144,7 @@ def in_memory_recovery(pretrain: F) -> F:
                 if not _hold_for_verdict(exc):
                     raise
             try:
-                _current = _survivor_leaves_the_world()
+                _survivor_leaves_the_world()
             except BaseException as exc:
                 _fail_and_wait(exc)
                 raise
@@ -152,7 +153,10 @@ def in_memory_recovery(pretrain: F) -> F:
 
 
 def _survivor_leaves_the_world() -> Rejoin:
-    """Stop, destroy every group, forget Megatron's globals: the re-run builds anew."""
+    """Stop, destroy every group, forget Megatron's globals: the re-run builds anew. The
+    survivor's record (`_current`) is kept from the start: should the recovery be abandoned
+    on the way, the fallback's save and rename still need the arguments it trained with."""
+    global _current
     order = RECOVERY.order
     assert order is not None and RECOVERY.machine.state is S.ORDERED, RECOVERY.machine.state
     RECOVERY.machine.transition_to(S.STOPPING, "left train()")
@@ -167,8 +171,8 @@ def _survivor_leaves_the_world() -> Rejoin:
     import torch.distributed as dist
     from megatron import get_args
 
-    rejoin = Rejoin(order, SURVIVOR, dist.get_rank(), model, optimizer,
-                    dict(scheduler.state_dict()), args=get_args())
+    rejoin = _current = Rejoin(order, SURVIVOR, dist.get_rank(), model, optimizer,
+                               dict(scheduler.state_dict()), args=get_args())
     _destroy_groups(rejoin)
     _forget_megatron_globals()
     RECOVERY.machine.transition_to(S.REGROUPING, f"new world on {order.store}")
@@ -221,6 +225,10 @@ def _destroy_groups(rejoin: Rejoin) -> None:
         dist.destroy_process_group()
     mpu.destroy_model_parallel()
     rejoin.optimizer.pair_group = None
+    # the last param all-gather's work handles hold the old groups (on gloo, their sockets: a
+    # peer still waiting on them hangs); without them, a fallback save rebuilds the model
+    # file from the main params, which it may always do
+    device_copy.GATHERED.reset()
     _release_default_arguments(dist.ProcessGroup)
     gc.collect()
     held = [(ref(), name) for ref, name in alive if ref() is not None]

@@ -200,6 +200,9 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
                  models, replica_count: Optional[int] = None):
         if self._reused:  # the survivor's own optimizer: only the groups are new
             self._reused = False
+            # the replacement's constructor makes the pairing's collective: meet it, and hand
+            # it the pairs the held stripes are laid out by
+            self.pairings = self._choose_pairings(kept=self.pairings)
             self.pair_group = self._build_pair_groups()
             return
         dp = mpu.get_data_parallel_world_size()
@@ -253,17 +256,32 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
 
     # ---- layout -------------------------------------------------------------------------
 
-    def _choose_pairings(self) -> Dict[Tuple[int, ...], List[pairing.Pair]]:
+    def _choose_pairings(self, kept: Optional[Dict[Tuple[int, ...], List[pairing.Pair]]] = None
+                         ) -> Dict[Tuple[int, ...], List[pairing.Pair]]:
         """The pairs of every DP group, from every rank's DP group and host name (one
         all_gather_object on the default group, at start-up); the same on every rank. Warns
         (or, with TTP_REQUIRE_CROSS_HOST_REPLICAS=1, refuses) when some pair must share a
-        host (a host holds more than half of a DP group)."""
+        host (a host holds more than half of a DP group).
+
+        After an in-memory recovery the survivors pass the pairs they hold (`kept`): their
+        stripes are laid out by them, so every rank, the replacements included, takes those,
+        whatever host a replacement landed on (a pair that now shares a host is warned of)."""
         world = torch.distributed.get_world_size()
-        everyone: List[Optional[Tuple[List[int], str]]] = [None] * world
-        torch.distributed.all_gather_object(everyone, (self.dp_ranks, _hostname()))
-        hosts = {r: h for r, (_, h) in enumerate(everyone)}  # type: ignore[misc]
-        groups = sorted({tuple(d) for d, _ in everyone})  # type: ignore[misc]
-        pairings = {g: pairing.choose_pairs([hosts[r] for r in g]) for g in groups}
+        everyone: List[Optional[tuple]] = [None] * world
+        mine = (self.dp_ranks, _hostname(),
+                None if kept is None else sorted((g, [tuple(p) for p in pairs])
+                                                 for g, pairs in kept.items()))
+        torch.distributed.all_gather_object(everyone, mine)
+        hosts = {r: h for r, (_, h, _) in enumerate(everyone)}  # type: ignore[misc]
+        held = [k for _, _, k in everyone if k is not None]  # type: ignore[misc]
+        if held:
+            if any(k != held[0] for k in held):
+                raise RuntimeError("the surviving ranks hold different optimizer pairings: "
+                                   "their stripes cannot be matched")
+            pairings = {tuple(g): [tuple(p) for p in pairs] for g, pairs in held[0]}
+        else:
+            groups = sorted({tuple(d) for d, _, _ in everyone})  # type: ignore[misc]
+            pairings = {g: pairing.choose_pairs([hosts[r] for r in g]) for g in groups}
         check_partner_hosts(pairings, hosts)
         return pairings
 

@@ -42,10 +42,18 @@ class RecoveryCoordinator:
         self._close_store = close_store
         self._namespace: Optional[str] = None  # the current world's rendezvous
         self.recovery_id = 0
+        self._committed = 0  # recoveries this coordinator committed
         self._plan: Optional[RecoveryPlan] = None
         self._ready: Dict[int, P.RecoverReady] = {}
         self._failed = ""
         self.timeline: Dict[str, float] = {}
+
+    @property
+    def epoch(self) -> int:
+        """Recoveries the job has committed, as far as this controller knows: a promoted
+        standby learns the count from its own rank (RECOVERY.epoch); the controller process,
+        which trains nothing, from the recoveries it committed itself."""
+        return max(RECOVERY.epoch, self._committed)
 
     # -- called by the controller's I/O thread, holding the condition ---------------------------
     @property
@@ -87,7 +95,7 @@ class RecoveryCoordinator:
     def run(self, flow_id: int, plan: RecoveryPlan) -> Tuple[bool, str]:
         """Order the recovery of `plan` and wait (bounded) for every rank's READY."""
         cfg = self.cfg
-        self.recovery_id = RECOVERY.epoch + 1  # the job's count: survivors agree on it
+        self.recovery_id = self.epoch + 1  # the job's count: survivors agree on it
         rid = self.recovery_id
         controller = format_address(*self._address())
         namespace = f"ttp-recovery/{rid}-{secrets.token_hex(8)}"
@@ -121,6 +129,7 @@ class RecoveryCoordinator:
         self._out.send_many(list(range(self.world_size)), P.RecoverCommit(rid))
         self._out.flush(2.0)
         self.timeline["committed"] = time.monotonic()
+        self._committed = rid
         took = self.timeline["committed"] - self.timeline["ordered"]
         log.warning("%s: recovery %d committed in %.2f s: training goes on from step %d",
                     self.name, rid, took, plan.step)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
-from typing import Dict, FrozenSet, List, Tuple
+from typing import Dict, FrozenSet
+
+from mindio_ttp.control.state import TableMachine
 
 log = logging.getLogger("mindio_ttp.recovery")
 
@@ -55,43 +56,21 @@ class InvalidRecoveryTransition(RuntimeError):
     """A transition the table does not allow: a bug in the recovery, never a user error."""
 
 
-class RecoveryMachine:
+class RecoveryMachine(TableMachine[RecoveryState]):
     """Thread-safe holder of one rank's recovery state, with its history for logs and tests."""
 
     def __init__(self, name: str = "recovery") -> None:
-        self.name = name
-        self._state = S.IDLE
-        self._lock = threading.Lock()
-        self.history: List[Tuple[RecoveryState, RecoveryState, str]] = []
-
-    @property
-    def state(self) -> RecoveryState:
-        return self._state
+        super().__init__(name, S.IDLE, ALLOWED, InvalidRecoveryTransition, log)
 
     @property
     def active(self) -> bool:
         """A recovery is under way on this rank (not idle, not abandoned)."""
-        return self._state in _ACTIVE
-
-    def transition_to(self, new: RecoveryState, why: str = "") -> RecoveryState:
-        with self._lock:
-            old = self._state
-            if new not in ALLOWED[old]:
-                log.error("%s: illegal transition %s -> %s (%s)", self.name, old.value,
-                          new.value, why)
-                raise InvalidRecoveryTransition(
-                    f"{self.name}: {old.value} -> {new.value} is not allowed (allowed: "
-                    f"{sorted(s.value for s in ALLOWED[old]) or 'none'})")
-            self._state = new
-            self.history.append((old, new, why))
-        log.info("%s: %s -> %s%s", self.name, old.value, new.value, f" ({why})" if why else "")
-        return old
+        return self.state in _ACTIVE
 
     def abandon(self, why: str) -> bool:
         """Move to ABANDONED from any active state; False when there was nothing to abandon."""
-        with self._lock:
-            if self._state not in _ACTIVE:
-                return False
+        if not self.active:
+            return False
         try:
             self.transition_to(S.ABANDONED, why)
         except InvalidRecoveryTransition:  # raced with another abandon: already there

@@ -102,9 +102,8 @@ def test_resume_from_dying_checkpoint_is_bit_exact(killed, reference, patched_me
 
 def test_sigkill_of_rank0_saves_the_same_bytes_from_other_holders(killed, patched_megatron_tree,
                                                                   tiny_dataset, work):
-    """Rank 0 hosts the controller: a standby takes over; the shard exchange goes through the
-    launcher agent's store, which outlives rank 0. Other holders ([1, 2] instead of [0, 3])
-    must write the same checkpoint, tensor for tensor."""
+    """Rank 0 started the controller, whose process outlives it and runs the flow. Other
+    holders ([1, 2] instead of [0, 3]) must write the same checkpoint, tensor for tensor."""
     ckpt = work / "rank0_ckpt"
     result = run_job(patched_megatron_tree, tiny_dataset, work / "rank0.log", ckpt,
                      plan="0:5:sigkill:before", save_interval=3)

@@ -177,14 +177,30 @@ def test_a_second_fault_right_after_a_recovery_is_recovered_too(reference,
     assert [rid for rid, _, _ in commits(result.log)] == [1, 2]
 
 
-def test_rank0_lost_the_standby_controller_recovers(reference, patched_megatron_tree,
+def test_rank0_lost_its_controller_process_recovers(reference, patched_megatron_tree,
                                                     tiny_dataset, work):
-    """Rank 0 hosts the controller: a standby takes over and runs the recovery; rank 0's
-    replacement registers with it (not on port 8000) and starts no controller of its own."""
+    """The controller runs in a process of its own (control/host.py), which outlives rank 0: it
+    runs the recovery itself (no failover), and rank 0's replacement registers with it and
+    starts no controller of its own."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "rank0",
                            "0:5:sigkill:before")
     assert_recovered_like_reference(result, ckpt, reference, steps=[4])
-    assert re.search(r"standby controller@rank\d: recovery 1 committed", result.log)
+    assert re.search(r"(?<!standby )controller@rank0: recovery 1 committed", result.log), \
+        result.tail(8000)
+    assert "standby -> serving" not in result.log  # no failover
+    assert "ttp_start_controller after an in-memory recovery" in result.log
+
+
+def test_rank0_and_its_controller_lost_the_standby_recovers(reference, patched_megatron_tree,
+                                                            tiny_dataset, work):
+    """Rank 0 and its controller process die together (its process group: what node 0's loss
+    does to the control plane): a standby takes over and runs the recovery; rank 0's
+    replacement registers with it (not on port 8000)."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "rank0_group",
+                           "0:5:sigkill-group:before")
+    assert_recovered_like_reference(result, ckpt, reference, steps=[4])
+    assert re.search(r"standby controller@rank\d: recovery 1 committed", result.log), \
+        result.tail(8000)
     assert "ttp_start_controller after an in-memory recovery" in result.log
 
 
@@ -243,6 +259,7 @@ def test_both_holders_of_a_shard_lost_is_the_dying_checkpoints_refusal(
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "fb_both",
                            "1:5:sigkill:before,3:5:sigkill:before", save_interval=3)
     assert result.returncode != 0
-    assert "no in-memory recovery (only 2 of 4 ranks survive" in result.log
+    assert "no in-memory recovery (every holder of lost rank 1's optimizer shard is lost" \
+        in result.log, result.tail(8000)
     assert "no step had a clean copy of every shard" in result.log
     assert tracker_step(ckpt) == 3

@@ -10,7 +10,6 @@ import contextlib
 import json
 import socket
 import time
-from dataclasses import fields
 from typing import Iterator
 
 import pytest
@@ -30,12 +29,12 @@ def signed_register(addr, **fields_: object) -> bytes:
     """A key holder's Register with any field values (a real rank's encoder refuses bad ones):
     answers the listener's challenge, MACed with the job key. Returns what the listener sent
     back before it closed the connection (b"" when it closed without a word)."""
-    good = P.Register(1, 4, DP, 2, "127.0.0.1", 0, 0, 3, False, False, False)
     with socket.create_connection(addr, timeout=5) as s:
         dec = P.FrameDecoder(KEY, handshake=True)
         challenge = read_frames(s, dec)[0]
-        body = {f.name: getattr(good, f.name) for f in fields(good)}
-        body.update(challenge=challenge.nonce, nonce=new_nonce())
+        good = P.Register(1, 4, DP, 2, "127.0.0.1", 0, 0, 3, False, False, False,
+                          challenge=challenge.nonce, nonce=new_nonce())
+        body = json.loads(P.encode_payload(good))  # as on the wire (rank lists as blocks)
         body.update(fields_)
         s.sendall(P.seal(P.Register.TYPE, json.dumps(body).encode(), KEY, 0))
         s.settimeout(5)

@@ -128,6 +128,12 @@ def test_committed_recovery_sends_no_exit_and_serves_the_next_fault():
     wait_state(flow, S.SERVING)
     assert [k for k in out.kinds() if k[2] == "RecoverOrder"][-1][1] == [0, 1, 3]
     assert out.closed == [order.rendezvous]  # the next recovery's namespace replaced it
+    # the controller counts the recoveries it committed itself: in its own process no rank
+    # trains, so RECOVERY.epoch there stays 0, and a second recovery 1 would be refused by
+    # every rank that committed the first
+    assert R.RECOVERY.epoch == 0
+    second = [m for _, _, m in out.sent if isinstance(m, P.RecoverOrder)][-1]
+    assert second.recovery_id == 2 and second.rendezvous.startswith("ttp-recovery/2-")
 
 
 def abandoned(flow, out) -> None:

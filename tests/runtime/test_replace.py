@@ -160,3 +160,18 @@ def test_a_restarted_worker_group_gets_a_fresh_desk(tmp_path, lost_worker):
     R.write_request(str(tmp_path), R.ReplacementRequest(1, 5, {}))
     assert desk.serve(ctx, workers) == [0]
     ctx.subprocess_handlers[0].proc.wait(30)
+
+
+def test_a_fresh_desk_still_hands_a_lost_nodes_ranks_to_the_takeover(tmp_path, lost_worker):
+    """ttprun makes a fresh desk at every start of its workers, the first included: the
+    takeover's hand-off (`foreign`) must survive it, or a lost node's ranks are failed at once
+    instead of going to a spare node."""
+    ctx, workers = Context(tmp_path, lost_worker), [Worker(5, 0, lost_worker.pid)]
+    held: List[R.ReplacementRequest] = []
+    desk = R.ReplacementDesk(tmp_path, foreign=lambda request: held.append(request) or True)
+    desk = desk.fresh()
+    R.write_request(str(tmp_path), R.ReplacementRequest(1, 7, {}))
+    assert desk.serve(ctx, workers) == []
+    assert [r.rank for r in held] == [7]
+    assert R.read_status(str(tmp_path), 1, 7) is None  # the takeover answers, not the desk
+    assert lost_worker.poll() is None
