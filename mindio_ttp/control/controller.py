@@ -57,6 +57,9 @@ log = logging.getLogger("mindio_ttp.controller")
 # Work per loop turn for peers that have not registered (new connections, and readable ones):
 # bounded, and done after every registered rank's frames, so no flood delays a heartbeat.
 PRE_AUTH_EVENTS_PER_LOOP = 256
+BACKUPS_COALESCE_S = 0.1  # at most one Backups broadcast per this: a fault soon after the
+# start must find every rank with the same list (ranks that fail over to different standbys
+# split the job), and the best two change only ~ln(N) times in a start-up storm
 PRE_AUTH_BUDGET_S = 0.05  # a handshake costs ~100 us of this thread: a storm waits its turn
 PENDING_CAP = 512  # connections accepted and not registered, at most (see the docstring)
 # Before registration a read takes the rest of the frame being sent (or this much, so a short
@@ -286,9 +289,12 @@ class Controller:
         next_check = time.monotonic() + tick
         next_backups = 0.0
         while not self._stop.is_set():
+            wake = next_check
+            if self._backups != self._backups_sent:  # a changed list goes out within its bound
+                wake = min(wake, next_backups)
             try:
                 events = self._sel.select(self._clock.waiting(
-                    max(0.0, next_check - time.monotonic())))
+                    max(0.0, wake - time.monotonic())))
             except OSError:
                 if self._stop.is_set():
                     break
@@ -323,11 +329,11 @@ class Controller:
                 self.checked_at = now
                 next_check = now + tick
             if self._backups != self._backups_sent and now >= next_backups:
-                # coalesced: the best two change ~ln(N) times during a start-up storm, and
-                # each broadcast is N frames; registering ranks get the list in their ack
+                # coalesced (BACKUPS_COALESCE_S): each broadcast is a frame per registered
+                # rank; registering ranks get the list in their ack
                 self._backups_sent = list(self._backups)
                 self._send_alive_now(P.Backups(self._backups_sent))
-                next_backups = now + self.cfg.heartbeat_interval
+                next_backups = now + BACKUPS_COALESCE_S
             if self._flush_waiters and all(not c.out for c in self._conns.values()):
                 for ev in self._flush_waiters:
                     ev.set()

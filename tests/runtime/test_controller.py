@@ -191,3 +191,38 @@ def test_step_timeout_is_off_by_default():
     assert TTPConfig.from_env(ENV).step_timeout == 0.0
     with pytest.raises(ValueError, match="TTP_STEP_TIMEOUT"):
         TTPConfig.from_env(dict(ENV, TTP_STEP_TIMEOUT="-3"))
+
+
+def test_every_rank_learns_the_same_backups_soon_after_it_registers():
+    """Ranks registering one after another each learn a list that then changes (rank 3 alone,
+    then 2 and 3, then 1 and 2): with the default 2 s heartbeat, a fault 0.3 s after the last
+    registration found rank 1 with only itself and ranks 2 and 3 with rank 2, and the job failed
+    over to two standbys, neither with a majority. Every rank must hold the final list well
+    within that."""
+    from mindio_ttp.control import hooks
+    from mindio_ttp.control.processor import Processor
+
+    env = {k: v for k, v in ENV.items() if not k.startswith("TTP_HEARTBEAT")}
+    ctl = Controller(TTPConfig.from_env(env), 4, 2, host_rank=0)
+    ctl.listen("127.0.0.1", 0)
+    ctl.start()
+    assert ctl.cfg.heartbeat_interval == 2.0
+    procs = []
+    try:
+        for rank in (3, 2, 1):
+            hooks.STATE.reset()
+            proc = Processor(TTPConfig.from_env(env), rank, DP, 4, 2)
+            proc.exit_fn = lambda code: None
+            proc.start("127.0.0.1", ctl.address[1])
+            procs.append(proc)
+        registered = time.monotonic()
+        assert wait_for(lambda: all([b[0] for b in p._backups] == [1, 2] for p in procs), 5.0)
+        assert time.monotonic() - registered < 0.5
+    finally:
+        ctl.stop()  # first: its Closing tells each processor to end quietly, no fault
+        for proc in procs:
+            proc._stop.set()
+            proc._mail.wake()
+            if proc.standby:
+                proc.standby.stop()
+        hooks.STATE.reset()
