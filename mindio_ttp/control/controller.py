@@ -275,7 +275,7 @@ class Controller:
 
     @property
     def flow_running(self) -> bool:
-        return self.sm.is_in(S.COLLECTING, S.SAVING, S.RENAMING)
+        return self.sm.is_in(S.COLLECTING, S.RECOVERING, S.SAVING, S.RENAMING)
 
     @property
     def registered(self) -> List[int]:

@@ -42,7 +42,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mindio_ttp.config import TTPConfig
 from mindio_ttp.control.hooks import TTPError
-from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.faulttime import claim as C
 from mindio_ttp.recovery.rank import NO_HOOKS, RECOVERY
 
@@ -272,10 +271,9 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
             return 0
         # Rank 0 gone (killed, or replaced by an in-memory recovery that let the job go on):
         # this process is the job's controller while any rank is connected to it, for as
-        # long as training lasts; it ends once the last rank has left and no flow or
-        # recovery is under way.
-        if parent_gone is not None and not ctl.flow_running \
-                and not ctl.sm.is_in(S.RECOVERING) and not ctl.registered:
+        # long as training lasts; it ends once the last rank has left and no flow (an
+        # in-memory recovery included) is under way.
+        if parent_gone is not None and not ctl.flow_running and not ctl.registered:
             log.warning("%s: no rank left to serve; exiting", ctl.name)
             ctl.stop()
             return 0

@@ -152,7 +152,7 @@ def in_memory_recovery(pretrain: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _survivor_leaves_the_world() -> Rejoin:
+def _survivor_leaves_the_world() -> None:
     """Stop, destroy every group, forget Megatron's globals: the re-run builds anew. The
     survivor's record (`_current`) is kept from the start: should the recovery be abandoned
     on the way, the fallback's save and rename still need the arguments it trained with."""
@@ -176,7 +176,6 @@ def _survivor_leaves_the_world() -> Rejoin:
     _destroy_groups(rejoin)
     _forget_megatron_globals()
     RECOVERY.machine.transition_to(S.REGROUPING, f"new world on {order.store}")
-    return rejoin
 
 
 def _register_replacement(order: RecoveryOrder, rank: int) -> None:

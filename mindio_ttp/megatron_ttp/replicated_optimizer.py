@@ -268,17 +268,14 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         whatever host a replacement landed on (a pair that now shares a host is warned of)."""
         world = torch.distributed.get_world_size()
         everyone: List[Optional[tuple]] = [None] * world
-        mine = (self.dp_ranks, _hostname(),
-                None if kept is None else sorted((g, [tuple(p) for p in pairs])
-                                                 for g, pairs in kept.items()))
-        torch.distributed.all_gather_object(everyone, mine)
+        torch.distributed.all_gather_object(everyone, (self.dp_ranks, _hostname(), kept))
         hosts = {r: h for r, (_, h, _) in enumerate(everyone)}  # type: ignore[misc]
         held = [k for _, _, k in everyone if k is not None]  # type: ignore[misc]
         if held:
             if any(k != held[0] for k in held):
                 raise RuntimeError("the surviving ranks hold different optimizer pairings: "
                                    "their stripes cannot be matched")
-            pairings = {tuple(g): [tuple(p) for p in pairs] for g, pairs in held[0]}
+            pairings = held[0]
         else:
             groups = sorted({tuple(d) for d, _, _ in everyone})  # type: ignore[misc]
             pairings = {g: pairing.choose_pairs([hosts[r] for r in g]) for g in groups}
