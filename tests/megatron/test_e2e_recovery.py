@@ -79,14 +79,18 @@ def commits(log: str) -> List[Tuple[int, float, int]]:
 
 
 def assert_recovered_like_reference(result, ckpt: Path, reference, steps: List[int],
-                                    also: Sequence[int] = ()) -> None:
+                                    also: Sequence[int] = (), unprinted: Sequence[int] = ()
+                                    ) -> None:
     """Exit 0 after `len(steps)` recoveries to those steps; same printed losses as the
-    reference; final checkpoint (and the periodic ones in `also`) bit-identical to its."""
+    reference (but the lines of `unprinted`, which may be missing); final checkpoint (and the
+    periodic ones in `also`) bit-identical to its."""
     ref_result, ref_ckpt = reference
     assert result.returncode == 0, result.tail(8000)
     assert [s for _, _, s in commits(result.log)] == steps, result.tail(8000)
     assert not _ABANDONED.search(result.log)
-    assert result.losses == ref_result.losses, (result.losses, ref_result.losses)
+    expected = {it: loss for it, loss in ref_result.losses.items()
+                if it not in unprinted or it in result.losses}
+    assert result.losses == expected, (result.losses, ref_result.losses)
     # nothing written for the recovery (no dying checkpoint), nothing read (no load)
     assert tracker_step(ckpt) == N_ITERS
     assert "loading checkpoint from" not in result.log
@@ -149,10 +153,15 @@ def test_a_kill_at_a_random_instant_recovers_bit_exact(seed, plan, reference,
     logging): every survivor is clean at one step, the one the dying checkpoint would save."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"anytime{seed}", plan,
                            env={"TTP_FAULT_SEED": str(seed)})
-    step = int(plan.split(":")[1])
+    rank, step = (int(x) for x in plan.split(":")[:2])
     [(_, _, rolled_back)] = commits(result.log)
     assert rolled_back in (step - 1, step)
-    assert_recovered_like_reference(result, ckpt, reference, steps=[rolled_back])
+    # Megatron prints the loss on the last rank only: killed after its step but before that
+    # print, the step is complete everywhere (so kept, not redone) and its line never printed
+    # (CI 2026-12-05: rank 3 killed in step 6's logging)
+    unprinted = [step] if rank == 3 and rolled_back == step else []
+    assert_recovered_like_reference(result, ckpt, reference, steps=[rolled_back],
+                                    unprinted=unprinted)
 
 
 def test_faults_during_evaluation_and_a_periodic_save_recover_bit_exact(
