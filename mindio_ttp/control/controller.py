@@ -31,6 +31,7 @@ closes that connection, is logged with its peer, and the loop goes on.
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import resource
 import selectors
@@ -174,7 +175,7 @@ class Controller:
         self.flow = Flow(cfg, world_size, replica, host_rank, self.name, self.sm, self._cond,
                          self._ranks, self._outbox, self.close_store,
                          claims or (lambda: C.registered(self.fault_id)),
-                         address=lambda: self.address)
+                         address=lambda: self.address, rearmed=self._refresh_backups)
 
     # -- what the flow found (read by tests, benchmarks and the API) ---------------------------
     @property
@@ -665,7 +666,8 @@ class Controller:
             # before the ack, so the list it carries counts this rank too: a rank that is
             # itself one of the two best backups must not learn a list without it and rely
             # on a later broadcast reaching it before the controller is lost
-            self._consider_backup(m.rank, m.host, m.standby_port)
+            with self._cond:  # the flow thread refreshes the list after a recovery
+                self._consider_backup(m.rank, m.host, m.standby_port)
         conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
                                  self._backups, self.fault_id or ""))
         for phase_msg in self._phase_msgs:
@@ -681,18 +683,30 @@ class Controller:
                 self.sm.transition_to(S.SERVING, f"{alive} of {self.world_size} ranks failed "
                                       f"over ({share})")
                 with self._cond:
+                    self._refresh_backups()  # it learned none while it stood by
                     self.flow.fault(f"primary controller lost ({alive} ranks failed over to "
                                     f"rank {self.host_rank})", promoted=True)
 
+    def _backup_key(self, b: List[object]) -> Tuple[bool, int]:
+        """The best standby candidates: other hosts first, then lowest rank."""
+        return (b[1] == (self.address[0] if self.address else ""), int(b[0]))  # type: ignore
+
     def _consider_backup(self, rank: int, host: str, port: int) -> None:
-        """Keep the two best standby candidates: other hosts first, then lowest rank."""
-        my_host = self.address[0] if self.address else ""
-
-        def key(b: List[object]) -> Tuple[bool, int]:
-            return (b[1] == my_host, int(b[0]))  # type: ignore[arg-type]
-
+        """A registration: one candidate against the two kept (O(1), at every start-up)."""
         cands = [b for b in self._backups if b[0] != rank] + [[rank, host, port]]
-        self._backups = sorted(cands, key=key)[:2]  # broadcast by the loop, coalesced
+        self._backups = sorted(cands, key=self._backup_key)[:2]  # broadcast by the loop
+
+    def _refresh_backups(self) -> None:
+        """The two best backups among the live ranks, from scratch (O(N), once per recovery
+        or promotion): after an in-memory recovery a lost rank's entry names a dead listener
+        (its replacement listens on a new port, and registered while the list stood still),
+        and a standby promoted on a failover learned no list while it stood by. Without this,
+        losing the serving controller after a recovery found no backup alive: no verdict,
+        nothing saved. The caller holds the condition."""
+        cands = [[i.rank, i.host, i.standby_port] for i in self._ranks.values()
+                 if i.status == "alive" and i.standby_port > 0 and i.rank != self.host_rank]
+        self._backups = heapq.nsmallest(2, cands, key=self._backup_key)
+        self._mail.wake()  # out within BACKUPS_COALESCE_S, not at the next tick
 
     def _send_alive(self, msg: P.Message, exclude: Optional[int] = None) -> None:
         self._outbox.broadcast(msg, exclude)

@@ -85,7 +85,8 @@ class Flow:
                  sm: StateMachine, lock: threading.Condition, roster: Roster, outbox: Outbox,
                  close_store: Callable[[str], None],
                  claims: Callable[[], Optional[C.ClaimSpace]] = lambda: None,
-                 address: Optional[Callable[[], Tuple[str, int]]] = None) -> None:
+                 address: Optional[Callable[[], Tuple[str, int]]] = None,
+                 rearmed: Callable[[], None] = lambda: None) -> None:
         self.cfg, self.world_size, self.replica = cfg, world_size, replica
         self.host_rank, self.name = host_rank, name
         self.sm = sm
@@ -114,6 +115,7 @@ class Flow:
         self._raised: Set[int] = set()  # ranks that reported their own exception
         self._preempted = False
         self.known_hosts: Dict[int, str] = {}  # hosts of ranks that never registered here
+        self._rearmed = rearmed  # the controller's, after a committed recovery (holding lock)
         self.recovery = RecoveryCoordinator(cfg, world_size, name, lock, roster, outbox,
                                             address or (lambda: ("", 0)), close_store)
 
@@ -188,6 +190,7 @@ class Flow:
             self._faulty, self._raised, self._preempted = {}, set(), False
             self.fault_at = None
             self.sm.transition_to(S.SERVING, f"recovery {self.recovery.recovery_id} committed")
+            self._rearmed()
             self._cond.notify_all()
 
     def _wait_for_failovers(self) -> None:

@@ -145,6 +145,41 @@ def test_pp2_dp2_recovers_bit_exact(reference_pp2, patched_megatron_tree, tiny_d
     assert "refilled from [0]" in result.log
 
 
+# Every fault kind once in one job, in each layout with more than one kind of group: rank 0
+# with its controller process (the controller moves to a standby), a second fault right after
+# that recovery, one in the evaluation, one at a random instant, one inside a periodic save.
+# Ranks 0 and 2 are never lost together (in TP2×DP2 they hold each other's shard) and rank 3,
+# the one that prints the loss, is never killed at a random instant.
+EVERY_KIND = ("0:3:sigkill-group:before,2:4:sigkill:before,1:6:sigkill:eval,"
+              "0:8:sigkill:anytime,2:9:sigkill:periodic-save")
+
+
+def assert_every_kind_recovered(result, ckpt: Path, reference) -> None:
+    steps = [s for _, _, s in commits(result.log)]
+    assert len(steps) == 5 and steps[3] in (7, 8), result.tail(8000)
+    assert_recovered_like_reference(result, ckpt, reference, steps=[2, 3, 6, steps[3], 9],
+                                    also=(3, 6, 9))
+    assert re.search(r"standby controller@rank\d: recovery 1 committed", result.log), \
+        result.tail(8000)
+    assert "during the evaluation after step 6" in result.log
+    assert "during the periodic save of step 9" in result.log
+    assert [rid for rid, _, _ in commits(result.log)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_every_fault_kind_in_tp2_and_pp2_recovers_bit_exact(layout, request,
+                                                            patched_megatron_tree,
+                                                            tiny_dataset, work):
+    """Five recoveries in one job of TP2×DP2 (Megatron's tensor groups regrouped around the
+    replacement) and of PP2×DP2 (its pipeline and embedding groups): the end state and the
+    periodic saves the faults cut short are bit-identical to the uninterrupted run's."""
+    reference = request.getfixturevalue(f"reference_{layout}")
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"{layout}_every",
+                           EVERY_KIND, save_interval=3, tp=2 if layout == "tp2" else 1,
+                           extra=PP2 if layout == "pp2" else ())
+    assert_every_kind_recovered(result, ckpt, reference)
+
+
 @pytest.mark.parametrize("seed, plan", [(1, "1:5:sigkill:anytime"), (2, "3:6:sigkill:anytime")])
 def test_a_kill_at_a_random_instant_recovers_bit_exact(seed, plan, reference,
                                                        patched_megatron_tree, tiny_dataset,
