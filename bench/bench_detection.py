@@ -29,7 +29,7 @@ CASES: List[Tuple[str, int, Fault]] = [
     ("SIGKILL rank 1 (connection drops)", 1, Fault.SIGKILL),
     ("exception in train, rank 1 (reported)", 1, Fault.EXCEPTION),
     ("SIGSTOP rank 1 (heartbeats stop)", 1, Fault.SIGSTOP),
-    ("SIGKILL rank 0 (controller host; standby takes over)", 0, Fault.SIGKILL),
+    ("SIGKILL rank 0 (its controller process runs on)", 0, Fault.SIGKILL),
 ]
 _FAULT_LINE = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[ttp rank \d+\] \w+ mindio_ttp\.controller: .*FAULT"
