@@ -49,11 +49,6 @@ def capable(monkeypatch):
     monkeypatch.setattr(R.RECOVERY, "capability", lambda: (True, ""))
 
 
-def last_backups(fake: FakeRank) -> List[int]:
-    lists = fake.of_type(P.Backups)
-    return [b[0] for b in lists[-1].backups] if lists else []
-
-
 class Job:
     """A controller on loopback and the fake ranks that registered with it; `replacement`
     fills in when the controller orders one (standby port 6000 + rank)."""
