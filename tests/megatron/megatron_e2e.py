@@ -12,7 +12,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mindio_ttp.demo.rehearsal.data import TinyDataset
 from mindio_ttp.demo.rehearsal.launch import (
@@ -23,11 +23,28 @@ from mindio_ttp.demo.rehearsal.launch import (
     tiny_gpt_args,
 )
 from mindio_ttp.megatron_ttp import manifest
-from testkit.hooks import FAULT_HOOK_DIR, pythonpath
+from testkit.hooks import FAULT_HOOK_DIR, NCCL_LIKE_DIR, pythonpath
 
 TTP_OT_S = 40  # seconds ttprun keeps survivors alive after a fault
 N_ITERS = 10
 FAR_AWAY = 10_000  # periodic save interval that never fires
+# The process-group backends a job can run on: gloo (a dead peer's collective raises) or the
+# NCCL-like backend (testkit/nccl_like: it spins until aborted, as NCCL's does), optionally as
+# in torch "2.1" / "2.4" / "2.6" ("nccl-like@2.1"; plain "nccl-like" is the newest).
+GLOO, NCCL_LIKE = "gloo", "nccl-like"
+
+
+def backend_setup(backend: str) -> Tuple[Dict[str, str], List[str]]:
+    """(worker environment, extra Megatron arguments) that run a job on `backend`."""
+    name, _, release = backend.partition("@")
+    if name == GLOO:
+        return {"PYTHONPATH": pythonpath(FAULT_HOOK_DIR)}, []
+    if name != NCCL_LIKE:
+        raise ValueError(f"backend {backend!r}: {GLOO!r} or {NCCL_LIKE!r}[@2.1|@2.4|@2.6]")
+    env = {"PYTHONPATH": pythonpath(NCCL_LIKE_DIR), "NCCL_LIKE": "1"}
+    if release:
+        env["NCCL_LIKE_TORCH"] = release
+    return env, ["--distributed-backend", "nccl"]
 
 
 def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int = N_ITERS,
@@ -35,9 +52,10 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
             launcher: Launcher = Launcher.TTPRUN, inject_adaptor: bool = False,
             distributed_optimizer: bool = True, nproc: int = 4, extra: Sequence[str] = (),
             env_extra: Optional[Dict[str, str]] = None, timeout_s: float = 240,
-            launcher_args: Sequence[str] = ()) -> PretrainResult:
+            launcher_args: Sequence[str] = (), backend: str = GLOO) -> PretrainResult:
+    backend_env, backend_args = backend_setup(backend)
     env: Dict[str, str] = {
-        "PYTHONPATH": pythonpath(FAULT_HOOK_DIR),
+        **backend_env,
         "TTP_OT": str(TTP_OT_S),
         "TTP_CONTROLLER_PORT": str(pick_free_port()),
         **(env_extra or {}),
@@ -48,7 +66,8 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
         env.update({"TTP_FAULT_PLAN": plan, "TTP_FAULT_RECORD_DIR": str(record)})
     args = tiny_gpt_args(data, train_iters=iters, tensor_parallel=tp,
                          distributed_optimizer=distributed_optimizer, save=ckpt,
-                         load=ckpt if load else None, save_interval=save_interval, extra=extra)
+                         load=ckpt if load else None, save_interval=save_interval,
+                         extra=[*extra, *backend_args])
     with PretrainJob(tree, args, nproc=nproc, log_path=log, launcher=launcher,
                      inject_adaptor=inject_adaptor, env=env, launcher_args=launcher_args) as job:
         result = job.wait(timeout_s)
