@@ -193,3 +193,55 @@ def recovery_support(backend_name: str, backend: object = None) -> Tuple[bool, s
                       "communicators, then the world is re-initialised")
     return False, (f"backend {backend_name!r}: in-memory recovery knows how to stop nccl, hccl "
                    "and gloo only")
+
+
+def empty_cache_releases_gil(seconds: float = 0.2,
+                             empty_cache: Optional[Callable[[], object]] = None,
+                             pend: Optional[Callable[[float], None]] = None) -> Optional[bool]:
+    """Whether ``torch.cuda.empty_cache()`` lets other Python threads run while it waits for
+    the device, measured (None without CUDA): older torch calls the allocator's emptyCache
+    holding the GIL, and emptyCache waits for the events of freed blocks a stream recorded,
+    ProcessGroupNCCL's among them: behind a hung collective, the processor's heartbeat
+    thread would stop and the rank would look dead (D10). `pend(seconds)` frees a block whose
+    event completes `seconds` later (by default a CUDA block recorded on a side stream behind a
+    ``torch.cuda._sleep``); a ticker thread counts while `empty_cache` waits."""
+    if empty_cache is None or pend is None:
+        if not torch.cuda.is_available():
+            return None
+        empty_cache, pend = torch.cuda.empty_cache, _pend_cuda_block
+    import threading
+    import time
+
+    pend(seconds)
+    ticks, stop = [0], threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick, name="ttp-gil-probe", daemon=True)
+    ticker.start()
+    time.sleep(0.01)
+    before = ticks[0]
+    started = time.monotonic()
+    empty_cache()
+    waited = time.monotonic() - started
+    during = ticks[0] - before
+    stop.set()
+    ticker.join(1.0)
+    if waited < seconds / 2:
+        return True  # it did not wait: nothing to hold (treated as releasing)
+    return during >= max(2, int(waited * 1000) // 10)  # at least a tenth of the ticks
+
+
+def _pend_cuda_block(seconds: float) -> None:
+    side = torch.cuda.Stream()
+    rate_khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()),
+                       "clock_rate", 0) or 1_500_000
+    block = torch.empty(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(seconds * rate_khz * 1000))
+    block.record_stream(side)
+    del block  # freed now; reusable (and releasable) only once `side` passes the sleep
