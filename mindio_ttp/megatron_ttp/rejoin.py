@@ -379,6 +379,10 @@ def _hold_for_verdict(exc: BaseException) -> bool:
     on the exit order). True when the verdict is another in-memory recovery instead (a fault
     right after a recovery, while Megatron rebuilds its data loaders, say)."""
     rt = hooks.RUNTIME
+    if isinstance(exc, hooks.TTPReleased):  # raised into the decorator's own handler: it has
+        hooks.TRAINING.leave()  # left the failed step all the same (control/release.py)
+        if rt is not None and rt.running and RECOVERY.pending:
+            return True
     if rt is None or not rt.running or getattr(exc, "_ttp_waited", False):
         return False
     if RECOVERY.active:
