@@ -281,6 +281,12 @@ class NcclLikeGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self._abort_now()
 
+    def _group_start(self) -> None:
+        """NCCL's group call around several aborts (2.5+); nothing to batch here."""
+
+    def _group_end(self) -> None:
+        """See `_group_start`."""
+
     def shutdown(self) -> None:
         """Graceful (2.6+): wait for the unfinished work, unless aborted; then the
         communicator is gone. Before 2.6 (torch's destroy only): the group is dropped and its

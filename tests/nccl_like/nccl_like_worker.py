@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 SCENARIO, RANK, WORLD, PORT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 OBSERVE_S = 1.5  # how long a blocked main thread is watched before the abort
-NAMES = ("abort", "_shutdown", "_abort", "shutdown")
+NAMES = ("abort", "_shutdown", "_abort", "shutdown", "_group_start", "_group_end")
 state: dict = {}
 
 
@@ -245,7 +245,8 @@ def main() -> None:
     pg = dist.group.WORLD
     result = {"version": str(torch.__version__), "backend": dist.get_backend(),
               "name": pg.name(), "names": {n: hasattr(pg, n) for n in NAMES},
-              "abort_process_group": hasattr(dist.distributed_c10d, "_abort_process_group")}
+              "abort_process_group": hasattr(dist.distributed_c10d, "_abort_process_group"),
+              "nccl": list(torch.cuda.nccl.version())}
     result["warm_up"] = warm_up(pg)
     peer_fault()
     SCENARIOS[SCENARIO](pg, result)

@@ -66,8 +66,9 @@ def assert_backend(result: dict, release: str, err: str) -> None:
     assert [names["abort"], names["_shutdown"], names["_abort"]] == {
         "2.1": [False, False, True], "2.4": [False, True, False],
         "2.6": [True, False, False]}[release], names
-    assert names["shutdown"] is (release == "2.6")
+    assert names["shutdown"] is names["_group_start"] is names["_group_end"] is (release == "2.6")
     assert result["abort_process_group"] is (release == "2.6")
+    assert result["nccl"] == {"2.1": [2, 18, 1], "2.4": [2, 20, 5], "2.6": [2, 26, 2]}[release]
     assert result["abort_name"] == ABORT_NAME[release]
 
 
