@@ -398,7 +398,7 @@ def test_each_restart_attempt_gets_its_own_store(tmp_path: Path, free_port: int,
     env.update(FAIL_ATTEMPTS="2", TTP_OT="30")
     fixed = None
     if store_ports:
-        from conftest import pick_free_port
+        from mindio_ttp.demo.rehearsal.launch import pick_free_port
 
         fixed = pick_free_port()
         env["TTP_RESTART_STORE_PORTS"] = str(fixed)
