@@ -18,6 +18,7 @@ HOSTNAME_HOOK_DIR = HERE / "hostname_hook"
 PATCHER_HOOK_DIR = HERE / "patcher_hook"
 OPTIM_MEMORY_DIR = HERE / "optim_memory"
 NCCL_LIKE_DIR = HERE / "nccl_like"
+STEP_PROFILE_DIR = HERE / "step_profile"
 
 
 def pythonpath(*dirs: os.PathLike, env: Optional[Mapping[str, str]] = None) -> str:
