@@ -125,11 +125,16 @@ def _backends(pg: Any) -> List[Tuple[str, Any]]:
     return found or [(_name(pg), pg)]
 
 
+def _dist() -> Any:
+    """torch.distributed where this process imported it, else None: a process that never
+    imported torch has no process group, and importing torch here (seconds) would delay the
+    abort of a process that does."""
+    return sys.modules.get("torch.distributed")
+
+
 def _group_name(pg: Any) -> str:
     try:
-        import torch.distributed as dist
-
-        name = dist.distributed_c10d._world.pg_names.get(pg)
+        name = _dist().distributed_c10d._world.pg_names.get(pg)
         if name is not None:
             return str(name)
     except Exception:  # noqa: BLE001 - not initialised, or a test double
@@ -138,11 +143,8 @@ def _group_name(pg: Any) -> str:
 
 
 def _all_groups() -> List[Any]:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return []
-    if not dist.is_available() or not dist.is_initialized():
+    dist = _dist()
+    if dist is None or not dist.is_available() or not dist.is_initialized():
         return []
     return list(dist.distributed_c10d._world.pg_names)
 
@@ -308,11 +310,8 @@ def abort_all(timeout_s: float = config.ABORT_TIMEOUT_S, *,
 
 def _destroy(deadline: float) -> bool:
     """destroy_process_group(), bounded by what is left of the deadline (at least 1 s)."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    if not dist.is_available() or not dist.is_initialized():
+    dist = _dist()
+    if dist is None or not dist.is_available() or not dist.is_initialized():
         return False
     call = _Call(dist.destroy_process_group, "ttp-destroy-groups")
     call.start()
