@@ -47,6 +47,36 @@ def backend_setup(backend: str) -> Tuple[Dict[str, str], List[str]]:
     return env, ["--distributed-backend", "nccl"]
 
 
+DYING = "+dying"  # a case suffix: the same fault with TTP_RECOVERY=dying-checkpoint
+
+
+def cases(ci: Sequence[str] = (), extended: Sequence[str] = ()) -> List[object]:
+    """Parameters of a test over backends (and modes): `ci` run in every CI run, `extended`
+    only with ``pytest --extended`` (the rest of the fault matrix: tests/conftest.py)."""
+    import pytest
+
+    return [*ci, *(pytest.param(c, marks=pytest.mark.extended) for c in extended)]
+
+
+def split_case(case: str) -> Tuple[str, bool]:
+    """("nccl-like@2.1", dying?) of a case such as "nccl-like@2.1+dying"."""
+    return case.removesuffix(DYING), case.endswith(DYING)
+
+
+def assert_saved_bit_exact(result: PretrainResult, ckpt: Path, ref_ckpt: Path, step: int,
+                           layout: manifest.ParallelLayout) -> None:
+    """A failed job whose dying checkpoint of `step` is latest, complete, and bit-identical to
+    Megatron's own save of `step` in `ref_ckpt`."""
+    from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
+
+    assert result.returncode != 0, result.tail(8000)
+    assert tracker_step(ckpt) == step, result.tail(8000)
+    assert manifest.verify(ckpt / manifest.iter_dir_name(step), layout) is None
+    assert not list(ckpt.glob(".ttp_tmp_*"))
+    comparison = compare_checkpoints(ckpt, ref_ckpt, step)
+    assert comparison.bit_exact, comparison.summary()
+
+
 def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int = N_ITERS,
             plan: str = "", tp: int = 1, save_interval: int = FAR_AWAY, load: bool = True,
             launcher: Launcher = Launcher.TTPRUN, inject_adaptor: bool = False,
