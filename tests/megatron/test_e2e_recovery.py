@@ -172,10 +172,10 @@ def assert_fell_back(result, ckpt: Path, reference, step: int, why: str) -> None
 # The cases of the fault matrix (module doc): the gloo ones and the main NCCL-like ones run in
 # CI, the rest with pytest --extended (README: the test commands).
 ALL_MODES = (NL, f"{NL}+dying")
-KILL_CASES = cases(ci=["gloo", NL, f"{NL}+dying", f"{NL}@2.1+dying"],
-                   extended=[f"{NL}@2.1", f"{NL}@2.4", f"{NL}@2.4+dying"])
-HANG_CASES = cases(ci=[NL, f"{NL}+dying"],
-                   extended=[f"{NL}@2.1", f"{NL}@2.4", f"{NL}@2.1+dying", f"{NL}@2.4+dying"])
+KILL_CASES = cases(ci=["gloo"], extended=[NL, f"{NL}+dying", f"{NL}@2.1", f"{NL}@2.4",
+                                          f"{NL}@2.1+dying", f"{NL}@2.4+dying"])
+HANG_CASES = cases(extended=[NL, f"{NL}+dying", f"{NL}@2.1", f"{NL}@2.4", f"{NL}@2.1+dying",
+                             f"{NL}@2.4+dying"])
 OTHER_CASES = cases(ci=["gloo"], extended=ALL_MODES)
 
 
