@@ -23,30 +23,11 @@ from mindio_ttp.demo.rehearsal.launch import (
     tiny_gpt_args,
 )
 from mindio_ttp.megatron_ttp import manifest
-from testkit.hooks import FAULT_HOOK_DIR, NCCL_LIKE_DIR, pythonpath
+from testkit.hooks import GLOO, NCCL_LIKE, backend_setup  # noqa: F401 - the tests take them here
 
 TTP_OT_S = 40  # seconds ttprun keeps survivors alive after a fault
 N_ITERS = 10
 FAR_AWAY = 10_000  # periodic save interval that never fires
-# The process-group backends a job can run on: gloo (a dead peer's collective raises) or the
-# NCCL-like backend (testkit/nccl_like: it spins until aborted, as NCCL's does), optionally as
-# in torch "2.1" / "2.4" / "2.6" ("nccl-like@2.1"; plain "nccl-like" is the newest).
-GLOO, NCCL_LIKE = "gloo", "nccl-like"
-
-
-def backend_setup(backend: str) -> Tuple[Dict[str, str], List[str]]:
-    """(worker environment, extra Megatron arguments) that run a job on `backend`."""
-    name, _, release = backend.partition("@")
-    if name == GLOO:
-        return {"PYTHONPATH": pythonpath(FAULT_HOOK_DIR)}, []
-    if name != NCCL_LIKE:
-        raise ValueError(f"backend {backend!r}: {GLOO!r} or {NCCL_LIKE!r}[@2.1|@2.4|@2.6]")
-    env = {"PYTHONPATH": pythonpath(NCCL_LIKE_DIR), "NCCL_LIKE": "1"}
-    if release:
-        env["NCCL_LIKE_TORCH"] = release
-    return env, ["--distributed-backend", "nccl"]
-
-
 DYING = "+dying"  # a case suffix: the same fault with TTP_RECOVERY=dying-checkpoint
 
 
