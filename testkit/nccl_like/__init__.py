@@ -13,7 +13,8 @@ run any real-Megatron scenario under it. What `install` does, once torch is impo
   creates every group on it, with no edit beyond the patch;
 * emulates the NCCL surface of the torch release ``NCCL_LIKE_TORCH`` names (`versions`: abort
   names, async-error-handling env names and defaults, ``get_future_result``, destroy) and
-  reports that release in ``torch.__version__``; the rest of torch is the installed one;
+  reports that release in ``torch.__version__`` and its NCCL in ``torch.cuda.nccl.version()``;
+  the rest of torch is the installed one;
 * puts the fake device at ``torch.npu`` (where the runtime looks first), one work queue for
   every stream with ``NCCL_LIKE_ONE_QUEUE=1``, and makes host reads of device memory
   (``Tensor.item``, ``tolist``, ``bool``/``int``/``float`` of a tensor, ``torch.save``) wait
@@ -81,6 +82,10 @@ def install(emulated: Optional[versions.Emulated] = None, *, one_queue: Optional
         _installed["_abort_process_group"] = c10d._abort_process_group
         del c10d._abort_process_group
     torch.__version__ = TorchVersion(emulated.version)
+    nccl = emulated.nccl_version()
+    import torch.cuda.nccl
+
+    torch.cuda.nccl.version = lambda: nccl
     torch.npu = fake_device.FakeDevice()
     _host_reads_wait(torch, fake_device)
     _installed.update(emulated=emulated, one_queue=one_queue)
@@ -138,7 +143,8 @@ def _banner(group: Any, emulated: versions.Emulated, one_queue: bool) -> None:
     _installed["banner"] = True
     from testkit.nccl_like import backend
 
-    print(f"[nccl_like pid {os.getpid()}] NCCL of torch {emulated.label} emulated on gloo: "
+    nccl = ".".join(str(p) for p in emulated.nccl_version())
+    print(f"[nccl_like pid {os.getpid()}] NCCL {nccl} of torch {emulated.label} emulated on gloo: "
           f"abort by {', '.join(emulated.abort_names)}; async error handling "
           f"{backend.error_mode_name(group.error_handling)} ({group.error_handling_source}); "
           f"{'one work queue for every stream' if one_queue else 'a work queue per stream'}",

@@ -11,8 +11,11 @@ How "blocks like NCCL" is made true on gloo:
   an abort never writes into the caller's tensors.
 * **A gloo error is never seen.** When gloo fails an op (a dead peer's connection reset), the
   group starts *spinning*: that op and every later one of the group stay unfinished, as an NCCL
-  kernel waiting for a dead peer does, until the group is aborted (or its watchdog acts). A
-  SIGSTOPped peer makes gloo wait until its own timeout, set far away (``GLOO_TIMEOUT``).
+  kernel waiting for a dead peer does, until the group is aborted (or its watchdog acts). The
+  member that saw it says so in the group's store (``SPIN_KEY``), and the others' groups spin
+  too once they read it (`watchdog`: their gloo ops may wait for a live member that left the op,
+  which gloo never reports). A SIGSTOPped peer makes gloo wait until its own timeout, set far
+  away (``GLOO_TIMEOUT``): nobody knows it spins.
 * **The host.** ``Work.wait()`` enqueues "wait for this op" on the calling thread's current
   fake-device stream (what NCCL's wait does), then blocks the host until the op is done, or
   fails (an abort, the watchdog: it raises), or is known to spin: then it returns, as NCCL's
@@ -59,6 +62,7 @@ from testkit.nccl_like.versions import (
 NAME = "nccl_like"
 WAIT_BLOCKS_HOST = False  # NCCL_LIKE_WAIT=block: wait() blocks until the op ends, spinning or not
 GLOO_TIMEOUT = datetime.timedelta(days=7)
+SPIN_KEY = "nccl_like_spinning"  # in the group's store: a member's gloo saw a dead peer
 WorkResult = torch._C._distributed_c10d.WorkResult
 
 
@@ -277,6 +281,12 @@ class NcclLikeGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self._abort_now()
 
+    def _group_start(self) -> None:
+        """NCCL's group call around several aborts (2.5+); nothing to batch here."""
+
+    def _group_end(self) -> None:
+        """See `_group_start`."""
+
     def shutdown(self) -> None:
         """Graceful (2.6+): wait for the unfinished work, unless aborted; then the
         communicator is gone. Before 2.6 (torch's destroy only): the group is dropped and its
@@ -356,21 +366,43 @@ class NcclLikeGroup(dist.ProcessGroup):
             except Exception as exc:  # noqa: BLE001 - a dead peer: spin, never raise
                 error = exc
             with self._lock:
-                if self._aborted or op.finished.is_set():
-                    return
+                if self._aborted or self._spinning or op.finished.is_set():
+                    return  # a peer said it spins first: the host may have run on already
                 if error is None:
                     op.copy_back()
                     self._pending.remove(op)
                     op.end(None, WorkResult.SUCCESS)
                     continue
-                self._spinning = f"{type(error).__name__}: {str(error)[:200]}"
-                self._spinning_since = time.monotonic()
-                self._to_complete.clear()
-                for waiting in self._pending:
-                    waiting.settled.set()
-            print(f"[nccl_like rank {self.rank()}] {op.describe()} will never finish (gloo: "
-                  f"{self._spinning}): spinning until aborted", file=sys.stderr, flush=True)
+            self.start_spinning(f"{op.describe()}: gloo: {type(error).__name__}: "
+                                f"{str(error)[:200]}", seen_here=True)
             return
+
+    def start_spinning(self, why: str, seen_here: bool) -> None:
+        """From now on no op of the group finishes (until aborted): every waiter's host may
+        run on. `seen_here`: this rank's gloo saw the dead peer, so it tells the other members
+        through the group's store (their gloo ops may wait on a live member forever)."""
+        with self._lock:
+            if self._spinning or self._aborted:
+                return
+            self._spinning = why
+            self._spinning_since = time.monotonic()
+            self._to_complete.clear()
+            for waiting in self._pending:
+                waiting.settled.set()
+        print(f"[nccl_like rank {self.rank()}] spinning until aborted ({why})",
+              file=sys.stderr, flush=True)
+        if seen_here:
+            try:
+                self._store.set(SPIN_KEY, why[:200])
+            except Exception:  # noqa: BLE001 - best effort: the others then block in wait()
+                pass
+
+    def peer_says_spinning(self) -> bool:
+        """Whether another member saw a dead peer (the watchdog's peer watcher asks)."""
+        try:
+            return bool(self._store.check([SPIN_KEY]))
+        except Exception:  # noqa: BLE001 - a store that cannot answer says nothing
+            return False
 
     # -- the collectives torch.distributed calls on a ProcessGroup -----------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> NcclLikeWork:
@@ -510,6 +542,14 @@ class NcclLikeGroup(dist.ProcessGroup):
     def oldest_pending(self) -> Optional[_Op]:
         with self._lock:
             return self._pending[0] if self._pending and not self._aborted else None
+
+    def waiting_since(self) -> float:
+        """When the oldest unfinished op of a group not (yet) known to spin was issued (0:
+        none): the peer watcher asks the store about such groups."""
+        with self._lock:
+            if self._spinning or self._aborted or not self._pending:
+                return 0.0
+            return self._pending[0].issued
 
     def spinning_since(self) -> float:
         """When a gloo error made the group spin (0: it does not)."""

@@ -12,6 +12,11 @@ NCCL-like backend emulates (``NCCL_LIKE_TORCH``), each line with its source.
 * **Work.get_future_result**: 2.6 on (#137799); older releases only have ``exception()``.
 * **destroy_process_group**: from 2.6 each group's graceful ``shutdown()``, which waits for
   unfinished work; before, the group is dropped and its communicators aborted.
+* **_group_start / _group_end** (torch's group abort brackets its aborts with them): 2.5 on.
+* **NCCL** (``torch.cuda.nccl.version()``): the release's pip wheel bundles 2.18.1 (torch 2.1)
+  and 2.20.5 (2.4); for 2.6 the emulation answers 2.26.2, an NGC container's newer NCCL (NVRx's
+  floor for in-process restart), so that the newest release can abort and re-initialise.
+  ``NCCL_LIKE_NCCL=2.21.5`` says another (2.21.5 is torch 2.6's own wheel).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
 ENV = "NCCL_LIKE_TORCH"
+NCCL_ENV = "NCCL_LIKE_NCCL"
 NEWEST = "2.6"
 
 # the watchdog's modes (ProcessGroupNCCL's ErrorHandlingMode)
@@ -34,6 +40,7 @@ class Emulated:
 
     minor: int  # torch 2.<minor>
     version: str  # what torch.__version__ says under the emulation
+    nccl: Tuple[int, int, int]  # what torch.cuda.nccl.version() says (NCCL_LIKE_NCCL wins)
 
     @property
     def label(self) -> str:
@@ -61,10 +68,28 @@ class Emulated:
     def has_future_result(self) -> bool:
         return self.minor >= 6
 
+    @property
+    def has_group_calls(self) -> bool:
+        """``_group_start`` / ``_group_end`` on the backend."""
+        return self.minor >= 5
+
+    def nccl_version(self, env: Optional[Mapping[str, str]] = None) -> Tuple[int, int, int]:
+        env = os.environ if env is None else env
+        value = env.get(NCCL_ENV, "").strip()
+        if not value:
+            return self.nccl
+        try:
+            major, minor, patch = (int(p) for p in value.split("."))
+        except ValueError:
+            raise ValueError(f"{NCCL_ENV}={value!r}: an NCCL version such as 2.21.5") from None
+        return major, minor, patch
+
     def hidden_names(self) -> Tuple[str, ...]:
         """Names torch 2.13's ProcessGroup has that this release's NCCL backend lacks."""
-        every = ("_abort", "_shutdown", "abort", "shutdown")
+        every = ("_abort", "_shutdown", "abort", "shutdown", "_group_start", "_group_end")
         shown = set(self.abort_names) | ({"shutdown"} if self.graceful_shutdown else set())
+        if self.has_group_calls:
+            shown |= {"_group_start", "_group_end"}
         return tuple(n for n in every if n not in shown)
 
     def error_handling(self, env: Optional[Mapping[str, str]] = None) -> Tuple[int, str]:
@@ -84,7 +109,8 @@ class Emulated:
         return default, f"default {default} of torch {self.label} ({' and '.join(names)} unset)"
 
 
-RELEASES = {"2.1": Emulated(1, "2.1.2"), "2.4": Emulated(4, "2.4.1"), "2.6": Emulated(6, "2.6.0")}
+RELEASES = {"2.1": Emulated(1, "2.1.2", (2, 18, 1)), "2.4": Emulated(4, "2.4.1", (2, 20, 5)),
+            "2.6": Emulated(6, "2.6.0", (2, 26, 2))}
 
 
 def from_env(env: Optional[Mapping[str, str]] = None) -> Emulated:

@@ -9,6 +9,10 @@ op. Two things end one, as in torch:
   failed (a dead peer) report ncclRemoteError S seconds later, as an IB transport does on some
   ranks; unset (the default), never, as with NVLink/SHM peers.
 
+A second thread, the *peer watcher*, asks the store every ``PEER_POLL_S`` whether another
+member of a group with an op waiting longer than that saw a dead peer (backend: ``SPIN_KEY``),
+and makes the group spin if so; it is a thread of its own because a store can block.
+
 Then the group's async-error-handling mode (`versions.Emulated.error_handling`, read when the
 group was made) decides: 0 logs only (the op keeps spinning; its result says TIMEOUT); 1 aborts
 the group's communicators then takes the process down (SIGABRT, as torch's rethrow from the
@@ -31,19 +35,31 @@ from testkit.nccl_like import backend
 from testkit.nccl_like.versions import CLEAN_UP_ONLY, NO_HANDLING, SKIP_CLEAN_UP, TEAR_DOWN
 
 POLL_S = 0.1
+PEER_POLL_S = 0.5
 ASYNC_ERROR_ENV = "NCCL_LIKE_ASYNC_ERROR_S"
 
 _started = threading.Lock()
-_thread: Optional[threading.Thread] = None
+_threads: list = []
 _logged: Set[int] = set()  # id of ops already reported in mode 0
 
 
 def ensure_running() -> None:
-    global _thread
     with _started:
-        if _thread is None:
-            _thread = threading.Thread(target=_loop, name="nccl-like-watchdog", daemon=True)
-            _thread.start()
+        if not _threads:
+            for target, name in ((_loop, "nccl-like-watchdog"),
+                                 (_peers_loop, "nccl-like-peer-watcher")):
+                _threads.append(threading.Thread(target=target, name=name, daemon=True))
+                _threads[-1].start()
+
+
+def _peers_loop() -> None:
+    while True:
+        time.sleep(PEER_POLL_S)
+        now = time.monotonic()
+        for group in backend.live_groups():
+            since = group.waiting_since()
+            if since and now - since > PEER_POLL_S and group.peer_says_spinning():
+                group.start_spinning("another member's gloo saw a dead peer", seen_here=False)
 
 
 def _async_error_s() -> Optional[float]:

@@ -23,28 +23,39 @@ from mindio_ttp.demo.rehearsal.launch import (
     tiny_gpt_args,
 )
 from mindio_ttp.megatron_ttp import manifest
-from testkit.hooks import FAULT_HOOK_DIR, NCCL_LIKE_DIR, pythonpath
+from testkit.hooks import GLOO, NCCL_LIKE, backend_setup  # noqa: F401 - the tests take them here
 
 TTP_OT_S = 40  # seconds ttprun keeps survivors alive after a fault
 N_ITERS = 10
 FAR_AWAY = 10_000  # periodic save interval that never fires
-# The process-group backends a job can run on: gloo (a dead peer's collective raises) or the
-# NCCL-like backend (testkit/nccl_like: it spins until aborted, as NCCL's does), optionally as
-# in torch "2.1" / "2.4" / "2.6" ("nccl-like@2.1"; plain "nccl-like" is the newest).
-GLOO, NCCL_LIKE = "gloo", "nccl-like"
+DYING = "+dying"  # a case suffix: the same fault with TTP_RECOVERY=dying-checkpoint
 
 
-def backend_setup(backend: str) -> Tuple[Dict[str, str], List[str]]:
-    """(worker environment, extra Megatron arguments) that run a job on `backend`."""
-    name, _, release = backend.partition("@")
-    if name == GLOO:
-        return {"PYTHONPATH": pythonpath(FAULT_HOOK_DIR)}, []
-    if name != NCCL_LIKE:
-        raise ValueError(f"backend {backend!r}: {GLOO!r} or {NCCL_LIKE!r}[@2.1|@2.4|@2.6]")
-    env = {"PYTHONPATH": pythonpath(NCCL_LIKE_DIR), "NCCL_LIKE": "1"}
-    if release:
-        env["NCCL_LIKE_TORCH"] = release
-    return env, ["--distributed-backend", "nccl"]
+def cases(ci: Sequence[str] = (), extended: Sequence[str] = ()) -> List[object]:
+    """Parameters of a test over backends (and modes): `ci` run in every CI run, `extended`
+    only with ``pytest --extended`` (the rest of the fault matrix: tests/conftest.py)."""
+    import pytest
+
+    return [*ci, *(pytest.param(c, marks=pytest.mark.extended) for c in extended)]
+
+
+def split_case(case: str) -> Tuple[str, bool]:
+    """("nccl-like@2.1", dying?) of a case such as "nccl-like@2.1+dying"."""
+    return case.removesuffix(DYING), case.endswith(DYING)
+
+
+def assert_saved_bit_exact(result: PretrainResult, ckpt: Path, ref_ckpt: Path, step: int,
+                           layout: manifest.ParallelLayout) -> None:
+    """A failed job whose dying checkpoint of `step` is latest, complete, and bit-identical to
+    Megatron's own save of `step` in `ref_ckpt`."""
+    from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
+
+    assert result.returncode != 0, result.tail(8000)
+    assert tracker_step(ckpt) == step, result.tail(8000)
+    assert manifest.verify(ckpt / manifest.iter_dir_name(step), layout) is None
+    assert not list(ckpt.glob(".ttp_tmp_*"))
+    comparison = compare_checkpoints(ckpt, ref_ckpt, step)
+    assert comparison.bit_exact, comparison.summary()
 
 
 def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int = N_ITERS,

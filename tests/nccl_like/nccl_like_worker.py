@@ -2,10 +2,11 @@
 testkit/hooks/nccl_like first on PYTHONPATH and NCCL_LIKE=1.
 
 ``nccl_like_worker.py SCENARIO RANK WORLD PORT``: every rank runs every collective once and
-checks its values against what gloo gives; then rank 1 SIGKILLs (or SIGSTOPs) itself and rank 0
-runs SCENARIO, whose main thread blocks in a collective with the dead peer while an observer
-thread watches it, then aborts the group by whichever name the emulated torch has. Rank 0 prints
-``RESULT {json}``. ``WORKER_GROUP_TIMEOUT_S`` sets the group's timeout (the watchdog's clock).
+checks its values against what gloo gives; then the last rank SIGKILLs (or SIGSTOPs) itself and
+the others run SCENARIO, whose main thread blocks in a collective with the dead peer while an
+observer thread watches it, then aborts the group by whichever name the emulated torch has.
+Each survivor prints ``RESULT {json}``. ``WORKER_GROUP_TIMEOUT_S`` sets the group's timeout
+(the watchdog's clock).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 SCENARIO, RANK, WORLD, PORT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 OBSERVE_S = 1.5  # how long a blocked main thread is watched before the abort
-NAMES = ("abort", "_shutdown", "_abort", "shutdown")
+NAMES = ("abort", "_shutdown", "_abort", "shutdown", "_group_start", "_group_end")
 state: dict = {}
 
 
@@ -58,23 +59,24 @@ def warm_up(pg) -> dict:
     objs = [None] * WORLD
     dist.all_gather_object(objs, {"rank": RANK})
     checks["all_gather_object"] = objs == [{"rank": r} for r in range(WORLD)]
-    peer = 1 - RANK
     got = torch.empty(3)
-    ops = [dist.P2POp(dist.isend, torch.full((3,), float(RANK)), peer),
-           dist.P2POp(dist.irecv, got, peer)]
+    ops = [dist.P2POp(dist.isend, torch.full((3,), float(RANK)), (RANK + 1) % WORLD),
+           dist.P2POp(dist.irecv, got, (RANK - 1) % WORLD)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    checks["batch_isend_irecv"] = got.tolist() == [float(peer)] * 3
+    checks["batch_isend_irecv"] = got.tolist() == [float((RANK - 1) % WORLD)] * 3
     sub = dist.new_group([0, 1])
-    s = torch.ones(2)
-    dist.all_reduce(s, group=sub)
-    checks["new_group"] = s.tolist() == [2.0, 2.0] and sub.name() == "nccl"
+    if RANK in (0, 1):
+        s = torch.ones(2)
+        dist.all_reduce(s, group=sub)
+        checks["new_group"] = s.tolist() == [2.0, 2.0] and sub.name() == "nccl"
     dist.barrier()
     return checks
 
 
 def peer_fault() -> None:
-    if RANK == 1:
+    """The last rank dies (or stops); the others survive."""
+    if RANK == WORLD - 1:
         sig = signal.SIGSTOP if SCENARIO.startswith(("stop", "watchdog")) else signal.SIGKILL
         os.kill(os.getpid(), sig)
         time.sleep(60)  # never reached by a killed rank; a stopped one is killed by the test
@@ -219,8 +221,20 @@ def scenario_one_queue_read(pg, result) -> None:
     result["private_read"] = read
 
 
-SCENARIOS = {"kill_item": scenario_kill_item, "stop_wait": scenario_stop_wait,
-             "kill_barrier": scenario_kill_barrier, "kill_destroy": scenario_kill_destroy,
+def scenario_kill_all_spin(pg, result) -> None:
+    """Three ranks, one dead: every survivor's group spins (the one whose gloo saw the reset
+    tells the others through the store), so every survivor's wait() returns."""
+    out = torch.empty(2 * WORLD)
+    work = dist.all_gather_into_tensor(out, torch.ones(2), async_op=True)
+    thread = observer(pg)
+    result["main"] = blocking(work.wait)
+    result["wait_returned_before_abort"] = "aborted_at" not in state
+    thread.join(10)
+
+
+SCENARIOS = {"kill_all_spin": scenario_kill_all_spin, "kill_item": scenario_kill_item,
+             "stop_wait": scenario_stop_wait, "kill_barrier": scenario_kill_barrier,
+             "kill_destroy": scenario_kill_destroy,
              "watchdog": scenario_watchdog, "one_queue_read": scenario_one_queue_read}
 
 
@@ -231,7 +245,8 @@ def main() -> None:
     pg = dist.group.WORLD
     result = {"version": str(torch.__version__), "backend": dist.get_backend(),
               "name": pg.name(), "names": {n: hasattr(pg, n) for n in NAMES},
-              "abort_process_group": hasattr(dist.distributed_c10d, "_abort_process_group")}
+              "abort_process_group": hasattr(dist.distributed_c10d, "_abort_process_group"),
+              "nccl": list(torch.cuda.nccl.version())}
     result["warm_up"] = warm_up(pg)
     peer_fault()
     SCENARIOS[SCENARIO](pg, result)

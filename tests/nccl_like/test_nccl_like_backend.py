@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -23,28 +23,39 @@ RELEASES = ["2.1", "2.4", "2.6"]
 ABORT_NAME = {"2.1": "_abort", "2.4": "_shutdown", "2.6": "abort"}
 
 
-def run_pair(scenario: str, port: int, release: str, env: Optional[Dict[str, str]] = None,
-             timeout_s: float = 90) -> Tuple[int, dict, str]:
-    """Both ranks of `scenario`; rank 0's exit code, RESULT and stderr. Rank 1 (dead, or
-    stopped) is SIGKILLed once rank 0 is done."""
+def run_ranks(scenario: str, port: int, release: str, env: Optional[Dict[str, str]] = None,
+              timeout_s: float = 90, world: int = 2) -> List[Tuple[int, dict, str]]:
+    """Every rank of `scenario`; each survivor's exit code, RESULT and stderr. The last rank
+    (dead, or stopped) is SIGKILLed once the others are done."""
     full = {**os.environ, "PYTHONPATH": pythonpath(NCCL_LIKE_DIR), "NCCL_LIKE": "1",
             "NCCL_LIKE_TORCH": release, "OMP_NUM_THREADS": "1", **(env or {})}
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
         if name not in (env or {}):
             full.pop(name, None)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(rank), "2",
+    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(rank), str(world),
                                str(port)], env=full, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+                              stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    outs = []
     try:
-        out, err = procs[0].communicate(timeout=timeout_s)
+        for proc in procs[:-1]:
+            outs.append(proc.communicate(timeout=timeout_s))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
             proc.communicate(timeout=30)
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(lines[-1][len("RESULT "):]) if lines else {}
-    return procs[0].returncode, result, err
+    found = []
+    for proc, (out, err) in zip(procs, outs):
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        found.append((proc.returncode, json.loads(lines[-1][len("RESULT "):]) if lines else {},
+                      err))
+    return found
+
+
+def run_pair(scenario: str, port: int, release: str, env: Optional[Dict[str, str]] = None,
+             timeout_s: float = 90) -> Tuple[int, dict, str]:
+    """Rank 0's exit code, RESULT and stderr of `scenario` on two ranks (rank 1 the peer)."""
+    return run_ranks(scenario, port, release, env, timeout_s)[0]
 
 
 def assert_backend(result: dict, release: str, err: str) -> None:
@@ -55,8 +66,9 @@ def assert_backend(result: dict, release: str, err: str) -> None:
     assert [names["abort"], names["_shutdown"], names["_abort"]] == {
         "2.1": [False, False, True], "2.4": [False, True, False],
         "2.6": [True, False, False]}[release], names
-    assert names["shutdown"] is (release == "2.6")
+    assert names["shutdown"] is names["_group_start"] is names["_group_end"] is (release == "2.6")
     assert result["abort_process_group"] is (release == "2.6")
+    assert result["nccl"] == {"2.1": [2, 18, 1], "2.4": [2, 20, 5], "2.6": [2, 26, 2]}[release]
     assert result["abort_name"] == ABORT_NAME[release]
 
 
@@ -89,6 +101,17 @@ def test_a_stopped_peer_blocks_wait_until_aborted(release, free_port) -> None:
     assert result["blocked"], "wait() returned with the peer stopped"
     assert result["main"]["raised"] == "DistBackendError", result["main"]
     assert "aborted" in result["main"]["message"]
+
+
+def test_every_survivor_spins_not_only_the_one_gloo_told(free_port) -> None:
+    """Three ranks, the last one dead: whichever survivor's gloo saw the reset, both groups
+    spin (through the store) and both survivors' wait() returns, as NCCL's does."""
+    survivors = run_ranks("kill_all_spin", free_port, "2.6", world=3)
+    for rc, result, err in survivors:
+        assert rc == 0 and result, err
+        assert result["warm_up"] and all(result["warm_up"].values()), err
+        assert result["spinning"] and result["wait_returned_before_abort"], (result, err)
+        assert result["main"]["raised"] is None
 
 
 def test_barrier_blocks_the_host_even_on_a_spinning_op(free_port) -> None:

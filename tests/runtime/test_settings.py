@@ -76,7 +76,29 @@ def test_ttp_ot_that_cannot_be_a_grace_period_is_refused(value: str) -> None:
 def test_keys_of_the_wrong_size_or_alphabet_are_refused(key: str, why: str) -> None:
     assert config.problems({"TTP_AUTH_KEY": key}) == [f"TTP_AUTH_KEY {why}" + (
         " (e.g. from `python -c \"import secrets; print(secrets.token_hex(32))\"`)"
-        if why == "must be hex" else " (32 hex chars)" if "least" in why else "")]
+        if why == "must be hex" else " (32 hex chars, e.g. from `python -c \"import secrets; "
+        "print(secrets.token_hex(32))\"`)" if "least" in why else "")]
+
+
+@pytest.mark.parametrize("name,what", [
+    ("TTP_0T", "'0' (digit zero) where the setting has 'O'"),
+    ("ttp_ot", "'t' (latin small letter t) where the setting has 'T'"),
+    ("TTP_L0G_LEVEL", "'0' (digit zero)"),
+    ("TTP_\u041eT", "'\u041e' (cyrillic capital letter o)"),
+    ("TTP-OT", "'-' (hyphen-minus) where the setting has '_'"),
+])
+def test_look_alike_names_are_caught(name: str, what: str) -> None:
+    """TTP_0T (a zero for the O) is two letters' worth of difference for difflib, so only
+    the one-letter-off check let it pass in silence."""
+    warnings = config.unknown_names({name: "1", "TTP_OT": "30", "PATH": "/bin"})
+    meant = "TTP_LOG_LEVEL" if "L0G" in name else "TTP_OT"
+    assert len(warnings) == 1 and f"it looks like {meant} but has {what}" in warnings[0], warnings
+    assert "(ignored)" in warnings[0]
+
+
+def test_help_names_the_values_of_the_recovery_mode() -> None:
+    text = "\n".join(config.help_lines(width=200))
+    assert "TTP_RECOVERY (mode, default in-memory; in-memory or dying-checkpoint)" in text
 
 
 def test_save_limit_follows_ttp_ot_unless_set() -> None:
