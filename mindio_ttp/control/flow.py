@@ -185,7 +185,6 @@ class Flow:
         """After a committed recovery: serve again, ready for the next fault."""
         with self._cond:
             self._thread = None
-            self._lock_msgs = []
             self._reports = {1: {}, 2: {}}
             self._faulty, self._raised, self._preempted = {}, set(), False
             self.fault_at = None
@@ -395,7 +394,6 @@ class Flow:
             lost = ({r for r in range(self.world_size) if r not in reports} | self._raised
                     | set(self._faulty))
             hosts = {**self.known_hosts, **{i.rank: i.host for i in self._ranks.values()}}
-            self._lock_msgs = []  # a replacement registering now must not be locked
         capable = RECOVERY.capability()
         if capable[0] and not self.cfg.replacements:
             capable = (False, "the launcher does not start replacements (ttprun does)")

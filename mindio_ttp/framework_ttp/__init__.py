@@ -252,9 +252,11 @@ def _rejoined() -> bool:
     return _RECOVERY.order is not None
 
 
-def start_processor_at(ip: str, port: int) -> None:
+def start_processor_at(ip: str, port: int, deadline_s: Optional[float] = None) -> None:
     """ttp_start_processor at exactly ip:port (a replacement reaches the acting controller,
-    which may be a standby on a port of its own, whatever TTP_CONTROLLER_PORT says)."""
+    which may be a standby on a port of its own, whatever TTP_CONTROLLER_PORT says);
+    `deadline_s`: how long to keep trying to register (a replacement: its order's deadline;
+    default TTP_CONNECT_TIMEOUT, see Processor.start)."""
     global _processor
     if _processor_args is None:
         raise TTPError("call ttp_init_processor(rank, dp_ranks, dp_size, world_size, replica, "
@@ -266,7 +268,7 @@ def start_processor_at(ip: str, port: int) -> None:
         _setup_logging(rank)
         proc = Processor(TTPConfig.from_env(world_size=world_size), rank, ranks, world_size,
                          replica)
-        proc.start(ip, port)
+        proc.start(ip, port, deadline_s)
         _processor = proc
         _mark_started(proc.cfg.run_dir, rank)
         _hooks.RUNTIME = _RUNTIME

@@ -57,7 +57,7 @@ class RecoveringRanks(ScriptedRanks):
                 self.roster.register(RankInfo(msg.rank, tuple(DP), "127.0.0.1", 0, None,
                                               time.monotonic()))
             rec.replace_status(P.ReplaceStatus(msg.recovery_id, msg.rank, self.replace_state,
-                                               4242, "by the test"))
+                                               4242, "by the test"), rank)  # from the relay
             if self.fault_during is not None:
                 self.flow.fault(*self.fault_during[:1], **self.fault_during[1])
             for r in range(4):
