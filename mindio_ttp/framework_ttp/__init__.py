@@ -229,6 +229,10 @@ def ttp_init_processor(rank: int, dp_ranks: Sequence[int], dp_size: int, world_s
     replica = _int("replica", replica, 1, len(ranks),
                    f" (shards per DP group; for DP={len(ranks)} pass len(dp_ranks)//2; DP 1 has "
                    "no replica to save from, use DP >= 2)")
+    if len(ranks) % replica:
+        raise ValueError(f"replica={replica} shards do not divide the DP group of {len(ranks)} "
+                         "ranks (position i holds shard i % replica, so every shard needs as "
+                         "many holders): pass len(dp_ranks)//2")
     _check_shards("ttp_init_processor", replica)
     _bool("enable_local_copy", enable_local_copy)
     if _optimizer_order is not None and sorted(_optimizer_order) == sorted(ranks):
