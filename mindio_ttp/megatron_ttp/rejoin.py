@@ -208,13 +208,15 @@ def _survivor_leaves_the_world() -> None:
 
 def _register_replacement(order: RecoveryOrder, rank: int) -> None:
     """A replacement joins the control plane first, at the acting controller (maybe a standby
-    on a port of its own): the new world's rendezvous is reached through that connection."""
+    on a port of its own): the new world's rendezvous is reached through that connection. It
+    keeps trying until its order's deadline (a listener full of an outsider's connections
+    makes room, control/admission.py; giving up would end the recovery)."""
     from mindio_ttp import framework_ttp as ttp
 
     world_size = int(os.environ["WORLD_SIZE"])
     dp = list(order.dp_ranks)
     ttp.ttp_init_processor(rank, dp, len(dp), world_size, len(dp) // 2, False)
-    ttp.start_processor_at(*parse_address(order.controller))
+    ttp.start_processor_at(*parse_address(order.controller), deadline_s=order.deadline_s)
 
 
 def process_group_store() -> Any:
