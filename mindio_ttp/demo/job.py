@@ -86,7 +86,13 @@ class DemoRename:
 
     def checkpoint_location(self, step: int) -> Optional[str]:
         found = checkpoint.latest_dir(self.ckpt_dir, step)
+        if found is None:  # not latest (a newer step is): the directory, when it is there
+            here = self.ckpt_dir / checkpoint.step_dir_name(step)
+            found = here.absolute() if here.is_dir() else None
         return None if found is None else str(found)
+
+    def latest_iteration(self) -> Optional[int]:
+        return checkpoint.latest_step_or_none(self.ckpt_dir)
 
 
 def _order_tag(step: int) -> str:

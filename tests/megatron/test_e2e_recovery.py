@@ -310,5 +310,5 @@ def test_both_holders_of_a_shard_lost_is_the_dying_checkpoints_refusal(
     assert result.returncode != 0
     assert "no in-memory recovery (every holder of lost rank 1's optimizer shard is lost" \
         in result.log, result.tail(8000)
-    assert "no step had a clean copy of every shard" in result.log
+    assert "no iteration had a clean copy of every shard" in result.log
     assert tracker_step(ckpt) == 3
