@@ -46,9 +46,9 @@ def _killed(rank: int = 1) -> dict:
     return {rank: SimpleNamespace(exitcode=-int(signal.SIGKILL), timestamp=time.time())}
 
 
-def outcome_lines(flow, failures, unreadable=None, ckpt=CheckpointArgs()) -> list:
+def outcome_lines(flow, failures, unreadable=None, ckpt=None) -> list:
     """ttprun's closing lines after a worker failure (exit 1)."""
-    return closing_lines(Ending(1, failures, flow, unreadable), ckpt)
+    return closing_lines(Ending(1, failures, flow, unreadable), ckpt or CheckpointArgs())
 
 
 def _saved_flow(job, tmp_path: Path, rename) -> Path:  # noqa: F811
