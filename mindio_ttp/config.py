@@ -98,6 +98,10 @@ DEVICE_READY_TIMEOUT_S = 30.0
 # NPU's stop/restart) before it reports the stragglers as timed out and the save reads anyway,
 # on its private stream: an abort can hang in NCCL's proxy thread (nccl #1013, #1777).
 ABORT_TIMEOUT_S = 10.0
+# How long the dying checkpoint's private read stream may take to pass what is queued ahead of
+# it (device_copy.DeviceReader): an event on an otherwise idle stream passes in microseconds,
+# unless the stream shares a hardware queue with a kernel the abort failed to end.
+FALLBACK_PROBE_S = 5.0
 # In TTP_RUN_DIR: one empty file per rank whose processor started (rank-N). The launcher holds
 # survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
 # rank holds anything a dying checkpoint could use.

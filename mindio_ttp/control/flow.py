@@ -286,8 +286,8 @@ class Flow:
         recovered, replaced = self._try_recovery(fid, layout, states, reports)
         if recovered:
             return RECOVERED  # type: ignore[return-value]
-        for r in replaced:  # an abandoned recovery killed them: not savers
-            states[r] = RankState(False, None, False, "replaced by the abandoned recovery")
+        if replaced:  # a recovery ran and was abandoned
+            fid = self._after_abandoned(states, replaced)
         step, reason = choose_step(layout, states, self.world_size)
         if step is None:
             log.error("%s: %s; nothing is saved", self.name, reason)
@@ -380,6 +380,47 @@ class Flow:
             if info is not None:
                 info.note = why
         return agreed
+
+    def _after_abandoned(self, states: Dict[int, RankState], replaced: Set[int]) -> int:
+        """After an abandoned recovery, the states collected before it are stale: a survivor
+        may have died, hung or raised during it, and a dead one picked as a saver holds the
+        save until its limit, then nothing is saved. Every rank that faulted meanwhile, or does
+        not answer a fresh lock now (a death the I/O thread has not yet seen, a hang its
+        heartbeat timeout has not yet caught), is no holder; so are the ranks the recovery
+        replaced (their processes are gone). Returns the new flow id. Updates `states`."""
+        with self._cond:
+            self._flow_id += 1
+            fid = self._flow_id
+            self._reports[1] = {}
+        self._expect(("report", 1), self._alive())
+        self._out.broadcast(P.Lock(fid))
+        self._await(self.cfg.collect_timeout)
+        with self._cond:
+            answered = set(self._reports[1])
+            raised = self._raised | set(self._faulty)
+            notes = {i.rank: (i.status, i.note) for i in self._ranks.values()}
+        dropped = []
+        for r in sorted(states):
+            if not states[r].alive:
+                continue
+            status, note = notes.get(r, ("unknown", ""))
+            if r in replaced:
+                why = "replaced by the abandoned recovery"
+            elif r in raised:
+                why = "faulted during the abandoned recovery"
+            elif status != "alive":
+                why = f"{note or status} during the abandoned recovery"
+            elif r not in answered:
+                why = "did not answer the lock after the abandoned recovery"
+            else:
+                continue
+            states[r] = RankState(False, None, False, why)
+            if r not in replaced:
+                dropped.append(r)
+        if dropped:
+            log.warning("%s: rank(s) %s lost during the abandoned recovery: not holders",
+                        self.name, ranksets.describe(dropped))
+        return fid
 
     def _end_save_store(self, why: str) -> None:
         if self._save_ns is not None:

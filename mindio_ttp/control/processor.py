@@ -196,10 +196,10 @@ class Processor:
         self._restore_signals()
 
     # -- called from the training thread -------------------------------------------------------
-    def report_exception(self, exc: BaseException) -> None:
+    def report_exception(self, exc: BaseException, kind: str = "") -> None:
         """Reported as "exception" (this rank's own fault) or "collective" (a collective failed
-        because of another rank's fault: hooks.fault_kind)."""
-        kind = fault_kind(exc, self.fault_seen)
+        because of another rank's fault: hooks.fault_kind), unless the caller says which."""
+        kind = kind or fault_kind(exc, self.fault_seen)
         tb = traceback.extract_tb(exc.__traceback__)
         where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
         self._mail.put("fault", kind, f"{type(exc).__name__}: {exc}{where}"[:2000])

@@ -401,9 +401,9 @@ class _Runtime:
     def ot(self) -> float:
         return _processor.ot if _processor is not None else 0.0
 
-    def report_exception(self, exc: BaseException) -> None:
+    def report_exception(self, exc: BaseException, kind: str = "") -> None:
         if _processor is not None:
-            _processor.report_exception(exc)
+            _processor.report_exception(exc, kind)
 
     @property
     def recovery_ordered(self) -> bool:

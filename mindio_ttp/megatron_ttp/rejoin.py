@@ -38,7 +38,14 @@ from mindio_ttp.control.hooks import TTPRecovering
 from mindio_ttp.faulttime import device_copy
 from mindio_ttp.recovery.coordinator import parse_address
 from mindio_ttp.recovery.machine import RecoveryState as S
-from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, SURVIVOR, RecoveryOrder, join_order
+from mindio_ttp.recovery.rank import (
+    RECOVERY,
+    REPLACEMENT,
+    SURVIVOR,
+    RecoveryOrder,
+    RecoveryRefused,
+    join_order,
+)
 
 log = logging.getLogger("mindio_ttp.recovery")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -367,11 +374,18 @@ def _hold_for_verdict(exc: BaseException) -> bool:
 
 def _fail_and_wait(exc: BaseException) -> None:
     """A step of the recovery failed here: say so (the controller falls back to the dying
-    checkpoint), then wait for the exit order like after any fault."""
+    checkpoint), then wait for the exit order like after any fault. This rank's own exception
+    (not a collective that lost its peer, not a verdict every rank shares) is reported as a
+    fault first, on the same connection: the fallback must not pick this rank to save (a
+    device error may be behind it), and the controller learns it before the READY."""
     log.error("in-memory recovery failed on this rank: %r", exc)
+    rt = hooks.RUNTIME
+    own = not RECOVERY.abandoned and not isinstance(exc, RecoveryRefused) \
+        and hooks.fault_kind(exc, False) == "exception"
+    if own and rt is not None and rt.running:
+        hooks._shielded(rt.report_exception, exc, "exception")
     RECOVERY.report_ready(False, f"{type(exc).__name__}: {exc}")
     RECOVERY.abandon(f"failed here: {exc!r}"[:300])
-    rt = hooks.RUNTIME
     if rt is not None and rt.running:
         try:
             hooks._wait_for_verdict(rt)

@@ -291,6 +291,29 @@ def test_a_second_fault_during_the_recovery_falls_back(reference, patched_megatr
     assert_fell_back(result, ckpt, reference, 4, "another fault during the recovery")
 
 
+@pytest.mark.parametrize("kind, why", [
+    ("sigkill", ""),  # its death, or a casualty's failed collective, whichever comes first
+    ("sigstop", "another fault during the recovery: rank 1 hung"),
+    ("exception", "another fault during the recovery: rank 1 reported exception: InjectedFault"),
+])
+def test_a_saver_lost_during_the_recovery_is_not_chosen_to_save(kind, why, reference,
+                                                                 patched_megatron_tree,
+                                                                 tiny_dataset, work):
+    """Issue 23: rank 2 killed at 5; as the recovery to 4 starts refilling, survivor rank 1
+    (DP position 1, the holder savers_for picks for shard 1 from the states collected before
+    the recovery) dies, hangs or raises. Rank 1's partner, rank 3, holds shard 1: the fallback
+    saves step 4 from ranks 0 and 3 in one order, within seconds (not after a dead saver's
+    save limit, which used to end in save_failed with nothing marked latest)."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"fb_saver_{kind}",
+                           f"2:5:sigkill:before,1:4:{kind}:refill",
+                           env={"TTP_HEARTBEAT_TIMEOUT": "6"})
+    assert_fell_back(result, ckpt, reference, 4, why)
+    assert "ordering save on rank(s) [0, 3]" in result.log, result.tail(8000)
+    assert "ordering it again" not in result.log
+    [took] = re.findall(r"SaveOrder on 2 rank\(s\) done in ([0-9.]+) s\n", result.log)
+    assert float(took) < 10, took  # TTP_SAVE_TIME_LIMIT (derived from TTP_OT=40): 10 s
+
+
 def test_a_refill_that_differs_from_its_holder_falls_back(reference, patched_megatron_tree,
                                                           tiny_dataset, work):
     """One value of what rank 1's replacement received is changed: the hash check catches it

@@ -326,7 +326,8 @@ def test_plain_failure_keeps_torchs_table_and_says_no_flow_ran(
 
 ENV_PROBE = (
     "import json, os, pathlib, sys\n"
-    "names = ('TORCH_NCCL_ASYNC_ERROR_HANDLING', 'HCCL_ASYNC_ERROR_HANDLING')\n"
+    "names = ('TORCH_NCCL_ASYNC_ERROR_HANDLING', 'NCCL_ASYNC_ERROR_HANDLING',\n"
+    "         'HCCL_ASYNC_ERROR_HANDLING')\n"
     "pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(\n"
     "    json.dumps({n: os.environ.get(n) for n in names}))\n"
 )
@@ -337,7 +338,7 @@ def _probe_env(tmp_path: Path, port: int, script_args: tuple = (), **env_extra: 
     script.write_text(ENV_PROBE)
     env = {k: v for k, v in os.environ.items()
            if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                        "HCCL_ASYNC_ERROR_HANDLING")}
+                        "NCCL_ASYNC_ERROR_HANDLING", "HCCL_ASYNC_ERROR_HANDLING")}
     env.update(OUT=str(tmp_path), **env_extra)
     cmd = [
         sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", "--nproc-per-node=2",
@@ -353,16 +354,21 @@ def test_workers_get_the_collective_settings_a_dying_checkpoint_needs(
     tmp_path: Path, free_port: int
 ) -> None:
     """torch's NCCL default (3) kills survivors of a hung collective; torch_npu's HCCL default
-    (1) terminates them on a dead peer's error: ttprun's workers get 2 and 0."""
+    (1) terminates them on a dead peer's error: ttprun's workers get 2 and 0, under both of
+    NCCL's names (torch 2.1 reads only the old one, which torch's agent sets to 1: D4)."""
     seen, err = _probe_env(tmp_path, free_port)
-    assert seen == [{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "HCCL_ASYNC_ERROR_HANDLING": "0"}] * 2
+    assert seen == [{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_ASYNC_ERROR_HANDLING": "2",
+                     "HCCL_ASYNC_ERROR_HANDLING": "0"}] * 2
     assert "warning" not in err
 
 
 def test_a_users_collective_setting_wins(tmp_path: Path, free_port: int) -> None:
-    seen, _ = _probe_env(tmp_path, free_port, TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    seen, err = _probe_env(tmp_path, free_port, TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+                           NCCL_ASYNC_ERROR_HANDLING="3")
     assert {s["TORCH_NCCL_ASYNC_ERROR_HANDLING"] for s in seen} == {"1"}
+    assert {s["NCCL_ASYNC_ERROR_HANDLING"] for s in seen} == {"3"}
     assert {s["HCCL_ASYNC_ERROR_HANDLING"] for s in seen} == {"0"}
+    assert "warning: your NCCL_ASYNC_ERROR_HANDLING=3 (the name torch 2.1 reads" in err, err
 
 
 def test_megatron_timeout_shorter_than_the_grace_is_warned(tmp_path: Path, free_port: int) -> None:

@@ -183,3 +183,21 @@ def test_standby_listeners_stay_inside_ttp_listen_ports() -> None:
     finally:
         for c in made:
             c.stop()
+
+
+def test_both_names_of_nccls_error_handling_are_set_and_a_legacy_value_is_warned() -> None:
+    """D4: torch 2.1 reads only NCCL_ASYNC_ERROR_HANDLING, which torch's elastic agent sets to 1
+    (abort, then kill) unless the launcher's environment has it: the survivors died in the
+    dying save. Both names get 2; a user's legacy 1 or 3 is kept and warned about."""
+    from mindio_ttp.faulttime import collective_env
+
+    env: dict = {}
+    collective_env.apply_defaults(env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == env["NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert collective_env.user_value_warnings(env) == []
+    mine = {"NCCL_ASYNC_ERROR_HANDLING": "1"}
+    collective_env.apply_defaults(mine)
+    assert mine["NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the user's value stays
+    (warning,) = collective_env.user_value_warnings(mine)
+    assert warning.startswith("your NCCL_ASYNC_ERROR_HANDLING=1 (the name torch 2.1 reads")
+    assert "kills the process" in warning
