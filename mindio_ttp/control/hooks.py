@@ -161,6 +161,9 @@ def end_updating_os(step: int) -> None:
         st.state = (step, False)
         if st.locked:
             st.cond.notify_all()
+    drill = DRILL
+    if drill is not None:  # `ttprun --drill` armed this rank (mindio_ttp/drill.py)
+        drill.at(step)
 
 
 def set_ckpt_args(args: Tuple[Any, ...]) -> None:
@@ -214,6 +217,9 @@ CATCH_UP_POLL_S = 0.02
 # How often a report is retried when exceptions keep being raised into it (one per dead worker)
 SHIELD_RETRIES = 64
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Set by mindio_ttp.drill on the rank a `ttprun --drill` strikes: at(step) after each update.
+DRILL: Optional[Any] = None
 
 # Set by the package when the processor starts: object with report_exception(exc) and
 # wait_for_exit(timeout) -> bool (True: the exit order was carried out), shutdown(), ot.

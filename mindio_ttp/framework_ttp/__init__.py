@@ -20,6 +20,7 @@ import os
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
+from mindio_ttp import drill as _drill
 from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
     ENV_LOG_LEVEL,
@@ -280,6 +281,8 @@ def start_processor_at(ip: str, port: int) -> None:
         _mark_started(proc.cfg.run_dir, rank)
         if rank == 0 and not proc.cfg.replacements and _RECOVERY.order is None:
             log.warning(NOT_TTPRUN)
+        if _RECOVERY.order is None:  # a replacement never re-arms the launch's drill
+            _drill.arm(rank, world_size, proc.cfg.auth_key)
         _hooks.RUNTIME = _RUNTIME
         if threading.current_thread() is threading.main_thread():
             proc.install_sigterm()
@@ -379,6 +382,7 @@ def ttp_shutdown() -> None:
         _processor = _controller = None
         _hooks.RUNTIME = None
         _claim.reset()
+        _drill.disarm()
     if proc is not None:
         proc.shutdown()
     if ctl is not None:

@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -60,8 +60,9 @@ from mindio_ttp.config import (
     auth_key_from_env,
     warm_spares,
 )
+from mindio_ttp.drill import DrillSpec
 from mindio_ttp.faulttime import collective_env
-from mindio_ttp.launch import gloo_iface, preflight, takeover
+from mindio_ttp.launch import drill, gloo_iface, preflight, takeover
 from mindio_ttp.launch.outcome import (
     CheckpointArgs,
     Ending,
@@ -590,6 +591,19 @@ def build_parser():
 
     parser.add_argument("--version", action="version", version=f"ttprun {__version__}")
     parser.add_argument(
+        "--check", action="store_true",
+        help="pre-flight check instead of the launch: run it on every node with the arguments "
+        "of the real launch; the nodes meet through its rendezvous, try the controller port, "
+        "the standby listeners and the gloo/NCCL/HCCL interface of each other, compare clocks "
+        "and settings, write into --save; one table, exit 0 or 1 (nothing is started)")
+    parser.add_argument(
+        "--drill", type=_drill_spec, default=None, metavar="KIND[:rank=R|random]:iter=N",
+        help="fire drill: provoke one real fault in this job on purpose, KIND kill (SIGKILL), "
+        "hang (SIGSTOP) or exception, on rank R (default random, the same on every node) right "
+        "after the update of iteration N; afterwards ttprun says whether the job recovered in "
+        "memory or wrote the dying checkpoint, and whether the result checks out. Off unless "
+        "given; give the same --drill on every node")
+    parser.add_argument(
         "--outcome-file", metavar="PATH", default=None,
         help="write how the launch ended as JSON to PATH (atomically, on every ending: "
         "outcome, exit code, iteration, checkpoint, whether it is latest and whether this "
@@ -601,6 +615,13 @@ def build_parser():
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = preflight.help_epilog()
     return parser
+
+
+def _drill_spec(text: str) -> DrillSpec:
+    try:
+        return DrillSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -625,9 +646,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if note:
         print(f"ttprun: {note}", file=sys.stderr)
     extra = {gloo_iface.NAME: ifname} if ifname else {}
+    if args.check:
+        from mindio_ttp.launch.check import run_check
+
+        return run_check(args, {**os.environ, **extra})
+    dropped = drill.drop_inherited(os.environ)
+    if dropped:
+        print(f"ttprun: warning: {dropped}", file=sys.stderr)
     ckpt = CheckpointArgs.parse(args.training_script_args)
     with ttp_environment(extra) as run_dir, _agent_installed():
         logger.info("ttprun: TTP_RUN_DIR=%s", run_dir)
+        if args.drill is not None:
+            os.environ[drill.ENV] = args.drill.to_env(str(run_dir))
+            for line in drill.announce(args.drill, drill.fixed_world(args.nnodes,
+                                                                     args.nproc_per_node),
+                                       dict(os.environ)):
+                print(f"ttprun: {line}", file=sys.stderr, flush=True)
         try:
             run(args)
         except ChildFailedError as exc:
@@ -642,16 +676,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             ending = Ending(0)
         ending.recoveries = read_recovered(run_dir)
-        return _close(ending, ckpt, args.outcome_file)
+        found = drill.verdict(args.drill, run_dir, ending) if args.drill else None
+        os.environ.pop(drill.ENV, None)
+        return _close(ending, ckpt, args.outcome_file, found)
 
 
-def _close(ending: Ending, ckpt: CheckpointArgs, outcome_file: Optional[str]) -> int:
-    """Say how the launch ended (the same lines for every ending), write --outcome-file."""
-    lines = closing_lines(ending, ckpt)
+def _close(ending: Ending, ckpt: CheckpointArgs, outcome_file: Optional[str],
+           found: Optional[Tuple[List[str], dict]] = None) -> int:
+    """Say how the launch ended (the same lines for every ending, then the drill's verdict),
+    write --outcome-file."""
+    lines = closing_lines(ending, ckpt) + (found[0] if found else [])
     for line in lines:
         print(f"ttprun: {line}", file=sys.stderr)
     if outcome_file:
-        error = write_outcome_file(outcome_file, record(ending, ckpt, lines))
+        error = write_outcome_file(outcome_file, record(ending, ckpt, lines,
+                                                        found[1] if found else None))
         if error:
             print(f"ttprun: warning: {error}", file=sys.stderr)
     return ending.exit_code
