@@ -416,7 +416,8 @@ class Processor:
             if kind == "fault":
                 self._note_fault()
                 STATE.lock()
-                log.error("rank %d: reporting %s: %s", self.rank, item[1], item[2])
+                (log.info if item[1] == "collective" else log.error)(
+                    "rank %d: reporting %s: %s", self.rank, item[1], item[2])
                 self._send(P.FaultReport(self.rank, item[1], item[2]))
             elif kind == "state":
                 self._send(P.StateReport(item[1], 2, self.rank, item[2], item[3]))

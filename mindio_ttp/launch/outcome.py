@@ -218,7 +218,9 @@ def closing_lines(ending: Ending, ckpt: CheckpointArgs = CheckpointArgs()) -> Li
         why = " (preemption)" if ending.signal == "SIGTERM" else ""
         what.insert(0, f"ttprun got {ending.signal}{why}")
     if not what:
-        what.append("every worker succeeded" if ending.exit_code == 0 else "the job was stopped")
+        what.append("every worker succeeded" if ending.exit_code == 0 else
+                    "no worker of this node failed: the fault was on another node (its ttprun "
+                    "names the rank)" if ending.flow is not None else "the job was stopped")
     lines = ["; ".join(what)]
     recovered = [f"recovery {r['recovery_id']} at iteration {r['iteration']} replaced rank(s) "
                  f"{r['replaced']}" for r in ending.recoveries]

@@ -92,8 +92,8 @@ def load_in_memory(model, optimizer, scheduler) -> int:
         from megatron.checkpointing import save_checkpoint
 
         save_checkpoint(step, model, optimizer, scheduler)
-    log.warning("rank %d: in-memory recovery %d done (%s): training goes on from step %d", me,
-                order.recovery_id, job.role, step + 1)
+    log.info("rank %d: in-memory recovery %d done (%s): holds iteration %d, training goes on "
+             "with iteration %d", me, order.recovery_id, job.role, step, step + 1)
     return step
 
 

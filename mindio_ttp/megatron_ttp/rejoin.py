@@ -226,7 +226,7 @@ def _destroy_groups(rejoin: Rejoin) -> None:
              dict(getattr(dist.distributed_c10d._world, "pg_names", {})).items()]
     if abort_all is not None:
         report = abort_all(destroy=True)
-        log.warning("recovery: %s", report.describe())
+        log.info("recovery: %s", report.describe())
     if dist.is_initialized():
         dist.destroy_process_group()
     mpu.destroy_model_parallel()

@@ -76,6 +76,16 @@ def reference(patched_megatron_tree: Path, tiny_dataset: TinyDataset,
     return result.losses
 
 
+def _said(nodes: DrillNodes) -> None:
+    """ttprun's own lines and the runtime's drill and recovery lines (docs/first-day.md shows
+    them)."""
+    for n in nodes.nodes:
+        print(f"===== node {n.index}")
+        for line in n.lines:
+            if line.startswith("ttprun:") or "DRILL" in line or "recover" in line:
+                print(line)
+
+
 def _verdicts(nodes: DrillNodes) -> list:
     return [[ln for ln in n.lines if ln.startswith("ttprun: DRILL RESULT: ")] for n in nodes.nodes]
 
@@ -86,6 +96,7 @@ def test_drill_in_memory_on_two_nodes_recovers_and_says_it_checked(
         tiny_dataset: TinyDataset) -> None:
     nodes.start(patched_megatron_tree, tiny_dataset, "in-memory", f"kill:rank=3:iter={DRILL_AT}")
     codes = [nodes.wait(n, JOB_TIMEOUT) for n in nodes.nodes]
+    _said(nodes)
     assert codes == [0, 0], nodes.outputs()
     for verdict in _verdicts(nodes):
         assert len(verdict) == 1, nodes.outputs()
@@ -111,6 +122,7 @@ def test_drill_dying_checkpoint_on_two_nodes_verifies_the_checkpoint(
     nodes.start(patched_megatron_tree, tiny_dataset, "dying-checkpoint",
                 f"kill:rank=3:iter={DRILL_AT}")
     codes = [nodes.wait(n, JOB_TIMEOUT) for n in nodes.nodes]
+    _said(nodes)
     assert codes == [1, 1], nodes.outputs()
     iter_dir = nodes.ckpt / manifest.iter_dir_name(DRILL_AT)
     assert manifest.read_tracker(nodes.ckpt)[0] == DRILL_AT

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 IN_MEMORY = {"TTP_RECOVERY": "in-memory", "TTP_RECOVER_TIMEOUT": "90"}
 EVAL = ["--eval-interval", "3", "--eval-iters", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
-_COMMITTED = re.compile(r"recovery (\d+) committed in ([0-9.]+) s: training goes on from step "
+_COMMITTED = re.compile(r"recovery (\d+) committed in ([0-9.]+) s: every rank holds iteration "
                         r"(\d+)")
 _ABANDONED = re.compile(r"recovery (\d+) abandoned: (.*)")
 
