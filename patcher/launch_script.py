@@ -337,7 +337,8 @@ def build(example: bytes, device: Device, port: int) -> bytes:
     out += [
         'DISTRIBUTED_ARGS="--nproc_per_node $GPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK'
         ' --master_addr $MASTER_ADDR --master_port $MASTER_PORT"',
-        "# ttprun's own options, e.g. TTPRUN_ARGS=--check (the pre-flight check, nothing starts) or",
+        "# ttprun's own options, e.g. TTPRUN_ARGS=--check (the pre-flight check, nothing starts)"
+        " or",
         "# TTPRUN_ARGS='--drill kill:rank=13:iter=20' (a fire drill): docs/first-day.md",
         'TTPRUN_ARGS="${TTPRUN_ARGS:-}"',
         "",
