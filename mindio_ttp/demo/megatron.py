@@ -1,6 +1,6 @@
 """`ttp-demo --megatron DIR`: the CPU rehearsal on a real Megatron-LM tree, in one command.
 
-DIR is any tree `ttp-patch apply` accepts (285068c, a fork or later commit with the same four
+DIR is any tree `ttp-patch apply` accepts (285068c, a fork or later commit with the same five
 target files, or with ``--allow-modified`` any tree whose anchors are all found), as it is: its
 HEAD plus the uncommitted changes of its tracked files. The steps of docs/rehearsal.md, each
 announced as it starts: (1) copy the tree with ``git clone --shared`` (the user's checkout is

@@ -11,6 +11,8 @@ import mindio_ttp.framework_ttp as ttp
 from mindio_ttp import config
 from mindio_ttp.launch import preflight
 
+pytestmark = pytest.mark.smoke  # `pytest -m smoke`: README's quick check
+
 
 @pytest.mark.parametrize("replacements", [None, "cold"])
 def test_a_launcher_other_than_ttprun_is_named_at_start(monkeypatch, capfd, free_port,
