@@ -316,6 +316,7 @@ def _run_megatron(args: argparse.Namespace, work: Path, source: SourceTree) -> i
         kill_after=args.kill_step,
         kill_signal=signal.SIGSTOP if args.fault == Fault.SIGSTOP.value else signal.SIGKILL,
         echo="none" if args.quiet else "all" if args.verbose else "events",
+        recovery=args.recovery,
     )  # fmt: skip
     verdict = MegatronRehearsal(options, work, _say).run()
     return {Verdict.MATCH: EXIT_MATCH, Verdict.MISMATCH: EXIT_MISMATCH,
