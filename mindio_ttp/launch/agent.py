@@ -646,6 +646,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if note:
         print(f"ttprun: {note}", file=sys.stderr)
     extra = {gloo_iface.NAME: ifname} if ifname else {}
+    said, forced = preflight.recovery_mode(os.environ)
+    print(f"ttprun: {said}", file=sys.stderr)
+    if forced:
+        extra[config.ENV_RECOVERY] = forced
     if args.check:
         from mindio_ttp.launch.check import run_check
 

@@ -360,6 +360,7 @@ def test_workers_get_the_collective_settings_a_dying_checkpoint_needs(
     assert seen == [{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_ASYNC_ERROR_HANDLING": "2",
                      "HCCL_ASYNC_ERROR_HANDLING": "0"}] * 2
     assert "warning" not in err
+    assert "ttprun: recovery mode: in memory (no GPU or NPU here: gloo" in err, err
 
 
 def test_a_users_collective_setting_wins(tmp_path: Path, free_port: int) -> None:
@@ -417,7 +418,7 @@ def test_each_restart_attempt_gets_its_own_store(tmp_path: Path, free_port: int,
     env.update(FAIL_ATTEMPTS="2", TTP_OT="30")
     fixed = None
     if store_ports:
-        from conftest import pick_free_port
+        from mindio_ttp.demo.rehearsal.launch import pick_free_port
 
         fixed = pick_free_port()
         env["TTP_RESTART_STORE_PORTS"] = str(fixed)
