@@ -75,6 +75,7 @@ from mindio_ttp.launch.outcome import (
 )
 from mindio_ttp.launch.procstate import read_proc_state
 from mindio_ttp.launch.replace import ReplacementDesk, cold_start
+from mindio_ttp.launch.siblings import Siblings
 from mindio_ttp.launch.spares import pool_from_spec
 
 logger = logging.getLogger("ttprun")
@@ -89,6 +90,13 @@ RDZV_WAIT_NOTICE_S = config.BY_NAME[config.ENV_RDZV_NOTICE].value  # main() read
 # How long the monitor loop waits for one answer of the rendezvous store before it goes on
 # watching the workers (the answer is used when it comes; a healthy store answers in ms).
 RDZV_QUERY_WAIT_S = 1.0
+
+
+def _key_or_none() -> Optional[bytes]:
+    try:
+        return auth_key_from_env(os.environ)
+    except ValueError:
+        return None
 
 
 def is_multi_node(nnodes: str) -> bool:
@@ -143,11 +151,14 @@ class TTPElasticAgent(LocalElasticAgent):
                 auth_key_from_env(os.environ))
             os.environ[ENV_REPLACEMENTS] = "cold,node"  # the recovery may ask for a lost node
         self._spare_waiting_said = False
+        # other ttprun of this job on this host (launch/siblings.py)
+        self._siblings = Siblings.open(_key_or_none(), self._run_dir)
         # in-memory recovery (replace.py): a warm spare when one is left, else a cold start;
-        # a lost node's ranks go to the takeover
+        # a lost node's ranks go to the takeover, a sibling's ranks to that sibling
         self._replacements = ReplacementDesk(
             self._run_dir, (self._spares.start, cold_start),
-            foreign=self._takeover.hold if self._takeover else None)
+            foreign=self._takeover.hold if self._takeover else None,
+            sibling=self._siblings.owner if self._siblings else None)
         self._guard_rendezvous()
 
     # -- the rendezvous ---------------------------------------------------------------------
@@ -280,6 +291,8 @@ class TTPElasticAgent(LocalElasticAgent):
         shutil.rmtree(self._run_dir / RUNTIME_STARTED_DIR, ignore_errors=True)  # per attempt
         self._replacements = self._replacements.fresh()  # a new attempt counts recoveries anew
         self._attempt += 1
+        if self._siblings is not None:
+            self._siblings.publish([w.global_rank for w in worker_group.workers])
         if self._takeover is None or self._takeover.assignment is None:
             return super()._start_workers(worker_group)
         with takeover.replacement_workers(self._takeover.assignment, self._spares):
@@ -360,6 +373,8 @@ class TTPElasticAgent(LocalElasticAgent):
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         self._spares.close()
+        if self._siblings is not None:
+            self._siblings.close()
         super()._shutdown(death_sig, timeout)
 
     def _invoke_run(self, role: str = "default") -> RunResult:
@@ -379,6 +394,8 @@ class TTPElasticAgent(LocalElasticAgent):
             raise
         finally:
             self._spares.close()
+            if self._siblings is not None:
+                self._siblings.close()
 
     # -- the grace period -------------------------------------------------------------------
     def _hold_survivors(self, pcontext: SubprocessContext,
