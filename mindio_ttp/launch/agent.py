@@ -600,9 +600,12 @@ def build_parser():
     parser = get_args_parser()
     parser.prog = "ttprun"
     parser.description = (
-        "torchrun with a dying-checkpoint grace period: when a worker fails or the launcher gets "
-        "SIGTERM, surviving workers get up to TTP_OT seconds (default 120) to write the "
-        "checkpoint before they are stopped. Same arguments as torchrun."
+        "torchrun for fault-tolerant training: when a worker is lost it starts the replacement "
+        "an in-memory recovery asks for (TTP_RECOVERY=in-memory, the default), and whenever "
+        "the job must stop instead (TTP_RECOVERY=dying-checkpoint, a recovery that cannot work, "
+        "SIGTERM) the survivors get up to TTP_OT seconds (default 120) to write the dying "
+        "checkpoint. Same arguments as torchrun, plus --check (pre-flight), --drill (a fault "
+        "on purpose) and --outcome-file: docs/first-day.md."
     )
     from mindio_ttp import __version__
 

@@ -208,6 +208,13 @@ def test_drill_on_two_nodes_says_what_the_job_did_and_that_it_checks_out(
     assert cluster.outputs().count("DRILL: rank ") == 1, cluster.outputs()
     if mode == "in-memory":  # trained on to the end, the same as without a fault
         assert "rank 0 | finished step 30" in cluster.nodes[0].output(), cluster.outputs()
+        # the recovery path's lines say what happens, at its level: no failure words
+        text = cluster.outputs()
+        assert "starting the dying-checkpoint flow" not in text
+        assert "process is gone" not in text
+        # (the struck rank's own exception is its fault, said at ERROR; nobody else's is)
+        assert not [ln for ln in text.splitlines()
+                    if " ERROR " in ln and f"[ttp rank {struck}]" not in ln], text
 
 
 def test_a_drill_left_in_the_environment_does_nothing(cluster: Cluster) -> None:
