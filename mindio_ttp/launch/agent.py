@@ -36,6 +36,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -599,13 +600,13 @@ def build_parser():
 
     parser = get_args_parser()
     parser.prog = "ttprun"
-    parser.description = (
+    parser.description = textwrap.fill(
         "torchrun for fault-tolerant training: when a worker is lost it starts the replacement "
         "an in-memory recovery asks for (TTP_RECOVERY=in-memory, the default), and whenever "
         "the job must stop instead (TTP_RECOVERY=dying-checkpoint, a recovery that cannot work, "
         "SIGTERM) the survivors get up to TTP_OT seconds (default 120) to write the dying "
         "checkpoint. Same arguments as torchrun, plus --check (pre-flight), --drill (a fault "
-        "on purpose) and --outcome-file: docs/first-day.md."
+        "on purpose) and --outcome-file: docs/first-day.md.", 96
     )
     from mindio_ttp import __version__
 
