@@ -254,7 +254,7 @@ def test_a_rank_without_device_groups_is_neither_fenced_nor_aborted(fresh, monke
             return "gloo"
 
     monkeypatch.setattr(abort, "_all_groups", lambda: [Gloo()])
-    outcome = _release().stop("test", timeout_s=0.2)
+    outcome = _release().stop("test", timeout_s=5.0)  # the bound only; a loaded CI machine is slow
     assert outcome.ok and not hooks.STATE.fenced
     assert [g.outcome for g in outcome.report.groups] == [abort.SKIPPED]
 
