@@ -218,6 +218,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Set by the package when the processor starts: object with report_exception(exc) and
 # wait_for_exit(timeout) -> bool (True: the exit order was carried out), shutdown(), ot.
 RUNTIME: Optional[Any] = None
+# Set by a caller that runs `train` inside work of its own that a fault must not lose
+# (Megatron's pretrain: the final evaluation and the final save come after train() returns):
+# train()'s normal return then leaves the runtime up, and that caller shuts it down
+# (megatron_ttp/rejoin.py, megatron_ttp/completion.py).
+HELD = False
 
 
 def _shielded(fn: Callable[..., Any], *args: Any) -> None:
@@ -316,7 +321,7 @@ def to_persist(func: F) -> F:
                 pass
             raise
         rt = RUNTIME
-        if rt is not None:
+        if rt is not None and not HELD:
             rt.shutdown()
         return result
 

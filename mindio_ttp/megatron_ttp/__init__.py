@@ -26,6 +26,8 @@ __all__ = [
     "reuse_on_recovery",
     "process_group_store",
     "process_group_timeout",
+    "final_checkpoint_saved",
+    "step_log",
 ]
 
 
@@ -55,6 +57,14 @@ def __getattr__(name: str) -> Any:
         from mindio_ttp.megatron_ttp import rejoin
 
         return getattr(rejoin, name)
+    if name == "final_checkpoint_saved":
+        from mindio_ttp.megatron_ttp.completion import final_checkpoint_saved
+
+        return final_checkpoint_saved
+    if name == "step_log":
+        from mindio_ttp.megatron_ttp.step_log import step_log
+
+        return step_log
     if name == "process_group_timeout":
         from mindio_ttp.megatron_ttp.timeout import process_group_timeout
 
