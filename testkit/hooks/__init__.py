@@ -17,6 +17,7 @@ FAKE_DEVICE_DIR = HERE / "fake_device"
 HOSTNAME_HOOK_DIR = HERE / "hostname_hook"
 PATCHER_HOOK_DIR = HERE / "patcher_hook"
 OPTIM_MEMORY_DIR = HERE / "optim_memory"
+STEP_PROFILE_DIR = HERE / "step_profile"
 
 
 def pythonpath(*dirs: os.PathLike, env: Optional[Mapping[str, str]] = None) -> str:
