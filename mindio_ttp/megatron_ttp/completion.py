@@ -34,6 +34,7 @@ def final_checkpoint_saved(iteration: int) -> None:
 
     save = get_args().save
     where = str((Path(save) / manifest.iter_dir_name(iteration)).absolute()) if save else ""
+    hooks.TRAINING.leave()
     hooks.HELD = False
     ttp.ttp_job_complete(iteration, where)
 
@@ -45,6 +46,7 @@ def hold_runtime() -> None:
 
 def release_runtime() -> None:
     """pretrain returned: stop the runtime if the final save did not (no --save)."""
+    hooks.TRAINING.leave()
     hooks.HELD = False
     rt = hooks.RUNTIME
     if rt is not None:

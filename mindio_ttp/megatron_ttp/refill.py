@@ -98,7 +98,8 @@ def load_in_memory(model, optimizer, scheduler) -> int:
     if logged is not None:
         import megatron.training as training
 
-        step_log.replay(training.training_log, logged, me == dist.get_world_size() - 1)
+        step_log.replay(training.training_log, logged, me == dist.get_world_size() - 1, model,
+                        optimizer)
     log.warning("rank %d: in-memory recovery %d done (%s): training goes on from step %d", me,
                 order.recovery_id, job.role, step + 1)
     return step

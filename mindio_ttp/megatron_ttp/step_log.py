@@ -66,6 +66,7 @@ class LogRecord:
     num_zeros_in_grad: Optional[float]
     passed: bool = False  # got past the barrier before the print (this rank)
     last_stage: bool = False  # holds the step's reduced losses (the last pipeline stage)
+    called: bool = True  # training_log was called (False: kept by step_losses, see below)
 
 
 _last: Optional[LogRecord] = None
@@ -110,6 +111,60 @@ def step_log(training_log: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def step_losses(train_step: F) -> F:
+    """Edit 2.13: keep what `train_step` computed of a step it updated but did not finish (its
+    parameter all-gather raised, the peer lost after the update): the microbatches' reduced
+    losses (from the loss function the forward step returns, as Megatron collects them),
+    whether the update succeeded and its gradient norm (ReplicatedOptimizer.step). The step is
+    then complete on this rank (a recovery keeps it) but `training_log` never ran for it."""
+
+    @functools.wraps(train_step)
+    def wrapper(forward_step_func, *args, **kwargs):
+        from megatron import get_args
+
+        step = get_args().curr_iteration + 1
+        losses: List[Dict[str, Any]] = []
+
+        def forward_step(*a, **k):
+            out = forward_step_func(*a, **k)
+            if not (isinstance(out, tuple) and len(out) == 2 and callable(out[1])):
+                return out
+            output_tensor, loss_func = out
+
+            def kept_loss_func(*x, **y):
+                result = loss_func(*x, **y)
+                if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+                    losses.append(result[1])
+                return result
+
+            return output_tensor, kept_loss_func
+
+        try:
+            return train_step(forward_step, *args, **kwargs)
+        except BaseException:
+            _keep_unlogged(step, losses, args[2] if len(args) > 2 else kwargs.get("optimizer"))
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _keep_unlogged(step: int, losses: List[Dict[str, Any]], optimizer: Any) -> None:
+    """The record of a step this rank updated whose train_step raised after the update."""
+    global _last
+    if getattr(optimizer, "current_step", None) != step:
+        return  # not updated here: not a step a recovery keeps from this rank
+    if _last is not None and _last.iteration >= step:
+        return
+    from megatron.core import mpu
+
+    ok, grad_norm, num_zeros = getattr(optimizer, "last_update", (True, None, None))
+    reduced = {key: _number(sum(x[key] for x in losses) / len(losses))
+               for key in (losses[0] if losses else {})}  # as train_step averages them
+    _last = LogRecord(step, reduced, {}, None, None, 0 if ok else 1, _number(grad_norm), None,
+                      _number(num_zeros), passed=False, called=False,
+                      last_stage=mpu.is_pipeline_last_stage(ignore_virtual=True))
+
+
 def _past_the_barrier(total_loss_dict: Dict[str, Any]) -> bool:
     """training_log zeroes both counters right before it prints, after the barrier; it
     raised one of them at its start (nothing before can fail)."""
@@ -143,7 +198,8 @@ def _scalars_missing(step: int, rec: Optional[LogRecord], replacement: bool) -> 
     if get_tensorboard_writer() is None or step % args.tensorboard_log_interval:
         return False
     if not replacement:  # training_log writes them before anything that may fail (no timers)
-        return rec is None or (bool(args.log_timers_to_tensorboard) and not rec.passed)
+        return rec is None or not rec.called or (bool(args.log_timers_to_tensorboard)
+                                                  and not rec.passed)
     return not _on_disk(Path(args.tensorboard_dir), step)
 
 
@@ -183,13 +239,24 @@ def decide(step: int, everyone: List[Dict[str, Any]], log_interval: int
     return {"record": source, "print": need_print, "scalars": need_scalars}
 
 
-def replay(training_log: Callable[..., Any], plan: Dict[str, Any], last_rank: bool) -> None:
-    """Call Megatron's own `training_log` for the kept step again, on every rank."""
+def replay(training_log: Callable[..., Any], plan: Dict[str, Any], last_rank: bool,
+           model: Any, optimizer: Any) -> None:
+    """Call Megatron's own `training_log` for the kept step again, on every rank. What a
+    record kept by step_losses lacks is what train() would pass, read as it would read it: the
+    learning rate and loss scale from the optimizer (rolled back to the step), the parameter
+    norm from the model (rebuilt at the step)."""
     import torch
-    from megatron import get_timers
+    from megatron import get_args, get_timers
     from megatron import global_vars as gv
+    from megatron.utils import calc_params_l2_norm
 
-    rec = plan["record"]
+    rec = dict(plan["record"])
+    if rec["learning_rate"] is None:
+        rec["learning_rate"] = optimizer.param_groups[0]["lr"]
+    if rec["loss_scale"] is None:
+        rec["loss_scale"] = optimizer.get_loss_scale().item()
+    if not rec["called"] and get_args().log_params_norm:
+        rec["params_norm"] = calc_params_l2_norm(model)  # a collective: every rank runs it
     cuda = torch.cuda.FloatTensor
     loss_dict = {k: cuda([v])[0] for k, v in rec["loss_dict"].items()}
     total = {k: (cuda([v]) if isinstance(v, float) else v)

@@ -1,4 +1,4 @@
-"""Edits 2.1-2.8: megatron/training.py reports optimizer updates to TTP and starts it; 2.9-2.12
+"""Edits 2.1-2.8: megatron/training.py reports optimizer updates to TTP and starts it; 2.9-2.13
 (ttp-patch's own): the in-memory recovery's hooks, the end of the job, the kept step's log."""
 
 from __future__ import annotations
@@ -204,6 +204,21 @@ class RecordStepLog(DecorateTopLevelDef):
     summary = "@mega.step_log on training_log(): the kept step's log line survives a fault"
 
 
+class KeepStepLosses(DecorateTopLevelDef):
+    """Not in the guide: a train_step() that raises after its update (a peer lost in the
+    parameter all-gather) leaves the step complete but never logged; its losses and gradient
+    norm are kept, so its log line can still appear once after a recovery (docs/recovery.md)."""
+
+    id = "training/step-losses"
+    number = "2.13"
+    file = FILE
+    scope = None
+    def_name = "train_step"
+    decorator = "mega.step_losses"
+    anchor = "def train_step("
+    summary = "@mega.step_losses on train_step(): a step updated but not logged keeps its losses"
+
+
 EDITS = [
     ImportTTPModules(),
     LoadCheckpointThroughTTP(),
@@ -217,4 +232,5 @@ EDITS = [
     ReuseModelOnRecovery(),
     FinalCheckpointSaved(),
     RecordStepLog(),
+    KeepStepLosses(),
 ]
