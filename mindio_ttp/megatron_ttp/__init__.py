@@ -63,9 +63,9 @@ def __getattr__(name: str) -> Any:
 
         return final_checkpoint_saved
     if name in ("step_log", "step_losses"):
-        from mindio_ttp.megatron_ttp import step_log
+        from mindio_ttp.megatron_ttp import log_record
 
-        return getattr(step_log, name)
+        return getattr(log_record, name)
     if name == "process_group_timeout":
         from mindio_ttp.megatron_ttp.timeout import process_group_timeout
 

@@ -39,7 +39,7 @@ from megatron.core import tensor_parallel
 from megatron.optimizer.distrib_optimizer import DistributedOptimizer
 
 from mindio_ttp.control import hooks
-from mindio_ttp.megatron_ttp import rejoin, step_log, transfer
+from mindio_ttp.megatron_ttp import log_record, rejoin, transfer
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import RECOVERY, RecoveryRefused
 from mindio_ttp.recovery.verify import check_digests
@@ -76,7 +76,7 @@ def load_in_memory(model, optimizer, scheduler) -> int:
     optimizer._gathered_step = -1
     stripes = verify_stripes(optimizer)
     _rebuild_weights(optimizer, args)
-    logs = step_log.entry(step, me in lost, me == dist.get_world_size() - 1)
+    logs = log_record.entry(step, me in lost, me == dist.get_world_size() - 1)
     digest, everyone = verify_replicas(model, optimizer, scheduler, step, stripes, logs)
     optimizer.record_loaded_step(step, scheduler)  # the weights are step's: checked
     RECOVERY.machine.transition_to(S.READY)
@@ -93,12 +93,12 @@ def load_in_memory(model, optimizer, scheduler) -> int:
         from megatron.checkpointing import save_checkpoint
 
         save_checkpoint(step, model, optimizer, scheduler)
-    # the kept step's log line and scalars, when the fault took them (step_log.py)
-    logged = step_log.decide(step, everyone, args.log_interval)
+    # the kept step's log line and scalars, when the fault took them (log_record.py)
+    logged = log_record.decide(step, everyone, args.log_interval)
     if logged is not None:
         import megatron.training as training
 
-        step_log.replay(training.training_log, logged, me == dist.get_world_size() - 1, model,
+        log_record.replay(training.training_log, logged, me == dist.get_world_size() - 1, model,
                         optimizer)
     log.warning("rank %d: in-memory recovery %d done (%s): training goes on from step %d", me,
                 order.recovery_id, job.role, step + 1)
@@ -228,7 +228,7 @@ def verify_replicas(model, optimizer, scheduler, step: int, stripes: Dict[int, s
                     logs: Optional[Dict[str, Any]] = None) -> Tuple[str, List[Dict[str, Any]]]:
     """Data-parallel peers hold the same weights and RNG state, every rank the same step,
     consumed samples and scheduler count. Returns this rank's summary digest and everyone's
-    entries, which also carry each rank's record of the step's logging (`logs`, step_log.py:
+    entries, which also carry each rank's record of the step's logging (`logs`, log_record.py:
     the same gather, so every rank decides alike whether to log the step again)."""
     from mindio_ttp.megatron_ttp.step_record import local_rng_state
 

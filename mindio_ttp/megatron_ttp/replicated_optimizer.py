@@ -421,7 +421,7 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         self.own.optimizer.step()
         self.partner.optimizer.step()
         self._copy_main_params_to_model_params()
-        # what the step's log line prints, should train_step fail after it (step_log.py)
+        # what the step's log line prints, should train_step fail after it (log_record.py)
         self.last_update = (True, grad_norm, num_zeros)
         return self.last_update
 

@@ -312,8 +312,9 @@ def test_a_kill_at_a_random_instant_recovers_bit_exact(seed, plan, case, referen
     assert_outcome(case, result, ckpt, reference, steps=[rolled_back])
 
 
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
 @pytest.mark.parametrize("rank", [1, 3])
-def test_the_kept_steps_log_line_and_scalars_appear_exactly_once(rank, reference,
+def test_the_kept_steps_log_line_and_scalars_appear_exactly_once(rank, case, reference,
                                                                  patched_megatron_tree,
                                                                  tiny_dataset, work):
     """Issue 23: a rank killed as step 5's logging starts, after every rank's update of 5:
@@ -323,7 +324,7 @@ def test_the_kept_steps_log_line_and_scalars_appear_exactly_once(rank, reference
     writer's queue died with it). Either way the line and the scalars of 5 appear once, with
     the uninterrupted run's values (before: the line was missing, CI 2026-12-05 allowed it)."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"log_{rank}",
-                           f"{rank}:5:sigkill:log")
+                           f"{rank}:5:sigkill:log", case=case)
     assert f"FAULT: SIGKILL rank {rank} as the logging starts of step 5" in result.log
     assert_recovered_like_reference(result, ckpt, reference, steps=[5])
     what = "log line" if rank == 1 else "log line and scalars"
@@ -421,10 +422,13 @@ def resumable(patched_megatron_tree, tiny_dataset, work) -> Path:
     return ckpt
 
 
-def _resume_with_a_fault(tree, data, work: Path, resumable: Path, name: str, plan: str):
+def _resume_with_a_fault(tree, data, work: Path, resumable: Path, name: str, plan: str,
+                         case: str = "gloo"):
+    backend, _ = split_case(case)
+    name = name if case == "gloo" else f"{name}_{backend.replace('-', '_')}"
     ckpt = copy_checkpoints(resumable, work / f"{name}_ckpt")
     result = run_job(tree, data, work / f"{name}.log", ckpt, plan=plan, extra=EVAL,
-                     env_extra=IN_MEMORY, timeout_s=420)
+                     env_extra=IN_MEMORY, timeout_s=420, backend=backend)
     return result, ckpt
 
 
@@ -435,14 +439,15 @@ def _resumed_checkpoint_stays_latest(ckpt: Path) -> None:
     assert not list(ckpt.glob(".ttp_tmp_*"))
 
 
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
 @pytest.mark.parametrize("window", ["startup", "model", "load"])
 def test_a_rank_lost_before_the_runtime_starts_ends_the_attempt_at_once(
-        window, resumable, patched_megatron_tree, tiny_dataset, work):
+        window, case, resumable, patched_megatron_tree, tiny_dataset, work):
     """Start-up, model build, checkpoint load: no rank started the runtime yet (it starts in
     train()), and no state exists that the checkpoint being loaded does not hold. The attempt
     ends at once, not held for TTP_OT; that checkpoint stays latest and whole."""
     result, ckpt = _resume_with_a_fault(patched_megatron_tree, tiny_dataset, work, resumable,
-                                        f"win_{window}", f"1:1:sigkill:{window}")
+                                        f"win_{window}", f"1:1:sigkill:{window}", case)
     assert result.returncode != 0
     assert "FAULT: SIGKILL rank 1" in result.log, result.tail(8000)
     assert "no TTP runtime started in this attempt" in result.log, result.tail(8000)
@@ -450,35 +455,39 @@ def test_a_rank_lost_before_the_runtime_starts_ends_the_attempt_at_once(
     _resumed_checkpoint_stays_latest(ckpt)
 
 
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
 def test_a_rank_lost_in_the_first_step_keeps_the_loaded_checkpoint(
-        resumable, patched_megatron_tree, tiny_dataset, work):
+        case, resumable, patched_megatron_tree, tiny_dataset, work):
     """The first step after a resume: no rank finished an update in this process, so there is
     nothing newer than the checkpoint just loaded (no recovery, no dying checkpoint: exit 84),
     which stays latest; the restart loads it again and loses that one step."""
     result, ckpt = _resume_with_a_fault(patched_megatron_tree, tiny_dataset, work, resumable,
-                                        "win_first", f"1:{RESUME_AT + 1}:sigkill:before")
+                                        "win_first", f"1:{RESUME_AT + 1}:sigkill:before",
+                                        case)
     assert result.returncode != 0
     assert "no in-memory recovery" in result.log, result.tail(8000)
     assert "outcome no_consistent_step (exit code 84)" in result.log, result.tail(8000)
     _resumed_checkpoint_stays_latest(ckpt)
 
 
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
 @pytest.mark.parametrize("window", ["final-eval", "final-save"])
 def test_a_rank_lost_in_the_final_evaluation_or_save_is_recovered(
-        window, reference, patched_megatron_tree, tiny_dataset, work):
+        window, case, reference, patched_megatron_tree, tiny_dataset, work):
     """After train() returned, pretrain evaluates and writes its final save: the runtime stays
     up through both (edit 2.9 holds it, edit 2.11 releases it). The recovery keeps step 10,
     its re-run of pretrain trains no step, evaluates and saves again: exit 0, the final
     checkpoint bit-identical to the uninterrupted run's (before: the save cut short, no
     tracker, no dying checkpoint, exit 1, the whole job lost)."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"win_{window}",
-                           f"1:{N_ITERS}:sigkill:{window}")
+                           f"1:{N_ITERS}:sigkill:{window}", case=case)
     assert_recovered_like_reference(result, ckpt, reference, steps=[N_ITERS])
     assert f"FAULT: SIGKILL rank 1 during the {window.replace('-', ' ')}" in result.log
 
 
+@pytest.mark.parametrize("case", cases(ci=["gloo+dying"], extended=[f"{NL}+dying"]))
 @pytest.mark.parametrize("window, step", [("periodic-save", 9), ("final-save", N_ITERS)])
-def test_a_rank_lost_in_a_save_gets_the_dying_checkpoint(window, step, reference,
+def test_a_rank_lost_in_a_save_gets_the_dying_checkpoint(window, step, case, reference,
                                                          patched_megatron_tree, tiny_dataset,
                                                          work):
     """TTP_RECOVERY=dying-checkpoint, a rank killed inside Megatron's periodic save of 9 or
@@ -486,8 +495,7 @@ def test_a_rank_lost_in_a_save_gets_the_dying_checkpoint(window, step, reference
     short (a stock directory of the same step; before, the rename refused it: save_failed),
     is marked latest, and is bit-identical to Megatron's own save of it."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"win_{window}_dying",
-                           f"1:{step}:sigkill:{window}", save_interval=3,
-                           env={"TTP_RECOVERY": "dying-checkpoint"})
+                           f"1:{step}:sigkill:{window}", save_interval=3, case=case)
     assert result.returncode != 0
     assert "outcome saved (exit code 83)" in result.log, result.tail(8000)
     assert "is replaced by the dying checkpoint" in result.log
@@ -496,13 +504,14 @@ def test_a_rank_lost_in_a_save_gets_the_dying_checkpoint(window, step, reference
     assert comparison.bit_exact, comparison.summary()
 
 
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
 def test_a_rank_lost_after_the_final_save_completed_everywhere_ends_as_a_success(
-        reference, patched_megatron_tree, tiny_dataset, work):
+        case, reference, patched_megatron_tree, tiny_dataset, work):
     """Past the barrier that ends pretrain's final save (the test evaluation, the exit): the
     job's state is on disk, complete on every rank. ttprun ends the job as a success (exit 0,
     nothing held, no flow); before, exit 1 and a restart for nothing."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "win_exit",
-                           f"1:{N_ITERS}:sigkill:exit")
+                           f"1:{N_ITERS}:sigkill:exit", case=case)
     assert "FAULT: SIGKILL rank 1 after the final save" in result.log, result.tail(8000)
     assert result.returncode == 0, result.tail(8000)
     assert "nothing is lost, the job succeeds" in result.log
@@ -551,7 +560,8 @@ def test_a_second_fault_during_the_recovery_falls_back(case, reference, patched_
     ("sigstop", "another fault during the recovery: rank 1 hung"),
     ("exception", "another fault during the recovery: rank 1 reported exception: InjectedFault"),
 ])
-def test_a_saver_lost_during_the_recovery_is_not_chosen_to_save(kind, why, reference,
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
+def test_a_saver_lost_during_the_recovery_is_not_chosen_to_save(case, kind, why, reference,
                                                                  patched_megatron_tree,
                                                                  tiny_dataset, work):
     """Issue 23: rank 2 killed at 5; as the recovery to 4 starts refilling, survivor rank 1
@@ -561,7 +571,7 @@ def test_a_saver_lost_during_the_recovery_is_not_chosen_to_save(kind, why, refer
     save limit, which used to end in save_failed with nothing marked latest)."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"fb_saver_{kind}",
                            f"2:5:sigkill:before,1:4:{kind}:refill",
-                           env={"TTP_HEARTBEAT_TIMEOUT": "6"})
+                           env={"TTP_HEARTBEAT_TIMEOUT": "6"}, case=case)
     assert_fell_back(result, ckpt, reference, 4, why)
     assert "ordering save on rank(s) [0, 3]" in result.log, result.tail(8000)
     assert "ordering it again" not in result.log

@@ -107,7 +107,6 @@ def step_log(training_log: F) -> F:
         _flush_writer()
         return out
 
-    wrapper._ttp_step_log = True  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
 
 

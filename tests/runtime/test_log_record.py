@@ -1,5 +1,5 @@
 """The decision that keeps the loss curve whole after an in-memory recovery
-(megatron_ttp/step_log.py, issue 23): a pure function of every rank's record of the kept
+(megatron_ttp/log_record.py, issue 23): a pure function of every rank's record of the kept
 step's `training_log`, gathered during the recovery, so every rank decides alike. The real
 Megatron runs are in tests/megatron/test_e2e_recovery.py."""
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from mindio_ttp.megatron_ttp.step_log import decide
+from mindio_ttp.megatron_ttp.log_record import decide
 
 STEP = 5
 
