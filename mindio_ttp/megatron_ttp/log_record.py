@@ -9,12 +9,12 @@ keeps it and does not redo it) and its line never printed; the last rank's own l
 unflushed scalars too (the writer queues them, `--tensorboard-queue-size` deep, and flushes
 every 120 s).
 
-`@mega.step_log` on `training_log` (edit 2.12) keeps, on every rank, a copy of the arguments of
-its last call (each value a float or an int: a few bytes) and whether the call got past that
-barrier. The reset of the interval's counters in `total_loss_dict` (`advanced` and `skipped
-iterations` set to 0 right before the print) says so, also when the call raised later (in the
-timers' gather). On the last rank it flushes the writer once the call returned, so what a
-step logged is on disk before the next step starts.
+`@mega.step_log` on `training_log` (edit 2.12) keeps, on every rank, the arguments of its last
+call (references to a few one-element tensors and numbers: no copy, no device read per step) and
+whether the call got past that barrier. The reset of the interval's counters in
+`total_loss_dict` (`advanced` and `skipped iterations` set to 0 right before the print) says
+so, also when the call raised later (in the timers' gather). On the last rank it flushes the
+writer once the call returned, so what a step logged is on disk before the next step starts.
 
 After a recovery to step t, every rank's record goes into the recovery's all-gather of digests
 (refill.py), so every rank takes the same decision, and all of them call Megatron's own
@@ -41,7 +41,7 @@ import contextlib
 import functools
 import io
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
@@ -53,17 +53,18 @@ ADVANCED, SKIPPED = "advanced iterations", "skipped iterations"  # training_log'
 
 @dataclass
 class LogRecord:
-    """`training_log`'s arguments at its call for `iteration`, as plain numbers."""
+    """`training_log`'s arguments at its call for `iteration` (one-element tensors or numbers;
+    `_plain` makes them numbers)."""
 
     iteration: int
-    loss_dict: Dict[str, float]
-    total_loss_dict: Dict[str, Any]  # floats for the loss sums, ints for the counters
-    learning_rate: float
-    loss_scale: float
+    loss_dict: Dict[str, Any]
+    total_loss_dict: Dict[str, Any]  # tensors for the loss sums, ints for the counters
+    learning_rate: Any
+    loss_scale: Any
     skipped_iter: int
-    grad_norm: Optional[float]
-    params_norm: Optional[float]
-    num_zeros_in_grad: Optional[float]
+    grad_norm: Any
+    params_norm: Any
+    num_zeros_in_grad: Any
     passed: bool = False  # got past the barrier before the print (this rank)
     last_stage: bool = False  # holds the step's reduced losses (the last pipeline stage)
     called: bool = True  # training_log was called (False: kept by step_losses, see below)
@@ -91,11 +92,11 @@ def step_log(training_log: F) -> F:
         global _last
         from megatron.core import mpu
 
-        record = LogRecord(iteration, {k: _number(v) for k, v in loss_dict.items()},
-                           {k: _number(v) for k, v in total_loss_dict.items()},
-                           _number(learning_rate), _number(loss_scale), int(skipped_iter),
-                           _number(grad_norm), _number(params_norm),
-                           _number(num_zeros_in_grad),
+        # references, not values: reading a device tensor would wait for the device every
+        # step; training_log replaces the entries of total_loss_dict, it never writes into one
+        record = LogRecord(iteration, dict(loss_dict), dict(total_loss_dict), learning_rate,
+                           loss_scale, int(skipped_iter), grad_norm, params_norm,
+                           num_zeros_in_grad,
                            last_stage=mpu.is_pipeline_last_stage(ignore_virtual=True))
         _last = record
         try:
@@ -157,10 +158,10 @@ def _keep_unlogged(step: int, losses: List[Dict[str, Any]], optimizer: Any) -> N
     from megatron.core import mpu
 
     ok, grad_norm, num_zeros = getattr(optimizer, "last_update", (True, None, None))
-    reduced = {key: _number(sum(x[key] for x in losses) / len(losses))
+    reduced = {key: sum(x[key] for x in losses) / len(losses)
                for key in (losses[0] if losses else {})}  # as train_step averages them
-    _last = LogRecord(step, reduced, {}, None, None, 0 if ok else 1, _number(grad_norm), None,
-                      _number(num_zeros), passed=False, called=False,
+    _last = LogRecord(step, reduced, {}, None, None, 0 if ok else 1, grad_norm, None,
+                      num_zeros, passed=False, called=False,
                       last_stage=mpu.is_pipeline_last_stage(ignore_virtual=True))
 
 
@@ -183,10 +184,20 @@ def entry(step: int, replacement: bool, last_rank: bool) -> Dict[str, Any]:
     """This rank's part of the recovery's all-gather: its record of `step` (if any), whether it
     survived, and on the last rank whether the step's scalars are missing from disk."""
     rec = _last if _last is not None and _last.iteration == step else None
-    out: Dict[str, Any] = {"record": asdict(rec) if rec is not None else None,
+    out: Dict[str, Any] = {"record": _plain(rec) if rec is not None else None,
                            "survivor": not replacement}
     if last_rank:
         out["scalars_missing"] = _scalars_missing(step, rec, replacement)
+    return out
+
+
+def _plain(rec: LogRecord) -> Dict[str, Any]:
+    """The record as plain numbers (its tensors read now, once, at the recovery)."""
+    out = {f.name: getattr(rec, f.name) for f in fields(rec)}
+    for name in ("loss_dict", "total_loss_dict"):
+        out[name] = {k: _number(v) for k, v in out[name].items()}
+    for name in ("learning_rate", "loss_scale", "grad_norm", "params_norm", "num_zeros_in_grad"):
+        out[name] = _number(out[name])
     return out
 
 
