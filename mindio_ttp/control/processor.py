@@ -41,6 +41,8 @@ from mindio_ttp.control.flow_record import FlowRecord
 from mindio_ttp.control.handlers import HANDLERS, Handlers, Job
 from mindio_ttp.control.hooks import STATE, TTPError, fault_kind
 from mindio_ttp.control.liveness import LookingClock
+from mindio_ttp.control.release import Outcome as StopOutcome
+from mindio_ttp.control.release import Stopper
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 from mindio_ttp.launch import replace as R
@@ -143,6 +145,8 @@ class Processor:
         self._preempted = False
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
+        # the fault-time stop (release.py): abort off the main thread, on every survivor
+        self.stopper = Stopper(lambda outcome: self._mail.put("stopped", outcome))
 
     # -- start / stop ----------------------------------------------------------------------------
     def start(self, ip: str, port: int, deadline_s: Optional[float] = None) -> None:
@@ -468,6 +472,8 @@ class Processor:
                 self._closing = True
                 self._send(P.Goodbye(self.rank))
                 item[1].set()
+            elif kind == "stopped":
+                self._on_stopped(item[1])
             elif kind == "store":
                 if self._conn is None:
                     self._calls.close(item[1].req, ConnectionError(
@@ -496,6 +502,7 @@ class Processor:
             self._note_fault()
             step, updating = STATE.lock()
             self._send(P.StateReport(m.flow_id, 1, self.rank, step, updating))
+            self.stopper.start(f"lock of flow {m.flow_id}")
         elif isinstance(m, P.AdvanceTo):
             self._note_fault()
 
@@ -535,11 +542,27 @@ class Processor:
             STATE.stop()  # the training thread leaves the step at its next update, if not yet
             # TTP_OT counts again once the recovery's own bound has passed
             self._fault_time = time.monotonic() + m.deadline
+            self.stopper.start(f"recover order {m.recovery_id}")
+            if self.stopper.outcome is not None:
+                self._on_stopped(self.stopper.outcome)
+
+    def _on_stopped(self, outcome: StopOutcome) -> None:
+        """The fault-time stop ended: a survivor that could not abort, or whose main thread
+        would not leave the step, cannot recover in memory; it says so at once, so the
+        controller falls back to the dying checkpoint without waiting out the recovery's
+        bound (release.py)."""
+        if outcome.ok or not RECOVERY.pending:
+            return
+        why = ("the fault-time stop failed here: " + outcome.describe())[:1500]
+        log.error("rank %d: %s; failing the in-memory recovery", self.rank, why)
+        RECOVERY.report_ready(False, why)
+        RECOVERY.abandon(why[:300])
 
     def _on_commit(self, m: P.RecoverCommit) -> None:
         RECOVERY.commit(m.recovery_id)
         self._fault_time = None
         self.fault_seen = False
+        self.stopper.reset()
         log.warning("rank %d: recovery %d committed", self.rank, m.recovery_id)
 
     def _report_ready(self, recovery_id: int, ok: bool, detail: str, digest: str,
@@ -590,6 +613,7 @@ class Processor:
             return
         self._note_fault()
         STATE.lock()  # no further updates until a controller decides
+        self.stopper.start("controller lost")
         log.error("rank %d: controller lost (%s); failing over to %s", self.rank, why,
                   [b[0] for b in self._backups] or "nobody")
         deadline = self._fault_time + self.ot  # type: ignore[operator]

@@ -125,11 +125,16 @@ def _backends(pg: Any) -> List[Tuple[str, Any]]:
     return found or [(_name(pg), pg)]
 
 
+def _dist() -> Any:
+    """torch.distributed where this process imported it, else None: a process that never
+    imported torch has no process group, and importing torch here (seconds) would delay the
+    abort of a process that does."""
+    return sys.modules.get("torch.distributed")
+
+
 def _group_name(pg: Any) -> str:
     try:
-        import torch.distributed as dist
-
-        name = dist.distributed_c10d._world.pg_names.get(pg)
+        name = _dist().distributed_c10d._world.pg_names.get(pg)
         if name is not None:
             return str(name)
     except Exception:  # noqa: BLE001 - not initialised, or a test double
@@ -138,11 +143,8 @@ def _group_name(pg: Any) -> str:
 
 
 def _all_groups() -> List[Any]:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return []
-    if not dist.is_available() or not dist.is_initialized():
+    dist = _dist()
+    if dist is None or not dist.is_available() or not dist.is_initialized():
         return []
     return list(dist.distributed_c10d._world.pg_names)
 
@@ -307,17 +309,35 @@ def abort_all(timeout_s: float = config.ABORT_TIMEOUT_S, *,
 
 
 def _destroy(deadline: float) -> bool:
-    """destroy_process_group(), bounded by what is left of the deadline (at least 1 s)."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
+    return destroy_groups(max(1.0, deadline - time.monotonic()))
+
+
+def destroy_groups(timeout_s: float, binding: DeviceBinding = NO_DEVICE) -> bool:
+    """Destroy every process group, in a thread bound to the device, waiting at most
+    `timeout_s` (torch 2.6's graceful shutdown waits for every unfinished kernel of a group
+    that was not aborted: a group whose abort failed would hold it for good). HCCL backends
+    first release their communicator with ``abort_hccl_comm``, as torch_npu's own
+    ``reinit_process_group`` does before a new one is built (docs/stack.md says why the
+    recovery follows that part of it and not the rest). False when torch has no groups left to
+    destroy only because it failed, or the call did not return in time (logged)."""
+    dist = _dist()
+    if dist is None or not dist.is_available() or not dist.is_initialized():
         return False
-    if not dist.is_available() or not dist.is_initialized():
-        return False
-    call = _Call(dist.destroy_process_group, "ttp-destroy-groups")
+
+    def run() -> None:
+        binding.bind()
+        for pg in _all_groups():
+            for name, backend in _backends(pg):
+                call = _features().abort_method(name, backend) if name == "hccl" else None
+                if call is not None:
+                    call()
+        dist.destroy_process_group()
+
+    call = _Call(run, "ttp-destroy-groups")
     call.start()
-    call.join(max(1.0, deadline - time.monotonic()))
+    call.join(timeout_s)
     if call.is_alive() or call.error:
-        log.warning("destroy_process_group %s", call.error or "did not return in time")
+        log.warning("destroy_process_group %s", call.error or
+                    f"did not return within {timeout_s:g} s")
         return False
     return True

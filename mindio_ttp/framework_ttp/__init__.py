@@ -200,8 +200,10 @@ def ttp_start_controller(ip: str, port: int) -> None:
         ctl = ControllerProcess(TTPConfig.from_env(world_size=world_size), world_size, replica,
                                 rank)
         claims = _claim.registered_directory()
-        ctl.start(ip, port, claims=None if claims is None else claims.parent,
-                  capable=_RECOVERY.capability())
+        capable = _RECOVERY.capability()
+        log.warning("recovery mode: %s", f"in memory where the fault allows ({capable[1]})"
+                    if capable[0] else f"dying checkpoint, not in memory: {capable[1]}")
+        ctl.start(ip, port, claims=None if claims is None else claims.parent, capable=capable)
         _controller = ctl
     log.info("controller process (pid %s) for %d rank(s) listening on %s:%d", _controller.pid,
              world_size, ip, port)

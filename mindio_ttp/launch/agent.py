@@ -680,6 +680,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if note:
         print(f"ttprun: {note}", file=sys.stderr)
     extra = {gloo_iface.NAME: ifname} if ifname else {}
+    said, forced = preflight.recovery_mode(os.environ)
+    print(f"ttprun: {said}", file=sys.stderr)
+    if forced:
+        extra[config.ENV_RECOVERY] = forced
     with ttp_environment(extra) as run_dir, _agent_installed():
         logger.info("ttprun: TTP_RUN_DIR=%s", run_dir)
         try:

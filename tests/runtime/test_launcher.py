@@ -341,6 +341,7 @@ def test_workers_get_the_collective_settings_a_dying_checkpoint_needs(
     assert seen == [{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_ASYNC_ERROR_HANDLING": "2",
                      "HCCL_ASYNC_ERROR_HANDLING": "0"}] * 2
     assert "warning" not in err
+    assert "ttprun: recovery mode: in memory (no GPU or NPU here: gloo" in err, err
 
 
 def test_a_users_collective_setting_wins(tmp_path: Path, free_port: int) -> None:
