@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import inspect
 import ipaddress
+import json
 import logging
 import operator
 import os
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence
 
 from mindio_ttp import drill as _drill
@@ -25,6 +27,8 @@ from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
     ENV_LOG_LEVEL,
     ENV_LOG_PATH,
+    ENV_RUN_DIR,
+    JOB_COMPLETE_FILE,
     MAX_WORLD,
     RUNTIME_STARTED_DIR,
     ExitCode,
@@ -50,7 +54,7 @@ __all__ = [
     "ttp_register_save_ckpt_handler", "ttp_register_rename_handler", "ttp_set_ckpt_args",
     "ttp_set_checkpoint_dir", "current_save_session",
     "ttp_start_updating_os", "ttp_end_updating_os", "ttp_to_persist", "ttp_shutdown",
-    "TTPForceStop", "TTPError", "ExitCode", "Outcome",
+    "ttp_job_complete", "TTPForceStop", "TTPError", "ExitCode", "Outcome",
 ]
 
 log = logging.getLogger("mindio_ttp")
@@ -380,6 +384,32 @@ def ttp_end_updating_os(step: int) -> None:
 
 
 ttp_to_persist = _hooks.to_persist
+
+
+def ttp_job_complete(step: int, checkpoint: str = "") -> None:
+    """Not in MindIO's API: the job's final state (of `step`) is on disk, complete on every
+    rank (say it only past a point every rank reaches after its last write, e.g. the barrier
+    that ends Megatron's save_checkpoint). Tells this node's launcher, so that a worker lost
+    from now on fails nothing (ttprun ends the job as a success), then stops the runtime: a
+    fault after this has nothing left to save. Idempotent; never raises for the record."""
+    step = _int("step", step, 0, 2**62)
+    run_dir = (_processor.cfg.run_dir if _processor is not None else None) \
+        or os.environ.get(ENV_RUN_DIR)
+    if run_dir:
+        record = {"step": step, "rank": _processor.rank if _processor is not None else None,
+                  "checkpoint": checkpoint, "time": time.time()}
+        path = os.path.join(run_dir, JOB_COMPLETE_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(record, f)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot record the job's completion in %s (%s): a worker lost from now "
+                        "on fails the job at the launcher", run_dir, exc)
+    log.info("job complete at step %d%s: the runtime stops", step,
+             f" ({checkpoint})" if checkpoint else "")
+    ttp_shutdown()
 
 
 def ttp_shutdown() -> None:

@@ -60,6 +60,15 @@ WORKER = textwrap.dedent(
             time.sleep(0.05)
     if mode == "plain" and rank != 1:
         os._exit(0)
+    if mode == "complete":  # what ttp_job_complete writes past the final save's barrier
+        tmp = run_dir / f"job-complete.json.{rank}.tmp"
+        tmp.write_text(json.dumps({"step": 10, "rank": rank, "checkpoint": "", "time": 0}))
+        os.replace(tmp, run_dir / "job-complete.json")
+        time.sleep(0.3)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        os._exit(1 if rank == 2 else 0)  # rank 2: its last collective failed on rank 1
     if rank == 1:
         time.sleep(0.3)
         if mode == "stopped":
@@ -219,6 +228,19 @@ def test_clean_run_exits_zero_and_removes_its_run_dir(tmp_path: Path, free_port:
         "ttprun: every worker succeeded", "ttprun: no fault", "ttprun: exit 0"], done.stderr
     doc = json.loads((tmp_path / "outcome.json").read_text())
     assert (doc["outcome"], doc["exit_code"], doc["failed_ranks"]) == ("succeeded", 0, [])
+
+
+def test_a_worker_lost_after_the_job_completed_fails_nothing(tmp_path: Path,
+                                                            free_port: int) -> None:
+    """Issue 23: once a worker wrote job-complete.json (the final checkpoint complete on every
+    rank), a worker killed afterwards, and one whose last collective then failed, are no
+    failure: the job succeeds, at once, not after TTP_OT."""
+    start = time.monotonic()
+    proc, _ = _launch(tmp_path, "complete", free_port)
+    output = _finish(proc)
+    assert proc.returncode == 0, output
+    assert "failed after the job's final checkpoint was complete on every rank" in output
+    assert time.monotonic() - start < 25, output
 
 
 def test_multi_node_start_without_a_key_is_refused(tmp_path: Path, free_port: int) -> None:
