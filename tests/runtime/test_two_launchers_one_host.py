@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_rank_of_the_other_launcher_on_this_host_is_replaced(tmp_path: Path,
                                                                 free_port: int) -> None:
-    from conftest import pick_free_port
+    from mindio_ttp.demo.ports import pick_free_port
 
     env = {**os.environ, **FAST_ENV, "TTP_RECOVERY": "in-memory",
            "TTP_AUTH_KEY": secrets.token_hex(32),
