@@ -60,14 +60,16 @@ class Outcome:
     left: bool  # the training thread is out of the failed step (or was never in one)
     raised: int  # how many times TTPReleased was raised into it
     seconds: float  # from the abort's start to the thread out of the step (or to giving up)
-    aborted: bool = True  # something was aborted (a device communicator, the device)
+
+    @property
+    def aborted(self) -> bool:
+        """Something was aborted (a device communicator, the device): the main thread's
+        collective ends only because of it. Not on gloo, where it fails by itself once the
+        dead peer's sockets close (a stopped peer's: when its launcher kills it)."""
+        return bool(self.report.aborted) or bool(self.report.device)
 
     @property
     def ok(self) -> bool:
-        """Nothing aborted (gloo): a main thread still in the step leaves it by itself, at its
-        next collective with the lost peer (which raises) or at the update gate (stopped), in
-        its own time: a busy rank (a long forward, a pipeline stage waiting on another) must not
-        fail the recovery for being slower than GRACE_S."""
         return self.report.ok and (self.left or not self.aborted)
 
     def describe(self) -> str:
@@ -111,7 +113,7 @@ def stop(why: str, *, training: TrainingThread = TRAINING, state: HotState = STA
     began = device_copy.STOP.started_at or time.monotonic()
     raised = 0
     aborted = bool(report.aborted) or bool(report.device)
-    if training.in_step:
+    if aborted and training.in_step:
         training.left.wait(grace_s)
     deadline = time.monotonic() + timeout_s
     while aborted and training.in_step and time.monotonic() < deadline:
@@ -122,7 +124,7 @@ def stop(why: str, *, training: TrainingThread = TRAINING, state: HotState = STA
                 raised += 1
         training.left.wait(retry_s)
     left = not training.in_step
-    outcome = Outcome(report, left, raised, time.monotonic() - began, aborted)
+    outcome = Outcome(report, left, raised, time.monotonic() - began)
     (log.warning if outcome.ok else log.error)("fault-time stop (%s): %s%s", why,
                                                outcome.describe(),
                                                f" (at {training.left_at:.3f})"

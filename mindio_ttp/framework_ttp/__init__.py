@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence
 
+from mindio_ttp import drill as _drill
 from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
     ENV_LOG_LEVEL,
@@ -256,6 +257,15 @@ def ttp_start_processor(ip: str, port: int) -> None:
     start_processor_at(ip, port)
 
 
+# Said once at start (rank 0) when no launcher offers replacements: today's torchrun and other
+# launchers stop the survivors at once after a fault; a user should learn it before one.
+NOT_TTPRUN = (
+    "not launched by ttprun (TTP_REPLACEMENTS unset): after a fault this launcher stops the "
+    "survivors at once (torchrun: SIGTERM, then SIGKILL 30 s later), so you lose the TTP_OT "
+    "grace period for the dying checkpoint, and in-memory recovery (no launcher starts a "
+    "replacement for a lost rank): launch with ttprun, which takes torchrun's arguments")
+
+
 def _rejoined() -> bool:
     """This process went through an in-memory recovery: a survivor re-running Megatron's
     start-up, or a replacement (both keep the runtime they have: docs/recovery.md)."""
@@ -281,6 +291,10 @@ def start_processor_at(ip: str, port: int, deadline_s: Optional[float] = None) -
         proc.start(ip, port, deadline_s)
         _processor = proc
         _mark_started(proc.cfg.run_dir, rank)
+        if rank == 0 and not proc.cfg.replacements and _RECOVERY.order is None:
+            log.warning(NOT_TTPRUN)
+        if _RECOVERY.order is None:  # a replacement never re-arms the launch's drill
+            _drill.arm(rank, world_size, proc.cfg.auth_key)
         _hooks.RUNTIME = _RUNTIME
         if threading.current_thread() is threading.main_thread():
             proc.install_sigterm()
@@ -406,6 +420,7 @@ def ttp_shutdown() -> None:
         _processor = _controller = None
         _hooks.RUNTIME = None
         _claim.reset()
+        _drill.disarm()
     if proc is not None:
         proc.shutdown()
     if ctl is not None:

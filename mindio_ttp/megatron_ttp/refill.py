@@ -100,8 +100,8 @@ def load_in_memory(model, optimizer, scheduler) -> int:
 
         log_record.replay(training.training_log, logged, me == dist.get_world_size() - 1, model,
                         optimizer)
-    log.warning("rank %d: in-memory recovery %d done (%s): training goes on from step %d", me,
-                order.recovery_id, job.role, step + 1)
+    log.info("rank %d: in-memory recovery %d done (%s): holds iteration %d, training goes on "
+             "with iteration %d", me, order.recovery_id, job.role, step, step + 1)
     return step
 
 

@@ -55,7 +55,7 @@ RELEASES = (f"{NL}@2.1", f"{NL}@2.4", f"{NL}@2.6")
 IN_MEMORY = {"TTP_RECOVERY": "in-memory", "TTP_RECOVER_TIMEOUT": "90"}
 EVAL = ["--eval-interval", "3", "--eval-iters", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
-_COMMITTED = re.compile(r"recovery (\d+) committed in ([0-9.]+) s: training goes on from step "
+_COMMITTED = re.compile(r"recovery (\d+) committed in ([0-9.]+) s: every rank holds iteration "
                         r"(\d+)")
 _ABANDONED = re.compile(r"recovery (\d+) abandoned: (.*)")
 
@@ -603,5 +603,5 @@ def test_both_holders_of_a_shard_lost_is_the_dying_checkpoints_refusal(
     assert result.returncode != 0
     assert "no in-memory recovery (every holder of lost rank 1's optimizer shard is lost" \
         in result.log, result.tail(8000)
-    assert "no step had a clean copy of every shard" in result.log
+    assert "no iteration had a clean copy of every shard" in result.log
     assert tracker_step(ckpt) == 3

@@ -15,6 +15,8 @@ from conftest import SCRIPT, TARGETS, FixtureRepo, git, golden, run_cli
 from patcher.cli import main
 from patcher.diffs import summarize
 
+pytestmark = pytest.mark.smoke  # `pytest -m smoke`: README's quick check
+
 
 def ttp(capsys: pytest.CaptureFixture, *args: str):
     code = main(list(args))

@@ -149,7 +149,10 @@ def test_survivors_finish_the_flow_and_launcher_exits_early(tmp_path: Path, free
     assert tail[0].startswith("ttprun: rank 1 (node "), output
     assert "exited with code 3" in tail[0] and "rank 0" not in tail[0], output
     assert "dying checkpoint of iteration 3 saved and marked latest" in tail[1], output
-    assert "run the same command to resume" in tail[2], output
+    # not Megatron's --save/--load: ttprun cannot tell how this script resumes, and says so
+    assert tail[2] == ("ttprun: exit 1 so your scheduler restarts the job; resume from "
+                       "iteration 3 (the checkpoint directory) if your script loads it; ttprun "
+                       "cannot tell from its arguments"), output
     assert "Root Cause" not in output, "torch's table would name the saving ranks as failures"
     envs = {p.read_text() for p in out.glob("env-*")}
     assert len(envs) == 1, "all workers must see the same TTP_RUN_DIR and TTP_AUTH_KEY"
@@ -184,7 +187,8 @@ def test_stopped_worker_is_killed_once_flow_finished(tmp_path: Path, free_port: 
 
 @pytest.mark.slow
 def test_sigterm_to_launcher_is_forwarded_with_grace(tmp_path: Path, free_port: int) -> None:
-    proc, out = _launch(tmp_path, "preempt", free_port, ot="60")
+    proc, out = _launch(tmp_path, "preempt", free_port, ot="60",
+                        extra_args=(f"--outcome-file={tmp_path / 'outcome.json'}",))
     deadline = time.monotonic() + 30
     while len(list(out.glob("started-*"))) < 4:
         assert time.monotonic() < deadline and proc.poll() is None, "workers did not start"
@@ -196,6 +200,16 @@ def test_sigterm_to_launcher_is_forwarded_with_grace(tmp_path: Path, free_port: 
     assert len(list(out.glob("term-*"))) == 4, output
     assert len(list(out.glob("saved-*"))) == 4, "workers were killed before their 0.5 s save"
     assert time.monotonic() - start < 20
+    # the same plain closing lines as after a kill (it ended with the record's raw JSON)
+    tail = output.strip().splitlines()[-3:]
+    assert tail[0] == "ttprun: ttprun got SIGTERM (preemption)", output
+    assert tail[1].startswith("ttprun: dying checkpoint of iteration 3 saved"), output
+    assert tail[2].startswith("ttprun: exit 143 (SIGTERM); "), output
+    assert '{"outcome"' not in output, output
+    doc = json.loads((tmp_path / "outcome.json").read_text())
+    assert (doc["outcome"], doc["exit_code"], doc["preempted"], doc["iteration"]) == \
+        ("saved", 143, True, 3), doc
+    assert doc["lines"] == [line[len("ttprun: "):] for line in tail]
 
 
 @pytest.mark.slow
@@ -206,10 +220,14 @@ def test_clean_run_exits_zero_and_removes_its_run_dir(tmp_path: Path, free_port:
     cmd = [
         sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", "--nproc-per-node=2",
         "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port}",
-        "--node-rank=0", str(script),
+        "--node-rank=0", f"--outcome-file={tmp_path / 'outcome.json'}", str(script),
     ]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-3:] == [
+        "ttprun: every worker succeeded", "ttprun: no fault", "ttprun: exit 0"], done.stderr
+    doc = json.loads((tmp_path / "outcome.json").read_text())
+    assert (doc["outcome"], doc["exit_code"], doc["failed_ranks"]) == ("succeeded", 0, [])
 
 
 def test_a_worker_lost_after_the_job_completed_fails_nothing(tmp_path: Path,
@@ -311,7 +329,7 @@ def test_outcome_no_consistent_step_is_said_in_words(tmp_path: Path, free_port: 
     assert proc.returncode == 1, output
     tail = output.strip().splitlines()[-3:]
     assert tail[0].startswith("ttprun: rank 1 (node "), output
-    assert "no step had a clean copy of every shard, so nothing was saved" in tail[1], output
+    assert "no iteration had a clean copy of every shard, so nothing was saved" in tail[1], output
 
 
 @pytest.mark.slow
@@ -322,9 +340,10 @@ def test_plain_failure_keeps_torchs_table_and_says_no_flow_ran(
     output = _finish(proc)
     assert proc.returncode == 1, output
     assert "Root Cause" in output
-    tail = output.strip().splitlines()[-2:]
+    tail = output.strip().splitlines()[-3:]
     assert tail[0].startswith("ttprun: rank 1 (node ") and "code 3" in tail[0], output
-    assert tail[1] == "ttprun: no dying-checkpoint flow ran; exit 1", output
+    assert tail[1].startswith("ttprun: no dying-checkpoint flow ran, nothing was saved"), output
+    assert tail[2] == "ttprun: exit 1", output
 
 
 ENV_PROBE = (
