@@ -208,14 +208,29 @@ def _seconds(timeout: Any) -> Optional[float]:
 
 
 _GROUPS: weakref.WeakSet[NcclLikeGroup] = weakref.WeakSet()
-_KEPT: List[Any] = []  # gloo groups: never destroyed (module doc)
+_KEPT: List[Any] = []  # what is never destroyed: gloo groups and unfinished gloo works
 
 
 def _keep_forever(obj: Any) -> None:
-    """One reference nothing ever drops, not even the interpreter's shutdown: a gloo group's
-    destructor joins its threads, which a hung op holds until gloo's timeout."""
+    """One reference nothing ever drops, not even the interpreter's shutdown. A gloo group's
+    destructor joins its threads, which a hung op holds until gloo's timeout. A gloo work
+    (any c10d Work: its pybind holder releases and retakes the GIL to destroy it, and its
+    staging tensors retake it too) must not die in a daemon thread while the interpreter
+    finalizes: retaking the GIL then ends the thread with a forced unwind through C++
+    destructors, std::terminate, SIGABRT (seen at the end of runs after a recovery). So a work
+    that finished is dropped by the completion thread before its op ends (the host still
+    waits on it then), and one that never finished is kept here."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     _KEPT.append(obj)
+
+
+def _bury(ops: Sequence[_Op]) -> None:
+    """Keep the gloo works of `ops`, which never finished, for good (`_keep_forever`)."""
+    works = [op.gloo_work for op in ops if op.gloo_work is not None]
+    for op in ops:
+        op.gloo_work = None
+    if works:
+        _KEPT.append(works)
 
 
 class NcclLikeGroup(dist.ProcessGroup):
@@ -269,6 +284,7 @@ class NcclLikeGroup(dist.ProcessGroup):
             self._aborted = why
             pending = list(self._pending)
             self._pending.clear()
+            _bury(pending)
             for op in pending:
                 op.end(error, None)
             self._wake.notify_all()
@@ -290,8 +306,9 @@ class NcclLikeGroup(dist.ProcessGroup):
             if peer == self.rank():
                 continue
             try:
-                self._gloo.recv([torch.empty(1)], peer, BREAK_TAG).wait(
-                    datetime.timedelta(milliseconds=1))
+                work = self._gloo.recv([torch.empty(1)], peer, BREAK_TAG)
+                _KEPT.append(work)  # never destroyed in a daemon thread (_keep_forever)
+                work.wait(datetime.timedelta(milliseconds=1))
             except Exception:  # noqa: BLE001 - the expected timeout (or a pair already gone)
                 pass
 
@@ -391,9 +408,12 @@ class NcclLikeGroup(dist.ProcessGroup):
                 if self._aborted or self._spinning or op.finished.is_set():
                     return  # a peer said it spins first: the host may have run on already
                 if error is None:
+                    op.gloo_work = None  # destroyed here, while the host waits (_keep_forever)
                     op.copy_back()
+                    op.copy_back = _nothing
                     self._pending.remove(op)
                     op.end(None, WorkResult.SUCCESS)
+                    op = None
                     continue
             self.start_spinning(f"{op.describe()}: gloo: {type(error).__name__}: "
                                 f"{str(error)[:200]}", seen_here=True)
@@ -621,6 +641,10 @@ class _All:
         for work in self.works:
             work.wait()
         return True
+
+
+def _nothing() -> None:
+    pass
 
 
 def _copier(real: Sequence[torch.Tensor], staged: Sequence[torch.Tensor]) -> Callable[[], None]:
