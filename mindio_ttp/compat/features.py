@@ -143,3 +143,105 @@ def npu_reinit_process_group() -> Optional[Callable[..., object]]:
     found = getattr(dist, "reinit_process_group", None) or \
         getattr(torch.distributed, "reinit_process_group", None)
     return found if callable(found) else None
+
+
+def recovery_support(backend_name: str, backend: object = None) -> Tuple[bool, str]:
+    """Whether this stack can recover in memory after a fault, and why (or why not), in words
+    a user can act on. The two properties it needs, each read from the stack's features:
+
+    * **abort a collective another thread waits in** (the survivors' main threads spin in one:
+      release.py): NCCL needs an abort on the backend (`NCCL_ABORTS`), and, because a rank
+      holds several hung communicators, torch's group abort (``_abort_process_group``, whose
+      ``_group_start``/``_group_end`` make NCCL abort them together: pytorch #119797, the 2.5
+      era on) with an NCCL that supports it (`NCCL_GROUP_ABORT`); HCCL needs torch_npu's
+      device stop (v6.0.rc3 on), which drops every task of the device from any thread;
+    * **build new groups after the abort**: torch's group abort is also its own
+      abort-then-re-initialise path (it forgets the aborted world); torch_npu rebuilds an
+      aborted HCCL communicator after ``abort_hccl_comm`` (its ``reinit_process_group``).
+
+    gloo needs neither: a dead peer's collective raises by itself. Where the stack lacks one,
+    the job uses the dying checkpoint (docs/stack.md has the table per torch release)."""
+    if backend_name == "gloo":
+        return True, "gloo: a dead peer's collective raises by itself, nothing to abort"
+    if backend_name == "nccl":
+        if backend is None:
+            backend = getattr(torch.distributed, "ProcessGroupNCCL", None)
+        if abort_method("nccl", backend) is None:
+            return False, (f"ProcessGroupNCCL has none of {', '.join(NCCL_ABORTS)}: nothing "
+                           "can end a collective that spins on a dead peer")
+        group_abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+        if group_abort is None:
+            return False, ("this torch has no group abort (torch.distributed's "
+                           "_abort_process_group, the 2.5 era on): aborting a rank's hung "
+                           "communicators one by one can deadlock (pytorch #119797)")
+        found = nccl_version()
+        if found is None or found < NCCL_GROUP_ABORT:
+            said = "unknown" if found is None else ".".join(map(str, found))
+            return False, (f"NCCL {said} is older than "
+                           f"{'.'.join(map(str, NCCL_GROUP_ABORT))}, the first to abort several "
+                           "hung communicators together (an NGC container's newer NCCL has it)")
+        return True, (f"NCCL {'.'.join(map(str, found))} with torch's group abort: hung "
+                      "communicators are aborted together, then the world is re-initialised")
+    if backend_name == "hccl":
+        if not npu_device_stop():
+            return False, ("this torch_npu has no npu.stop_device/restart_device (v6.0.rc3 on): "
+                           "nothing can end an HCCL task that waits on a dead peer")
+        if backend is not None and abort_method("hccl", backend) is None:
+            return False, ("ProcessGroupHCCL has no abort_hccl_comm: its communicator cannot be "
+                           "released for a new one")
+        return True, ("torch_npu's device stop ends every task, abort_hccl_comm releases the "
+                      "communicators, then the world is re-initialised")
+    return False, (f"backend {backend_name!r}: in-memory recovery knows how to stop nccl, hccl "
+                   "and gloo only")
+
+
+def empty_cache_releases_gil(seconds: float = 0.2,
+                             empty_cache: Optional[Callable[[], object]] = None,
+                             pend: Optional[Callable[[float], None]] = None) -> Optional[bool]:
+    """Whether ``torch.cuda.empty_cache()`` lets other Python threads run while it waits for
+    the device, measured (None without CUDA): older torch calls the allocator's emptyCache
+    holding the GIL, and emptyCache waits for the events of freed blocks a stream recorded,
+    ProcessGroupNCCL's among them: behind a hung collective, the processor's heartbeat
+    thread would stop and the rank would look dead (D10). `pend(seconds)` frees a block whose
+    event completes `seconds` later (by default a CUDA block recorded on a side stream behind a
+    ``torch.cuda._sleep``); a ticker thread counts while `empty_cache` waits."""
+    if empty_cache is None or pend is None:
+        if not torch.cuda.is_available():
+            return None
+        empty_cache, pend = torch.cuda.empty_cache, _pend_cuda_block
+    import threading
+    import time
+
+    pend(seconds)
+    ticks, stop = [0], threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick, name="ttp-gil-probe", daemon=True)
+    ticker.start()
+    time.sleep(0.01)
+    before = ticks[0]
+    started = time.monotonic()
+    empty_cache()
+    waited = time.monotonic() - started
+    during = ticks[0] - before
+    stop.set()
+    ticker.join(1.0)
+    if waited < seconds / 2:
+        return True  # it did not wait: nothing to hold (treated as releasing)
+    return during >= max(2, int(waited * 1000) // 10)  # at least a tenth of the ticks
+
+
+def _pend_cuda_block(seconds: float) -> None:
+    side = torch.cuda.Stream()
+    rate_khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()),
+                       "clock_rate", 0) or 1_500_000
+    block = torch.empty(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(seconds * rate_khz * 1000))
+    block.record_stream(side)
+    del block  # freed now; reusable (and releasable) only once `side` passes the sleep

@@ -33,6 +33,7 @@ from mindio_ttp.control.roster import Roster
 from mindio_ttp.control.selection import (
     Layout,
     RankState,
+    agreed_layout,
     choose_step,
     replacement_savers,
     savers_for,
@@ -185,7 +186,6 @@ class Flow:
         """After a committed recovery: serve again, ready for the next fault."""
         with self._cond:
             self._thread = None
-            self._lock_msgs = []
             self._reports = {1: {}, 2: {}}
             self._faulty, self._raised, self._preempted = {}, set(), False
             self.fault_at = None
@@ -271,17 +271,16 @@ class Flow:
             for r in silent:
                 self._ranks[r].note = "did not answer the collect in time"
             self._refuse_beyond(2, agreed)
+            try:
+                layout = self._agreed_layout()
+            except ValueError as exc:
+                return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
             reports = dict(self._reports[2])
             notes = {i.rank: i.note for i in self._ranks.values()}
             for r in range(self.world_size):
                 notes.setdefault(r, "did not register with this controller (dead or hung)")
-            groups = self._ranks.groups()
         log.info("%s: limit step %d; collected %d state report(s): %s", self.name, limit,
                  len(reports), _summary(reports))
-        try:
-            layout = Layout.build(groups, self.replica)
-        except ValueError as exc:
-            return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
         states = states_from(reports, range(self.world_size), notes)
         recovered, replaced = self._try_recovery(fid, layout, states, reports)
         if recovered:
@@ -381,6 +380,22 @@ class Flow:
                 info.note = why
         return agreed
 
+    def _agreed_layout(self) -> Layout:
+        """The layout from the DP groups the members agree on (selection.agreed_layout); a
+        rank whose registered group its members do not confirm is faulty, its reports dropped
+        like a lying step report's (caller holds the lock). ValueError when even the agreed
+        groups do not make a layout."""
+        layout, dropped = agreed_layout(self._ranks.claims(), self.replica)
+        for r, why in sorted(dropped.items()):
+            self._faulty[r] = why
+            for phase in self._reports.values():
+                phase.pop(r, None)
+            log.error("%s: rank %d %s", self.name, r, why)
+            info = self._ranks.get(r)
+            if info is not None:
+                info.note = why
+        return layout
+
     def _after_abandoned(self, states: Dict[int, RankState], replaced: Set[int]) -> int:
         """After an abandoned recovery, the states collected before it are stale: a survivor
         may have died, hung or raised during it, and a dead one picked as a saver holds the
@@ -436,7 +451,6 @@ class Flow:
             lost = ({r for r in range(self.world_size) if r not in reports} | self._raised
                     | set(self._faulty))
             hosts = {**self.known_hosts, **{i.rank: i.host for i in self._ranks.values()}}
-            self._lock_msgs = []  # a replacement registering now must not be locked
         capable = RECOVERY.capability()
         if capable[0] and not self.cfg.replacements:
             capable = (False, "the launcher does not start replacements (ttprun does)")

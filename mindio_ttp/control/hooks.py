@@ -283,6 +283,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Set by the package when the processor starts: object with report_exception(exc) and
 # wait_for_exit(timeout) -> bool (True: the exit order was carried out), shutdown(), ot.
 RUNTIME: Optional[Any] = None
+# Set by a caller that runs `train` inside work of its own that a fault must not lose
+# (Megatron's pretrain: the final evaluation and the final save come after train() returns):
+# train()'s normal return then leaves the runtime up, and that caller shuts it down
+# (megatron_ttp/rejoin.py, megatron_ttp/completion.py).
+HELD = False
 
 
 def _shielded(fn: Callable[..., Any], *args: Any) -> None:
@@ -384,8 +389,10 @@ def to_persist(func: F) -> F:
             raise
         TRAINING.leave()
         rt = RUNTIME
-        if rt is not None:
+        if rt is not None and not HELD:
             rt.shutdown()
+        elif HELD:  # the caller's own work after train() (Megatron's final evaluation and
+            TRAINING.enter()  # save) is protected too: the release may take it out of it
         return result
 
     return wrapper  # type: ignore[return-value]

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import selectors
 import signal
 import socket
@@ -56,10 +57,19 @@ NOT_OUR_CONTROLLER = (
 
 
 FAILOVER_CONNECT_S = 3.5
+RETRY_PAUSE_S = 0.1  # between two tries of a registration the listener closed (+-50 %)
 
 
 class HandshakeFailed(Exception):
-    """The listener did not complete the handshake; the text says why and what to do."""
+    """The listener did not complete the handshake; the text says why and what to do.
+    `again`: why trying again may work ("closed": the listener closed the connection without
+    an answer, maybe to make room for newer ones, see admission.py; "timeout": it did not
+    answer in time), "" when it will not (a refusal, a peer that is not this job's
+    controller)."""
+
+    def __init__(self, text: str, again: str = "") -> None:
+        super().__init__(text)
+        self.again = again
 
 
 _current: Optional[Processor] = None
@@ -139,30 +149,40 @@ class Processor:
         self.stopper = Stopper(lambda outcome: self._mail.put("stopped", outcome))
 
     # -- start / stop ----------------------------------------------------------------------------
-    def start(self, ip: str, port: int) -> None:
-        deadline = time.monotonic() + self.cfg.connect_timeout
-        last: Exception = TimeoutError("no attempt")
-        while time.monotonic() < deadline:
+    def start(self, ip: str, port: int, deadline_s: Optional[float] = None) -> None:
+        """Connect and register (blocks). Connecting is retried until TTP_CONNECT_TIMEOUT, and
+        so is a handshake the listener closed without an answer (before its challenge, or
+        after our Register: it made room for newer connections, control/admission.py).
+        `deadline_s` (a replacement: its recovery order's deadline) is how long instead, and
+        then a handshake the listener did not answer in time is retried too: a replacement
+        that gives up ends its recovery. A refusal is final."""
+        persistent = deadline_s is not None
+        deadline = time.monotonic() + (self.cfg.connect_timeout if deadline_s is None
+                                        else deadline_s)
+        tries = 0
+        while True:
+            sock = self._connect(ip, port, deadline, persistent)
+            if self.standby is None:
+                self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
+                                          standby=True)
+                self.standby.listen(sock.getsockname()[0], 0, self.cfg.listen_ports, self.rank)
+                self.standby.start()
             try:
-                sock = connect(ip, port, timeout=min(2.0, self.cfg.connect_timeout))
+                conn = self._handshake(sock, failover=False, timeout=max(0.1, min(
+                    self.cfg.handshake_timeout, deadline - time.monotonic())))
                 break
-            except OSError as exc:
-                last = exc
-                time.sleep(0.1)  # the controller's rank may not be listening yet
-        else:
-            raise TTPError(f"rank {self.rank}: cannot reach the TTP controller at {ip}:{port} "
-                           f"within TTP_CONNECT_TIMEOUT={self.cfg.connect_timeout:g} s ({last});"
-                           " is rank 0 calling ttp_start_controller with the same ip/port?")
-        local_ip = sock.getsockname()[0]
-        self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
-                                  standby=True)
-        self.standby.listen(local_ip, 0, self.cfg.listen_ports, self.rank)
-        self.standby.start()
-        try:
-            conn = self._handshake(sock, failover=False, timeout=self.cfg.handshake_timeout)
-        except HandshakeFailed as exc:
-            self.standby.stop()
-            raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: {exc}") from None
+            except HandshakeFailed as exc:
+                retry = exc.again == "closed" or (persistent and exc.again != "")
+                if retry and time.monotonic() + RETRY_PAUSE_S < deadline:
+                    tries += 1
+                    (log.warning if tries in (1, 10, 100) else log.debug)(
+                        "rank %d: TTP controller at %s:%d: %s; trying again (try %d)",
+                        self.rank, ip, port, exc, tries + 1)
+                    time.sleep(RETRY_PAUSE_S * (0.5 + random.random()))
+                    continue
+                self.standby.stop()
+                raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: {exc}"
+                               f"{f' (after {tries + 1} tries)' if tries else ''}") from None
         STATE.wait_limit = self.cfg.ot
         self.standby.fault_id = self.fault_id  # if promoted, it claims under the primary's id
         if self.controller_rank is not None:  # where the controller's rank runs, should the
@@ -178,6 +198,23 @@ class Processor:
         _current = self
         log.info("rank %d: processor registered with the controller at %s:%d", self.rank, ip,
                  port)
+
+    def _connect(self, ip: str, port: int, deadline: float, persistent: bool) -> socket.socket:
+        """A TCP connection to the controller, tried until `deadline` (the controller's rank
+        may not be listening yet)."""
+        last: Exception = TimeoutError("no attempt")
+        while time.monotonic() < deadline:
+            try:
+                return connect(ip, port, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            except OSError as exc:
+                last = exc
+                time.sleep(0.1)
+        if persistent:
+            raise TTPError(f"rank {self.rank}: cannot reach the TTP controller at {ip}:{port} "
+                           f"before the recovery's deadline ({last})")
+        raise TTPError(f"rank {self.rank}: cannot reach the TTP controller at {ip}:{port} "
+                       f"within TTP_CONNECT_TIMEOUT={self.cfg.connect_timeout:g} s ({last}); "
+                       "is rank 0 calling ttp_start_controller with the same ip/port?")
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Normal end of training: say goodbye so our disconnect is not taken for a fault."""
@@ -263,14 +300,16 @@ class Processor:
             msgs = recv_messages(sock, hs.dec, self.cfg.handshake_timeout)
         except (OSError, TimeoutError, ConnClosed, P.ProtocolError) as exc:
             sock.close()
+            again = ("timeout" if isinstance(exc, TimeoutError) else
+                     "closed" if isinstance(exc, (ConnClosed, ConnectionError)) else "")
             if isinstance(exc, TimeoutError):
                 exc = TimeoutError(f"no {'answer to our Register' if answered else 'challenge'} "
                                    f"within {self.cfg.handshake_timeout if answered else timeout:g}"
                                    " s (TTP_HANDSHAKE_TIMEOUT)")
             if answered:
-                raise HandshakeFailed(f"registration failed: {exc}") from None
-            raise HandshakeFailed(f"no valid TTP handshake ({exc}): {NOT_OUR_CONTROLLER}") \
-                from None
+                raise HandshakeFailed(f"registration failed: {exc}", again) from None
+            raise HandshakeFailed(f"no valid TTP handshake ({exc}): {NOT_OUR_CONTROLLER}",
+                                  again) from None
         first = msgs[0]
         if not isinstance(first, P.RegisterAck):
             sock.close()

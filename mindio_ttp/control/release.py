@@ -19,11 +19,15 @@ controller's lock, at a recover order, and when its controller is lost; the firs
    has device communicators (gloo: nothing to abort, nothing torn).
 3. **Release** the main thread. The abort ends the collective it waits in, which raises on
    NCCL and HCCL, so it usually leaves by itself, into the decorator's wait for the verdict.
-   Where it has not left the step `GRACE_S` after the abort, `TTPReleased` is raised into it
-   (``PyThreadState_SetAsyncExc``, as NVRx's monitor thread does), again every `RETRY_S`,
-   never while it runs an update or waits at the gate, until it has left or `TIMEOUT_S` has
-   passed. (An exception raised into a thread lands when it next runs Python code: a thread
-   that never returns from C is beyond any Python-level help; the process's exit ends it.)
+   Where something was aborted and the thread has not left the step `GRACE_S` later (an
+   aborted collective that returned without an error, then code that reaches no other
+   collective), `TTPReleased` is raised into it (``PyThreadState_SetAsyncExc``, as NVRx's
+   monitor thread does), again every `RETRY_S`, never while it runs an update or waits at the
+   gate, until it has left or `TIMEOUT_S` has passed. It lands when the thread next runs
+   Python code; if that is the decorator's own handler (the thread returned from C with an
+   error at that very moment), it escapes it, and the patched start-up (rejoin.py) takes it
+   for what it is: the thread left the step. Where nothing was aborted (gloo), nothing is
+   raised: a collective with a dead peer raises by itself.
 
 The processor hears the result (`Outcome`): an abort that did not work, or a main thread that
 would not leave, fails an ordered in-memory recovery at once, so the controller falls back to
@@ -58,8 +62,15 @@ class Outcome:
     seconds: float  # from the abort's start to the thread out of the step (or to giving up)
 
     @property
+    def aborted(self) -> bool:
+        """Something was aborted (a device communicator, the device): the main thread's
+        collective ends only because of it. Not on gloo, where it fails by itself once the
+        dead peer's sockets close (a stopped peer's: when its launcher kills it)."""
+        return bool(self.report.aborted) or bool(self.report.device)
+
+    @property
     def ok(self) -> bool:
-        return self.report.ok and self.left
+        return self.report.ok and (self.left or not self.aborted)
 
     def describe(self) -> str:
         where = (f"main thread out of the step {self.seconds:.3f} s after the abort began"
@@ -101,13 +112,15 @@ def stop(why: str, *, training: TrainingThread = TRAINING, state: HotState = STA
     report = device_copy.STOP.run(config.ABORT_TIMEOUT_S, binding, before_abort=fence)
     began = device_copy.STOP.started_at or time.monotonic()
     raised = 0
-    if training.in_step:
+    aborted = bool(report.aborted) or bool(report.device)
+    if aborted and training.in_step:
         training.left.wait(grace_s)
     deadline = time.monotonic() + timeout_s
-    while training.in_step and time.monotonic() < deadline:
+    while aborted and training.in_step and time.monotonic() < deadline:
+        ident = training.ident
         with state.cond:  # never inside the update window nor at the gate (module doc)
             safe = not state.updating and not state.waiting and training.in_step
-            if safe and training.ident is not None and raise_into(training.ident, TTPReleased):
+            if safe and ident is not None and raise_into(ident, TTPReleased):
                 raised += 1
         training.left.wait(retry_s)
     left = not training.in_step

@@ -309,14 +309,35 @@ def abort_all(timeout_s: float = config.ABORT_TIMEOUT_S, *,
 
 
 def _destroy(deadline: float) -> bool:
-    """destroy_process_group(), bounded by what is left of the deadline (at least 1 s)."""
+    return destroy_groups(max(1.0, deadline - time.monotonic()))
+
+
+def destroy_groups(timeout_s: float, binding: DeviceBinding = NO_DEVICE) -> bool:
+    """Destroy every process group, in a thread bound to the device, waiting at most
+    `timeout_s` (torch 2.6's graceful shutdown waits for every unfinished kernel of a group
+    that was not aborted: a group whose abort failed would hold it for good). HCCL backends
+    first release their communicator with ``abort_hccl_comm``, as torch_npu's own
+    ``reinit_process_group`` does before a new one is built (docs/stack.md says why the
+    recovery follows that part of it and not the rest). False when torch has no groups left to
+    destroy only because it failed, or the call did not return in time (logged)."""
     dist = _dist()
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return False
-    call = _Call(dist.destroy_process_group, "ttp-destroy-groups")
+
+    def run() -> None:
+        binding.bind()
+        for pg in _all_groups():
+            for name, backend in _backends(pg):
+                call = _features().abort_method(name, backend) if name == "hccl" else None
+                if call is not None:
+                    call()
+        dist.destroy_process_group()
+
+    call = _Call(run, "ttp-destroy-groups")
     call.start()
-    call.join(max(1.0, deadline - time.monotonic()))
+    call.join(timeout_s)
     if call.is_alive() or call.error:
-        log.warning("destroy_process_group %s", call.error or "did not return in time")
+        log.warning("destroy_process_group %s", call.error or
+                    f"did not return within {timeout_s:g} s")
         return False
     return True

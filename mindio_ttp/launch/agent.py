@@ -57,6 +57,7 @@ from mindio_ttp.config import (
     ENV_RUN_DIR,
     ENV_WARM_SPARES,
     FLOW_FINISHED_FILE,
+    JOB_COMPLETE_FILE,
     RUNTIME_STARTED_DIR,
     Outcome,
     auth_key_from_env,
@@ -269,6 +270,8 @@ class TTPElasticAgent(LocalElasticAgent):
         marker = self._run_dir / FLOW_FINISHED_FILE
         if marker.exists():
             marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
+        with contextlib.suppress(FileNotFoundError):  # a restarted attempt completes anew
+            (self._run_dir / JOB_COMPLETE_FILE).unlink()
         shutil.rmtree(self._run_dir / RUNTIME_STARTED_DIR, ignore_errors=True)  # per attempt
         self._replacements = self._replacements.fresh()  # a new attempt counts recoveries anew
         self._attempt += 1
@@ -292,6 +295,8 @@ class TTPElasticAgent(LocalElasticAgent):
         if result.state != WorkerState.FAILED:
             return result
         failed = sorted(result.failures)
+        if (self._run_dir / JOB_COMPLETE_FILE).exists():
+            return self._complete_despite(pcontext, worker_group, failed)
         if not self._runtime_started() and not (self._run_dir / FLOW_FINISHED_FILE).exists():
             logger.warning(
                 "ttprun: worker rank(s) %s failed and no TTP runtime started in this attempt on "
@@ -317,6 +322,31 @@ class TTPElasticAgent(LocalElasticAgent):
             return result
         self._rank_consequences_last(final)
         return final
+
+    def _complete_despite(self, pcontext: SubprocessContext, worker_group: WorkerGroup,
+                          failed: List[int]) -> RunResult:
+        """Workers failed after the job's final checkpoint was complete on every rank (a
+        worker wrote $TTP_RUN_DIR/job-complete.json past the barrier that ends it): nothing is
+        lost and a restart would only load it to save it again, so the job succeeds. The other
+        workers get POST_FLOW_EXIT_S to finish (a last evaluation; on NCCL its collective
+        with the lost worker never returns), then are killed."""
+        logger.warning("ttprun: worker rank(s) %s failed after the job's final checkpoint was "
+                       "complete on every rank (%s): nothing is lost, the job succeeds", failed,
+                       _read_marker(self._run_dir / JOB_COMPLETE_FILE))
+        deadline = time.monotonic() + POST_FLOW_EXIT_S
+        while time.monotonic() < deadline and any(
+                h.proc.poll() is None for h in pcontext.subprocess_handlers.values()):
+            time.sleep(POLL_S)
+        for rank, handler in pcontext.subprocess_handlers.items():
+            if handler.proc.poll() is None:
+                logger.warning("ttprun: killing worker %s (pid %s): still running %.0f s after "
+                               "the job completed", rank, handler.proc.pid, POST_FLOW_EXIT_S)
+                _signal_group(handler.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    handler.proc.wait(timeout=10)
+        # torch's success names every worker (its return value: none for a command)
+        return RunResult(state=WorkerState.SUCCEEDED,
+                         return_values={w.global_rank: None for w in worker_group.workers})
 
     def _rank_consequences_last(self, result: RunResult) -> None:
         """Torch names the failure with the smallest timestamp (whole seconds) the root cause; a
@@ -680,6 +710,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if note:
         print(f"ttprun: {note}", file=sys.stderr)
     extra = {gloo_iface.NAME: ifname} if ifname else {}
+    said, forced = preflight.recovery_mode(os.environ)
+    print(f"ttprun: {said}", file=sys.stderr)
+    if forced:
+        extra[config.ENV_RECOVERY] = forced
     with ttp_environment(extra) as run_dir, _agent_installed():
         logger.info("ttprun: TTP_RUN_DIR=%s", run_dir)
         try:

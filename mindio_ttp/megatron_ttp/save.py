@@ -125,9 +125,8 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     manifest.merge_parts(staged, step, ckpt_args[2].place.layout)
     merged = time.perf_counter()
     final = save_dir / manifest.iter_dir_name(step)
-    if final.exists():  # another flow's checkpoint, or a periodic save: never replaced
-        raise RuntimeError(f"{final} already exists: not replacing it with the dying "
-                           f"checkpoint (left in {root}); the tracker is unchanged")
+    if final.exists():
+        _move_megatrons_own_aside(final, root / f"cut_{final.name}", step, root)
     staged.rename(final)  # a race with another renamer fails here: rename(2) onto a non-empty
     # directory is refused
     renamed = time.perf_counter()
@@ -141,6 +140,24 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     for earlier in save_dir.glob(manifest.tmp_root("", step, "*").name):
         shutil.rmtree(earlier, ignore_errors=True)
     print(f"ttp: dying checkpoint of iteration {step} is in {final}", flush=True)
+
+
+def _move_megatrons_own_aside(final: Path, cut: Path, step: int, root: Path) -> None:
+    """`final` exists: another flow's checkpoint (TTP's marker or manifest in it) is never
+    replaced. A stock one is Megatron's own save of this very step, which the fault cut short
+    (a periodic save, or the final save pretrain writes after train(): a rank killed there
+    leaves a file missing or truncated, maybe the tracker) or let finish: the same step's
+    state, while the dying checkpoint's is complete and checked. It goes aside into this
+    order's hidden staging directory first (removed with it), so no loader ever sees a mix of
+    the two; a crash between the two renames leaves no iter directory of `step`, which the
+    validated loader skips for the newest complete one."""
+    if (final / manifest.MARKER).exists() or (final / manifest.MANIFEST).exists():
+        raise RuntimeError(f"{final} already exists and was written by TTP: not replacing it "
+                           f"with the dying checkpoint (left in {root}); the tracker is "
+                           "unchanged")
+    final.rename(cut)
+    print(f"ttp: {final}, Megatron's own save of iteration {step} (cut short or not), is "
+          "replaced by the dying checkpoint", flush=True)
 
 
 def checkpoint_location(step: int) -> str:

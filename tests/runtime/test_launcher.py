@@ -60,6 +60,15 @@ WORKER = textwrap.dedent(
             time.sleep(0.05)
     if mode == "plain" and rank != 1:
         os._exit(0)
+    if mode == "complete":  # what ttp_job_complete writes past the final save's barrier
+        tmp = run_dir / f"job-complete.json.{rank}.tmp"
+        tmp.write_text(json.dumps({"step": 10, "rank": rank, "checkpoint": "", "time": 0}))
+        os.replace(tmp, run_dir / "job-complete.json")
+        time.sleep(0.3)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        os._exit(1 if rank == 2 else 0)  # rank 2: its last collective failed on rank 1
     if rank == 1:
         time.sleep(0.3)
         if mode == "stopped":
@@ -203,6 +212,19 @@ def test_clean_run_exits_zero_and_removes_its_run_dir(tmp_path: Path, free_port:
     assert done.returncode == 0, done.stderr
 
 
+def test_a_worker_lost_after_the_job_completed_fails_nothing(tmp_path: Path,
+                                                            free_port: int) -> None:
+    """Issue 23: once a worker wrote job-complete.json (the final checkpoint complete on every
+    rank), a worker killed afterwards, and one whose last collective then failed, are no
+    failure: the job succeeds, at once, not after TTP_OT."""
+    start = time.monotonic()
+    proc, _ = _launch(tmp_path, "complete", free_port)
+    output = _finish(proc)
+    assert proc.returncode == 0, output
+    assert "failed after the job's final checkpoint was complete on every rank" in output
+    assert time.monotonic() - start < 25, output
+
+
 def test_multi_node_start_without_a_key_is_refused(tmp_path: Path, free_port: int) -> None:
     """ttprun never sends a key over the network: across nodes the user or scheduler gives it."""
     env = {k: v for k, v in os.environ.items()
@@ -341,6 +363,7 @@ def test_workers_get_the_collective_settings_a_dying_checkpoint_needs(
     assert seen == [{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_ASYNC_ERROR_HANDLING": "2",
                      "HCCL_ASYNC_ERROR_HANDLING": "0"}] * 2
     assert "warning" not in err
+    assert "ttprun: recovery mode: in memory (no GPU or NPU here: gloo" in err, err
 
 
 def test_a_users_collective_setting_wins(tmp_path: Path, free_port: int) -> None:

@@ -66,7 +66,7 @@ class RecoveringRanks(ScriptedRanks):
                 self.roster.register(RankInfo(msg.rank, tuple(DP), "127.0.0.1", 0, None,
                                               time.monotonic()))
             rec.replace_status(P.ReplaceStatus(msg.recovery_id, msg.rank, self.replace_state,
-                                               4242, "by the test"))
+                                               4242, "by the test"), rank)  # from the relay
             if callable(self.fault_during):
                 self.fault_during(self)
             elif self.fault_during is not None:
