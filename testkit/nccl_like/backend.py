@@ -30,8 +30,8 @@ How "blocks like NCCL" is made true on gloo:
 * **The communicator** (the gloo group) is made at the group's first collective, in the
   calling thread, blocking and not abortable, as torch's lazy NCCL initialisation in blocking
   mode: a peer lost before it is reached leaves that thread there for good. A gloo group is
-  never destroyed (its destructor would join threads a hung op holds): it stays, leaked, for
-  the life of the process.
+  never destroyed (its destructor would join threads a hung op holds), nor is an NCCL-like
+  group (`_keep_forever`): they stay, leaked, for the life of the process.
 """
 
 from __future__ import annotations
@@ -208,18 +208,20 @@ def _seconds(timeout: Any) -> Optional[float]:
 
 
 _GROUPS: weakref.WeakSet[NcclLikeGroup] = weakref.WeakSet()
-_KEPT: List[Any] = []  # what is never destroyed: gloo groups and unfinished gloo works
+_KEPT: List[Any] = []  # never destroyed: these groups, their gloo groups, unfinished gloo works
 
 
 def _keep_forever(obj: Any) -> None:
     """One reference nothing ever drops, not even the interpreter's shutdown. A gloo group's
-    destructor joins its threads, which a hung op holds until gloo's timeout. A gloo work
-    (any c10d Work: its pybind holder releases and retakes the GIL to destroy it, and its
-    staging tensors retake it too) must not die in a daemon thread while the interpreter
-    finalizes: retaking the GIL then ends the thread with a forced unwind through C++
-    destructors, std::terminate, SIGABRT (seen at the end of runs after a recovery). So a work
-    that finished is dropped by the completion thread before its op ends (the host still
-    waits on it then), and one that never finished is kept here."""
+    destructor joins its threads, which a hung op holds until gloo's timeout. A c10d object (a
+    ProcessGroup, a Work: their pybind holders release and retake the GIL to destroy them, and
+    a work's staging tensors retake it too) must not die in a daemon thread while the
+    interpreter finalizes: retaking the GIL then ends the thread with a forced unwind through
+    C++ destructors, std::terminate, SIGABRT (seen at the end of runs after a recovery: a
+    completion thread, ending, dropped the last reference to its aborted group, and before
+    that to a gloo work). So every NCCL-like group is kept; a gloo work that finished is
+    dropped by the completion thread before its op ends (the host still waits on it then), and
+    one that never finished is kept here."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     _KEPT.append(obj)
 
@@ -259,6 +261,7 @@ class NcclLikeGroup(dist.ProcessGroup):
         self.error_handling, self.error_handling_source = self.emulated.error_handling()
         self.name_in_logs = f"nccl_like group of {size} (rank {rank})"
         _GROUPS.add(self)
+        _keep_forever(self)  # its completion thread must not be the one to destroy it
         from testkit.nccl_like import watchdog
 
         watchdog.ensure_running()
