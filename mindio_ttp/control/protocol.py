@@ -5,10 +5,12 @@ endian) + payload + HMAC-SHA256(key, header + payload). The payload is JSON, exc
 messages every rank sends or gets at a steady rate or in every flow (heartbeats and their acks,
 lock, advance, state reports): those are fixed binary structs, so the controller's cost per
 frame is one struct, one MAC and the system calls. Lists of ranks travel as arithmetic blocks
-(ranksets.py), so no order grows with the job. Every message type is a named dataclass. The key
-is the job key for the two handshake frames and a per-connection, per-direction session key
-afterwards (session.py); the sequence number counts the frames of one direction of one
-connection, so a replayed, reordered or dropped frame is refused too.
+(ranksets.py), so no order grows with the job; each block is increasing and a list names no
+rank twice (version 5: an inverted block used to let one key holder register any order).
+Every message type is a named dataclass. The key is the job key for the two handshake frames
+and a per-connection, per-direction session key afterwards (session.py); the sequence number
+counts the frames of one direction of one connection, so a replayed, reordered or dropped
+frame is refused too.
 A stream that produced one bad frame cannot be re-synchronised, so callers close it.
 
 This module is also the one validation layer. A valid MAC proves that a key holder made the
@@ -41,7 +43,9 @@ MAGIC = b"TP"
 # 3: validated fields, the authenticated store (StoreRequest/StoreReply), the launch's fault id
 #    in RegisterAck, SaveOrder.store names a store namespace
 # 4: binary heartbeats / acks / lock / advance / state reports, rank lists as blocks
-VERSION = 4
+# 5: rank blocks strictly increasing (an inverted or self-overlapping block is refused), no
+#    rank twice in a list, a Register's DP group a multiple of its replica count (issue 24)
+VERSION = 5
 HEADER = struct.Struct("!2sBBQI")
 _PREFIX = struct.Struct("!2sB")  # magic and version: checked before the rest of a header
 MAC_LEN = 32
@@ -175,7 +179,8 @@ def text(max_len: int, pattern: str = "") -> Check:
 
 
 def ranks(v: List[int]) -> bool:
-    return all(0 <= r < MAX_RANKS for r in v)
+    """Ranks in range, none twice (a DP group, savers, lost ranks: sets in an order)."""
+    return all(0 <= r < MAX_RANKS for r in v) and len(set(v)) == len(v)
 
 
 def _b64(v: str) -> bool:
@@ -331,6 +336,14 @@ class Register(Message):
     failover: bool
     challenge: str = ""  # the listener's nonce, echoed: binds this frame to one connection
     nonce: str = ""  # the rank's own fresh nonce (session.py)
+
+    def problem(self) -> str:
+        # every shard has as many holders (DP position i holds shard i % replica): a group
+        # of another size is no DP group of this job (the controller also checks `replica`)
+        if not self.dp_ranks or len(self.dp_ranks) % self.replica:
+            return (f"a DP group of {len(self.dp_ranks)} rank(s) cannot hold {self.replica} "
+                    "shard(s) with as many holders each")
+        return ""
 
 
 @_message(18, nonce=NONCE)
@@ -568,7 +581,9 @@ class ReplaceOrder(Message):
           pid=ints(0, 2**31 - 1))
 @dataclass
 class ReplaceStatus(Message):
-    """Relay → controller: what the launcher did with the request (started, exited, failed)."""
+    """Relay → controller: what the launcher did with the request (started, exited, failed).
+    Taken only from the relay the recovery's plan chose for `rank`, a lost rank; from anyone
+    else it is refused and logged (recovery/coordinator.py)."""
     recovery_id: int
     rank: int
     state: str
@@ -581,7 +596,8 @@ class ReplaceStatus(Message):
 @dataclass
 class RecoverReady(Message):
     """Any rank → controller: it holds the recovery's step, checked against the other copies
-    by hash (`ok`), or why not; `digest` summarises its state for the log."""
+    by hash (`ok`), or why not; `digest` summarises its state for the log (the controller
+    compares no digests). `rank` is the sender's own: a RecoverReady for another is refused."""
     recovery_id: int
     rank: int
     ok: bool
@@ -663,6 +679,9 @@ def _decode_payload(code: int, payload: bytes) -> Message:
         if not ranksets.valid_wire(obj[name], MAX_RANKS):
             raise ProtocolError(f"{cls.__name__}.{name}: bad value {_show(obj[name])}")
         obj[name] = ranksets.decode(obj[name], MAX_RANKS)
+        if len(set(obj[name])) != len(obj[name]):  # blocks overlapping, or one twice
+            raise ProtocolError(f"{cls.__name__}.{name}: a rank named twice in "
+                                f"{_show(obj[name])}")
     for name, of_type, in_range in schema:
         if name in ranks_fields:
             continue  # the blocks' check covers each rank of the list: O(blocks), not O(ranks)

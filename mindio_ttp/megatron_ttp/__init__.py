@@ -26,6 +26,9 @@ __all__ = [
     "reuse_on_recovery",
     "process_group_store",
     "process_group_timeout",
+    "final_checkpoint_saved",
+    "step_log",
+    "step_losses",
 ]
 
 
@@ -55,6 +58,14 @@ def __getattr__(name: str) -> Any:
         from mindio_ttp.megatron_ttp import rejoin
 
         return getattr(rejoin, name)
+    if name == "final_checkpoint_saved":
+        from mindio_ttp.megatron_ttp.completion import final_checkpoint_saved
+
+        return final_checkpoint_saved
+    if name in ("step_log", "step_losses"):
+        from mindio_ttp.megatron_ttp import log_record
+
+        return getattr(log_record, name)
     if name == "process_group_timeout":
         from mindio_ttp.megatron_ttp.timeout import process_group_timeout
 
@@ -65,10 +76,16 @@ def __getattr__(name: str) -> Any:
 def _check_startup() -> None:
     from megatron import get_args
 
-    from mindio_ttp.megatron_ttp.args_check import check_args
+    from mindio_ttp.compat import features
+    from mindio_ttp.megatron_ttp.args_check import check_args, empty_cache_warning
 
     args = get_args()
     check_args(args)
+    warning = empty_cache_warning(args, features.empty_cache_releases_gil)
+    if warning:
+        import logging
+
+        logging.getLogger("mindio_ttp").warning("%s", warning)
     if args.save:  # faults are claimed beside the checkpoints: at most one save per fault
         from mindio_ttp.framework_ttp import ttp_set_checkpoint_dir
 

@@ -77,12 +77,35 @@ def test_unauthenticated_large_frames_are_refused_before_buffering(ctl):
             s.close()
 
 
+def connect_from(addr, source: str) -> socket.socket:
+    """A connection from loopback address `source` (127.0.0.2, ...): another host."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.IPPROTO_IP, 24, 1)  # IP_BIND_ADDRESS_NO_PORT
+    s.bind((source, 0))
+    s.settimeout(5)
+    s.connect(addr)
+    return s
+
+
 def test_connections_that_never_register_are_capped(ctl):
-    """Beyond world_size + 64 waiting connections the listener closes new ones at once."""
-    cap = 4 + 64
-    socks = [socket.create_connection(ctl.address, timeout=5) for _ in range(cap + 20)]
+    """At most 64 connections wait from one address and world_size + 64 in all. The newest
+    connection past a cap used to be refused (issue 24: during a recovery, the replacement);
+    now the oldest that have had their chance give way to it."""
+    per_source, cap = 64, 4 + 64
+    socks = [socket.create_connection(ctl.address, timeout=5) for _ in range(per_source + 20)]
     try:
-        assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in socks[cap:]) == 20)
+        # one address: each connection past 64 displaces that address's oldest
+        assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in socks[:20]) == 20)
+        assert not any(closed_by_peer(s, 0.05) for s in socks[20:])
+        assert len(ctl._pending) == per_source
+        # another address fills the remaining slots, then some: once the oldest have had
+        # their chance (a second with nothing sent), they make room, never more than the cap
+        others = [connect_from(ctl.address, "127.0.0.2") for _ in range(10)]
+        socks += others
+        assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in socks[20:26]) == 6)
+        assert wait_for(lambda: len(ctl._pending) == cap)
+        assert not any(closed_by_peer(s, 0.05) for s in socks[26:])
+        assert ctl.faults == []
     finally:
         for s in socks:
             s.close()
@@ -93,6 +116,7 @@ def test_partial_frames_of_unregistered_connections_share_one_budget(ctl):
     world_size + 64 connections could still pin ~560 MiB: all of them share one budget, and the
     connection that pushes the total over it is closed; closing one frees its share."""
     ctl.pre_auth_budget = 10_000
+    ctl._pending.evict_after = 60.0  # nobody here has had their chance (the test below)
     header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, 4000)
     body = b"\0" * 3000  # a frame announced within the cap, never finished
     socks = []
@@ -119,6 +143,36 @@ def test_partial_frames_of_unregistered_connections_share_one_budget(ctl):
         assert_real_ranks_still_served(ctl)
     finally:
         for s in socks:
+            s.close()
+
+
+def test_stalled_partial_frames_give_way_when_the_budget_is_spent(ctl):
+    """Connections that stall mid-frame held the pre-authentication budget until their
+    handshake timeout, and every newer connection that sent a frame was closed: the budget is
+    a way to keep a rank out (issue 24). Once they have had their chance (accepted a while ago,
+    nothing unread), the oldest gives way to the newcomer; memory stays within the budget."""
+    ctl.pre_auth_budget = 10_000
+    ctl._pending.evict_after = 0.3
+    header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, 4000)
+    body = b"\0" * 3000
+    frame = len(header) + len(body)
+    stalled = []
+    try:
+        for i in range(3):
+            s = socket.create_connection(ctl.address, timeout=5)
+            s.sendall(header + body)
+            stalled.append(s)
+            assert wait_for(lambda n=i + 1: ctl.pre_auth_buffered == n * frame)
+        time.sleep(0.4)  # they have had their chance (what the listener waits for, no sync)
+        with socket.create_connection(ctl.address, timeout=5) as newcomer:
+            newcomer.sendall(header + body)
+            assert closed_by_peer(stalled[0]), "the oldest stalled connection was kept"
+            assert not closed_by_peer(newcomer, 0.2)
+            assert ctl.pre_auth_buffered == 3 * frame <= ctl.pre_auth_budget
+            assert not any(closed_by_peer(s, 0.05) for s in stalled[1:])
+        assert_real_ranks_still_served(ctl)
+    finally:
+        for s in stalled:
             s.close()
 
 
@@ -326,11 +380,12 @@ def test_a_standby_listener_has_the_same_pre_authentication_limits(ctl):
             assert standby.rejected_frames >= 10
             growth = psutil.Process().memory_info().rss - rss_before
             assert growth < 32 * 1024 * 1024, f"the standby buffered {growth / 2**20:.0f} MiB"
-            cap = 4 + 64
+            per_source = 64  # then each new one displaces the oldest (the test above)
             waiting = [socket.create_connection(standby.address, timeout=5)
-                       for _ in range(cap + 10)]
+                       for _ in range(per_source + 10)]
             socks += waiting
-            assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in waiting[cap:]) == 10)
+            assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in waiting[:10]) == 10)
+            assert not any(closed_by_peer(s, 0.05) for s in waiting[10:])
             assert standby.sm.state.name == "STANDBY" and standby.faults == []
             assert ctl.faults == []
         finally:
@@ -381,8 +436,12 @@ from mindio_ttp.control import protocol as P
 port, n, length = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 frame = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, length) + b"\0" * length
 socks = []
-for _ in range(n):
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+for i in range(n):  # 64 from each address (a listener admits no more from one: issue 24)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.IPPROTO_IP, 24, 1)  # IP_BIND_ADDRESS_NO_PORT
+    s.bind((f"127.0.{i // 64 // 250}.{2 + i // 64 % 250}", 0))
+    s.settimeout(30)
+    s.connect(("127.0.0.1", port))
     socks.append(s)
     try:
         s.sendall(frame)  # a frame one byte under the cap, never finished (no MAC)
@@ -395,9 +454,10 @@ sys.stdin.read()  # hold every connection until the test is done
 
 @pytest.mark.slow
 def test_a_flood_of_unregistered_connections_is_bounded_in_rss_and_delays_no_heartbeat():
-    """World 8192: 8256 connections (every waiting slot) each send a frame one byte under the
-    pre-authentication cap. The controller's count stayed at 64 MiB while its RSS grew by
-    537-623 MiB, and the I/O loop stalled past a 3 s heartbeat timeout. Now what it reads is
+    """World 8192: 8256 connections (every waiting slot), 64 from each of 129 addresses, each
+    send a frame one byte under the pre-authentication cap. The controller's count stayed at
+    64 MiB while its RSS grew by 537-623 MiB, and the I/O loop stalled past a 3 s heartbeat
+    timeout. Now what it reads is
     bounded (the frame being sent, the budget), dropped connections free their buffers at once,
     and the flood is served after the registered ranks on every loop turn."""
     import subprocess
