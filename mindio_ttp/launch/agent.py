@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -354,7 +355,7 @@ class TTPElasticAgent(LocalElasticAgent):
         with the lost worker never returns), then are killed."""
         logger.warning("ttprun: worker rank(s) %s failed after the job's final checkpoint was "
                        "complete on every rank (%s): nothing is lost, the job succeeds", failed,
-                       _read_marker(self._run_dir / JOB_COMPLETE_FILE))
+                       _job_complete(self._run_dir / JOB_COMPLETE_FILE))
         deadline = time.monotonic() + POST_FLOW_EXIT_S
         while time.monotonic() < deadline and any(
                 h.proc.poll() is None for h in pcontext.subprocess_handlers.values()):
@@ -504,11 +505,13 @@ def _restart_store(host: str, ports: Optional[Tuple[int, int]]):
                        f"({'; '.join(errors[:3])}): widen the range")
 
 
-def _read_marker(path: Path) -> str:
+def _job_complete(path: Path) -> str:
+    """What job-complete.json says, in words (it is written atomically; never raises)."""
     try:
-        return path.read_text(encoding="utf-8").strip()
-    except OSError as exc:  # the file is written atomically, but report rather than crash
-        return f"(unreadable: {exc})"
+        record = json.loads(path.read_text(encoding="utf-8"))
+        return f"iteration {record['step']}, {record.get('checkpoint') or 'no checkpoint named'}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{path.name} unreadable: {exc}"
 
 
 class _OffLoopQuery:

@@ -171,6 +171,9 @@ def in_memory_recovery(pretrain: F) -> F:
             except TTPRecovering:
                 pass  # leave the except block first: its traceback holds the old groups
             except BaseException as exc:
+                # out of the step (pretrain's own work after train(), held: completion.py):
+                # the release (control/release.py) must stop raising into this thread
+                hooks.TRAINING.leave()
                 if not _hold_for_verdict(exc):
                     raise
             else:
@@ -428,7 +431,7 @@ def _fail_and_wait(exc: BaseException) -> None:
     device error may be behind it), and the controller learns it before the READY."""
     log.error("in-memory recovery failed on this rank: %r", exc)
     rt = hooks.RUNTIME
-    own = not RECOVERY.abandoned and not isinstance(exc, RecoveryRefused) \
+    own = not RECOVERY.abandoned and not isinstance(exc, (RecoveryRefused, hooks.TTPReleased)) \
         and hooks.fault_kind(exc, False) == "exception"
     if own and rt is not None and rt.running:
         hooks._shielded(rt.report_exception, exc, "exception")

@@ -245,6 +245,24 @@ def test_a_recovery_whose_abort_fails_is_failed_at_once_not_after_its_bound(
     assert R.RECOVERY.abandoned
 
 
+def test_a_busy_main_thread_without_device_groups_does_not_fail_the_recovery(
+        fresh, monkeypatch) -> None:
+    """gloo: nothing to abort, and a main thread still in the step after the grace (a long
+    forward, a pipeline stage waiting on another) leaves it by itself; it must not fail an
+    ordered recovery (the PP2xDP2 every-kind run did, when its first stage was slow)."""
+    class Gloo:
+        group_name = "world"
+
+        def name(self) -> str:
+            return "gloo"
+
+    monkeypatch.setattr(abort, "_all_groups", lambda: [Gloo()])
+    hooks.TRAINING.enter()
+    outcome = _release().stop("test", grace_s=0.05, retry_s=0.05, timeout_s=0.2,
+                              raise_into=lambda ident, exc: pytest.fail("raised on gloo"))
+    assert not outcome.left and outcome.ok, outcome.describe()
+
+
 def test_a_rank_without_device_groups_is_neither_fenced_nor_aborted(fresh, monkeypatch) -> None:
     """gloo: a dead peer's collective raises by itself; nothing torn, nothing to abort, and a
     rank behind its partners may still catch up at the gate."""
