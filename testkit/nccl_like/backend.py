@@ -412,10 +412,14 @@ class NcclLikeGroup(dist.ProcessGroup):
                     return  # a peer said it spins first: the host may have run on already
                 if error is None:
                     op.gloo_work = None  # destroyed here, while the host waits (_keep_forever)
-                    op.copy_back()
+                    try:
+                        op.copy_back()
+                        failed: Optional[BaseException] = None
+                    except Exception as exc:  # noqa: BLE001 - the host's to see, not this thread's
+                        failed = exc
                     op.copy_back = _nothing
                     self._pending.remove(op)
-                    op.end(None, WorkResult.SUCCESS)
+                    op.end(failed, None if failed else WorkResult.SUCCESS)
                     op = None
                     continue
             self.start_spinning(f"{op.describe()}: gloo: {type(error).__name__}: "
@@ -652,8 +656,9 @@ def _nothing() -> None:
 
 def _copier(real: Sequence[torch.Tensor], staged: Sequence[torch.Tensor]) -> Callable[[], None]:
     def copy_back() -> None:
-        for dst, src in zip(real, staged):
-            dst.copy_(src)
+        with torch.no_grad():  # what a collective writes is no autograd op (Megatron's p2p
+            for dst, src in zip(real, staged):  # receives into leaves that require grad)
+                dst.copy_(src)
 
     return copy_back
 
