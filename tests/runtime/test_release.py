@@ -59,6 +59,7 @@ def _new_fault() -> None:
     """No stop run, no latch, the hot state fresh (tolerant of the code before the stop, so
     that these tests show what it did: the main thread never left)."""
     hooks.STATE.reset()
+    device_copy.MARK.reset()  # no device bound (an earlier test may have registered npu:3)
     getattr(device_copy, "STOP", device_copy.GATHERED).reset()
     training = getattr(hooks, "TRAINING", None)
     if training is not None:
