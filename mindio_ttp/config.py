@@ -60,6 +60,8 @@ ENV_RECOVER_TIMEOUT = "TTP_RECOVER_TIMEOUT"
 ENV_REPLACEMENTS = "TTP_REPLACEMENTS"
 # set by ttprun in a replacement's environment: the recovery it joins (recovery/rank.py)
 ENV_RECOVERY_JOIN = "TTP_RECOVERY_JOIN"
+# set by `ttprun --drill` for its workers (mindio_ttp/drill.py): the fire drill of this launch
+ENV_DRILL = "TTP_DRILL"
 # ttprun --max-restarts: the port (or range) node 0 gives a restarted attempt's store
 ENV_RESTART_STORE_PORTS = "TTP_RESTART_STORE_PORTS"
 
@@ -109,6 +111,9 @@ RUNTIME_STARTED_DIR = "runtime-started"
 # In TTP_RUN_DIR: the recovery mode rank 0 found its process groups allow (one line), which
 # ttprun prints once it appears (its own check at start sees the machine, not the groups).
 RECOVERY_MODE_FILE = "recovery-mode"
+# $TTP_RUN_DIR/job-complete.json: written by a rank once the job's final checkpoint is complete
+# on every rank (ttp_job_complete); a worker lost after it fails nothing (ttprun exits 0)
+JOB_COMPLETE_FILE = "job-complete.json"
 
 
 # Megatron-LM 285068c's process-group timeout, hard-coded at 10 minutes
@@ -368,6 +373,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "in a replacement process: the recovery it joins", text, None,
             "set by ttprun for a replacement only (its step, store, acting controller), not by "
             "you"),
+    Setting(ENV_DRILL, "JSON", "set by ttprun --drill", "",
+            "the fire drill of this launch (docs/first-day.md)", text, None,
+            "set by `ttprun --drill KIND:rank=R:iter=N` for its workers, with its run "
+            "directory, not by you: a TTP_DRILL ttprun did not set is dropped, and a worker "
+            "started otherwise ignores it"),
     Setting(ENV_WARM_SPARES, "count", "0", ">= 0",
             "ttprun: warm spares per node, processes ready to replace a lost rank", count, 0,
             "each has imported torch, the training script's imports and torch._dynamo and "

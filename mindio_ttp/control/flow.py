@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
-from mindio_ttp.config import Outcome, TTPConfig
+from mindio_ttp.config import ENV_RECOVERY, Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control import ranksets
 from mindio_ttp.control.roster import Roster
@@ -132,13 +132,18 @@ class Flow:
             self._raised.add(rank)
         self._preempted = self._preempted or kind == "preempted"
         if self._thread is not None:
-            log.warning("%s: further fault during the flow: %s", self.name, desc)
+            # a survivor's collective that failed on the lost rank is expected, not news
+            (log.info if kind == "collective" else log.warning)(
+                "%s: further fault during the flow: %s", self.name, desc)
             if self.sm.is_in(S.RECOVERING) and kind != "collective":  # not a casualty's report
                 self.recovery.fault(desc)
             return
         if not self.sm.is_in(S.SERVING):
             return
-        log.error("%s: FAULT %s; starting the dying-checkpoint flow", self.name, desc)
+        log.warning("%s: FAULT %s; handling it: %s", self.name, desc,
+                    "in-memory recovery if it can work, else the dying checkpoint"
+                    if self.cfg.recovery == IN_MEMORY else
+                    f"the dying checkpoint ({ENV_RECOVERY}={self.cfg.recovery})")
         self._promoted = promoted
         self.fault_at = time.monotonic()
         self.timeline["fault"] = self.fault_at
@@ -305,7 +310,8 @@ class Flow:
         self.timeline["saved"] = time.monotonic()
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
-                    f"save of step {step} failed: {why}; rename not run, nothing marked latest")
+                    f"save of iteration {step} failed: {why}; rename not run, nothing marked "
+                    "latest")
         self.sm.transition_to(S.RENAMING, f"rename on rank {savers[0]}")
         if self._claim is not None:  # durably, before the order: the claim is final from here
             self._claim.update(C.RENAMING, step=step, savers=ranksets.encode(savers))
@@ -313,9 +319,9 @@ class Flow:
                               cfg.rename_time_limit)
         if not ok:
             return (Outcome.SAVE_FAILED, step, savers,
-                    f"rename of step {step} failed: {why}; nothing marked latest")
+                    f"rename of iteration {step} failed: {why}; nothing marked latest")
         return (Outcome.SAVED, step, savers,
-                f"dying checkpoint of step {step} saved by {ranksets.describe(savers)}")
+                f"dying checkpoint of iteration {step} saved by {ranksets.describe(savers)}")
 
     def _save(self, fid: int, step: int, layout: Layout, states: Dict[int, RankState],
               savers: List[int]) -> Tuple[List[int], int, bool, str]:
@@ -476,8 +482,8 @@ class Flow:
                 log.warning("%s: cannot record the recovery in the claim: %s", self.name, exc)
             self._claim = None
         if not ok:
-            log.error("%s: falling back to the dying checkpoint of step %d: %s", self.name,
-                      plan.step, why)
+            log.error("%s: falling back to the dying checkpoint of iteration %d: %s",
+                      self.name, plan.step, why)
         return ok, set(plan.lost)
 
     def _claim_space(self) -> Optional[C.ClaimSpace]:

@@ -30,8 +30,8 @@ How "blocks like NCCL" is made true on gloo:
 * **The communicator** (the gloo group) is made at the group's first collective, in the
   calling thread, blocking and not abortable, as torch's lazy NCCL initialisation in blocking
   mode: a peer lost before it is reached leaves that thread there for good. A gloo group is
-  never destroyed (its destructor would join threads a hung op holds): it stays, leaked, for
-  the life of the process.
+  never destroyed (its destructor would join threads a hung op holds), nor is an NCCL-like
+  group (`_keep_forever`): they stay, leaked, for the life of the process.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ NAME = "nccl_like"
 WAIT_BLOCKS_HOST = False  # NCCL_LIKE_WAIT=block: wait() blocks until the op ends, spinning or not
 GLOO_TIMEOUT = datetime.timedelta(days=7)
 SPIN_KEY = "nccl_like_spinning"  # in the group's store: a member's gloo saw a dead peer
+BREAK_TAG = 2**30 + 7  # a p2p tag no caller uses: `_break_pairs`
 WorkResult = torch._C._distributed_c10d.WorkResult
 
 
@@ -207,14 +208,31 @@ def _seconds(timeout: Any) -> Optional[float]:
 
 
 _GROUPS: weakref.WeakSet[NcclLikeGroup] = weakref.WeakSet()
-_KEPT: List[Any] = []  # gloo groups: never destroyed (module doc)
+_KEPT: List[Any] = []  # never destroyed: these groups, their gloo groups, unfinished gloo works
 
 
 def _keep_forever(obj: Any) -> None:
-    """One reference nothing ever drops, not even the interpreter's shutdown: a gloo group's
-    destructor joins its threads, which a hung op holds until gloo's timeout."""
+    """One reference nothing ever drops, not even the interpreter's shutdown. A gloo group's
+    destructor joins its threads, which a hung op holds until gloo's timeout. A c10d object (a
+    ProcessGroup, a Work: their pybind holders release and retake the GIL to destroy them, and
+    a work's staging tensors retake it too) must not die in a daemon thread while the
+    interpreter finalizes: retaking the GIL then ends the thread with a forced unwind through
+    C++ destructors, std::terminate, SIGABRT (seen at the end of runs after a recovery: a
+    completion thread, ending, dropped the last reference to its aborted group, and before
+    that to a gloo work). So every NCCL-like group is kept; a gloo work that finished is
+    dropped by the completion thread before its op ends (the host still waits on it then), and
+    one that never finished is kept here."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     _KEPT.append(obj)
+
+
+def _bury(ops: Sequence[_Op]) -> None:
+    """Keep the gloo works of `ops`, which never finished, for good (`_keep_forever`)."""
+    works = [op.gloo_work for op in ops if op.gloo_work is not None]
+    for op in ops:
+        op.gloo_work = None
+    if works:
+        _KEPT.append(works)
 
 
 class NcclLikeGroup(dist.ProcessGroup):
@@ -243,6 +261,7 @@ class NcclLikeGroup(dist.ProcessGroup):
         self.error_handling, self.error_handling_source = self.emulated.error_handling()
         self.name_in_logs = f"nccl_like group of {size} (rank {rank})"
         _GROUPS.add(self)
+        _keep_forever(self)  # its completion thread must not be the one to destroy it
         from testkit.nccl_like import watchdog
 
         watchdog.ensure_running()
@@ -268,9 +287,33 @@ class NcclLikeGroup(dist.ProcessGroup):
             self._aborted = why
             pending = list(self._pending)
             self._pending.clear()
+            _bury(pending)
             for op in pending:
                 op.end(error, None)
             self._wake.notify_all()
+        if pending and self._gloo is not None:
+            self._break_pairs()
+
+    def _break_pairs(self) -> None:
+        """Close every gloo connection of the group, so that whatever gloo still waits for fails
+        now and the completion thread leaves gloo's ``wait()`` before this process can exit.
+
+        Why: ``wait()`` blocks in C++ with the GIL released. A daemon thread still blocked
+        there when the interpreter finalizes (an aborted group's op, hung for good) returns when
+        a peer's exit closes the socket, and CPython then ends it with a forced unwind through
+        pybind11's frames: std::terminate, SIGABRT, at the end of a run that went well (seen
+        after in-memory recoveries). How: a recv with a 1 ms timeout on a tag nothing uses times
+        out, and gloo then closes that pair. The peers' gloo ops with this rank fail: their
+        groups spin, as they would on NCCL, where an aborted rank never answers again."""
+        for peer in range(self.size()):
+            if peer == self.rank():
+                continue
+            try:
+                work = self._gloo.recv([torch.empty(1)], peer, BREAK_TAG)
+                _KEPT.append(work)  # never destroyed in a daemon thread (_keep_forever)
+                work.wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - the expected timeout (or a pair already gone)
+                pass
 
     def _abort(self) -> None:
         self._abort_now()
@@ -361,17 +404,23 @@ class NcclLikeGroup(dist.ProcessGroup):
                     return
                 op = self._to_complete.popleft()
             try:
-                op.gloo_work.wait()
-                error = None
-            except Exception as exc:  # noqa: BLE001 - a dead peer: spin, never raise
-                error = exc
+                error = _await(op.gloo_work, lambda: bool(self._aborted or self._spinning))
+            except _GaveUp:
+                return
             with self._lock:
                 if self._aborted or self._spinning or op.finished.is_set():
                     return  # a peer said it spins first: the host may have run on already
                 if error is None:
-                    op.copy_back()
+                    op.gloo_work = None  # destroyed here, while the host waits (_keep_forever)
+                    try:
+                        op.copy_back()
+                        failed: Optional[BaseException] = None
+                    except Exception as exc:  # noqa: BLE001 - the host's to see, not this thread's
+                        failed = exc
+                    op.copy_back = _nothing
                     self._pending.remove(op)
-                    op.end(None, WorkResult.SUCCESS)
+                    op.end(failed, None if failed else WorkResult.SUCCESS)
+                    op = None
                     continue
             self.start_spinning(f"{op.describe()}: gloo: {type(error).__name__}: "
                                 f"{str(error)[:200]}", seen_here=True)
@@ -565,11 +614,35 @@ class NcclLikeGroup(dist.ProcessGroup):
         self._abort_now(f"by the watchdog: {error}")
 
 
+class _GaveUp(Exception):  # noqa: N818 - a signal, not an error
+    """The group was aborted (or spins) while its completion thread waited: stop waiting."""
+
+
+def _await(work: Any, stop: Callable[[], bool]) -> Optional[BaseException]:
+    """Wait for a gloo work: its error or None; `_GaveUp` when `stop()` says the group was
+    aborted (or spins) meanwhile. (``wait()`` it must be: gloo's send, recv and reduce-scatter
+    works say neither ``is_completed()`` nor a future before it.)"""
+    try:
+        work.wait()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - a dead peer (or an abort): spin, never raise
+        error = exc
+    if stop():
+        raise _GaveUp()
+    return error
+
+
 class _All:
     """Several gloo works as one (a coalesced op)."""
 
     def __init__(self, works: Sequence[Any]) -> None:
         self.works = list(works)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self.works)
 
     def wait(self) -> bool:
         for work in self.works:
@@ -577,10 +650,15 @@ class _All:
         return True
 
 
+def _nothing() -> None:
+    pass
+
+
 def _copier(real: Sequence[torch.Tensor], staged: Sequence[torch.Tensor]) -> Callable[[], None]:
     def copy_back() -> None:
-        for dst, src in zip(real, staged):
-            dst.copy_(src)
+        with torch.no_grad():  # what a collective writes is no autograd op (Megatron's p2p
+            for dst, src in zip(real, staged):  # receives into leaves that require grad)
+                dst.copy_(src)
 
     return copy_back
 
