@@ -315,6 +315,17 @@ class FaultStop:
 STOP = FaultStop()
 
 
+def _forked() -> None:
+    """A forked child aborted nothing: the parent's note and report are not its own. (No lock
+    is taken: another thread of the parent may have held one at the fork.)"""
+    STOP.__init__()
+    GATHERED.reset()
+    OFFERED.reset()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def one_work_queue() -> bool:
     """Every stream of this process shares one hardware queue: CUDA with
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron requires it; NVIDIA documents the variable only
