@@ -59,6 +59,7 @@ from mindio_ttp.config import (
     ENV_WARM_SPARES,
     FLOW_FINISHED_FILE,
     JOB_COMPLETE_FILE,
+    RECOVERY_MODE_FILE,
     RUNTIME_STARTED_DIR,
     auth_key_from_env,
     warm_spares,
@@ -154,6 +155,7 @@ class TTPElasticAgent(LocalElasticAgent):
                 auth_key_from_env(os.environ))
             os.environ[ENV_REPLACEMENTS] = "cold,node"  # the recovery may ask for a lost node
         self._spare_waiting_said = False
+        self._mode_said = ""
         # other ttprun of this job on this host (launch/siblings.py)
         self._siblings = Siblings.open(_key_or_none(), self._run_dir)
         # in-memory recovery (replace.py): a warm spare when one is left, else a cold start;
@@ -307,7 +309,21 @@ class TTPElasticAgent(LocalElasticAgent):
         started = self._run_dir / RUNTIME_STARTED_DIR
         return started.is_dir() and any(started.iterdir())
 
+    def _say_recovery_mode(self) -> None:
+        """Print, once it appears, the recovery mode rank 0 found its process groups allow
+        (framework_ttp writes it when the controller starts): the check at ttprun's start sees
+        the machine's stack, this one the job's own groups."""
+        try:
+            said = (self._run_dir / RECOVERY_MODE_FILE).read_text().strip()
+        except OSError:
+            return
+        if said and said != self._mode_said:
+            self._mode_said = said
+            print(f"ttprun: recovery mode (rank 0, on the job's process groups): {said}",
+                  file=sys.stderr, flush=True)
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._say_recovery_mode()
         self._spares.replenish()
         pcontext = self._pcontext
         if not isinstance(pcontext, SubprocessContext):

@@ -264,8 +264,13 @@ def _destroy_groups(rejoin: Rejoin) -> None:
     rejoin.model_groups = _detach_model_groups(rejoin.model)
     alive = [(weakref.ref(pg), name) for pg, name in
              dict(getattr(dist.distributed_c10d._world, "pg_names", {})).items()]
-    if dist.is_initialized() and not abort.destroy_groups(config.ABORT_TIMEOUT_S, binding):
-        raise RuntimeError(f"destroy_process_group did not return within "
+    def late() -> None:  # the destroy still waits: fail the recovery now, not at its bound
+        why = f"destroy_process_group did not return within {config.ABORT_TIMEOUT_S:g} s"
+        RECOVERY.report_ready(False, why)
+        RECOVERY.abandon(why)
+
+    if dist.is_initialized() and not abort.destroy_groups(config.ABORT_TIMEOUT_S, late):
+        raise RuntimeError(f"destroy_process_group failed or did not return within "
                            f"{config.ABORT_TIMEOUT_S:g} s")
     mpu.destroy_model_parallel()
     rejoin.optimizer.pair_group = None
