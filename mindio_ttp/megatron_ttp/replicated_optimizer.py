@@ -421,10 +421,17 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
                 return self.last_update
         self.own.optimizer.step()
         self.partner.optimizer.step()
-        # Only the own stripe goes into the param buffer, as stock: the all-gather that follows
-        # (gather_model_params) fills every other position's range, the partner's with the
-        # partner's own copy of the same bits, so writing it here too would be overwritten.
-        self.own.copy_main_params_to_param_buffer(self.param_buffers)
+        # Both stripes go into the param buffer, not only the own one as stock does, although
+        # the all-gather that follows fills the partner's range with the same bits: fp32 main
+        # params are views of the model params (stock), and gather_model_params' copies from
+        # the buffer into the params are queued behind the all-gather. When a peer dies inside
+        # it, the abort lets those copies run on whatever the buffer holds; had the partner's
+        # range been left to the all-gather, it would hold this step's grads (the buffer shares
+        # memory with the grad buffer) or a torn receive, and the copies would overwrite the
+        # partner stripe's main params with it: the state a dying checkpoint or a refill reads
+        # (tests/megatron/test_save_hazards.py, params still gathering). Written here, a torn
+        # receive only writes the same bits again.
+        self._copy_main_params_to_model_params()
         # what the step's log line prints, should train_step fail after it (log_record.py)
         self.last_update = (True, grad_norm, num_zeros)
         return self.last_update

@@ -105,9 +105,11 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     done = time.perf_counter()
     phases = {k: sum(f.phases.get(k, 0.0) for f in files)
               for k in ("serialize", "write", "digest", "fsync", "rename")}
-    log.info("dying save of step %d on rank %d: %d file(s), %d bytes in %.3f s: device ready "
-             "%.3f, exchange %.3f, serialize %.3f, write %.3f, digest %.3f (%s), fsync %.3f, "
-             "rename %.3f, part manifest %.3f, other %.3f", step, me, len(files),
+    log.info("dying save of step %d on rank %d (model file: %s): %d file(s), %d bytes in %.3f "
+             "s: device ready %.3f, exchange %.3f, serialize %.3f, write %.3f, digest %.3f (%s), "
+             "fsync %.3f, rename %.3f, part manifest %.3f, other %.3f", step, me,
+             ("none" if not writes_model else "live params" if full is None
+              else "rebuilt from the main params"), len(files),
              sum(f.size for f in files), done - started, prepared - started,
              exchanged - prepared, phases["serialize"], phases["write"], phases["digest"],
              "/".join(sorted({f.algo for f in files})) or "-", phases["fsync"],
