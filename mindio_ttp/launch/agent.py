@@ -324,6 +324,8 @@ class TTPElasticAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._say_recovery_mode()
+        if self._siblings is not None:
+            self._siblings.notice()
         self._spares.replenish()
         pcontext = self._pcontext
         if not isinstance(pcontext, SubprocessContext):

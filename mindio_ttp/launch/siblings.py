@@ -23,6 +23,7 @@ import logging
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -58,6 +59,7 @@ class Siblings:
         self.folder, self.job, self.run_dir = folder, job, run_dir
         self.path = folder / f"{job}-{os.getpid()}.json"
         self._said = False
+        self._looked = 0.0  # time.monotonic() of the last look for a sibling not yet said
 
     @classmethod
     def open(cls, key: Optional[bytes], run_dir: Path) -> Optional[Siblings]:
@@ -75,7 +77,18 @@ class Siblings:
         except OSError as exc:
             logger.warning("ttprun: cannot list this launcher in %s (%s)", self.folder, exc)
             return
-        others = self.others()
+        self._say(self.others())
+
+    def notice(self, every_s: float = 1.0) -> None:
+        """Said by the one that started second only, unless each looks again: the first
+        launcher looks (at most every `every_s`, from its monitor loop) until it has said it."""
+        now = time.monotonic()
+        if self._said or now - self._looked < every_s:
+            return
+        self._looked = now
+        self._say(self.others())
+
+    def _say(self, others: List[Dict]) -> None:
         if others and not self._said:
             self._said = True
             logger.warning("ttprun: %d other ttprun of this job on this host (%s): a lost "
