@@ -1,8 +1,11 @@
 """Real jobs: 4 processes, gloo, the TTP hooks, one injected fault each (see ttp_worker.py).
 
 Layout: one DP group [0, 1, 2, 3], replica 2, so shard 0 lives on ranks 0 and 2, shard 1 on
-ranks 1 and 3. A fault at step 5 leaves every survivor clean at step 5 (no collective runs
-inside the update window), so the dying checkpoint must be step 5.
+ranks 1 and 3. A fault at step 5 that strikes once every other rank has done its update of step
+5 (`fault`: they can, its collectives are behind them) leaves every survivor clean at step 5, so
+the dying checkpoint must be step 5. A survivor the fault's news reaches before that update
+(the lock, or its own lost controller) is held at its gate with step 4, and 4 is then what it
+holds: see test_survivors_held_at_the_gate_save_the_step_they_hold.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ SAVED, REFUSED, SAVE_FAILED = 83, 84, 85
 
 
 def fault(kind, rank, phase, step=5):
-    return {"kind": kind, "rank": rank, "step": step, "phase": phase}
+    # a fault noticed at once (a death, an exception) strikes once the others did their update
+    # of `step`; a hang is seen a heartbeat timeout later, a SIGTERM's race is its test's point
+    return {"kind": kind, "rank": rank, "step": step, "phase": phase,
+            "after_others": kind in ("kill", "kill_host", "exception")}
 
 
 def expected_param(step: int) -> float:
@@ -58,6 +64,23 @@ def test_rank0_and_its_controller_killed_standby_takes_over(tmp_path):
     assert res.codes == {0: -9, 1: SAVED, 2: SAVED, 3: SAVED}, res.all_logs()
     check_saved(res, 5, [1, 2])
     assert "standby -> serving" in res.logs[1]
+
+
+def test_survivors_held_at_the_gate_save_the_step_they_hold(tmp_path):
+    """Node 0 (rank 0 and its controller) and rank 1 lost right after their update of step 5,
+    while ranks 2 and 3, past step 5's barrier, have not begun theirs: each survivor's processor
+    locks it at the lost controller, so both wait at the gate holding step 4, and the standby's
+    flow saves 4, the newest step every shard's surviving holder has. Nobody alive ever held
+    5 (its holders died with it); that is not a lost step to be recovered. (Under load this
+    ordering happens by itself: test_rank0_and_first_backup_killed_... once saved 4.)"""
+    held = {"step": 5, "phase": "before", "kind": "until_locked"}
+    res = run_job(tmp_path, {"faults": [dict(fault("kill_host", 0, "after"), after_others=False),
+                                        dict(fault("kill", 1, "after"), after_others=False),
+                                        dict(held, rank=2), dict(held, rank=3)]})
+    assert [res.codes[r] for r in (2, 3)] == [SAVED] * 2, res.all_logs()
+    assert "worker 2: locked=True before its update" in res.logs[2], res.all_logs()
+    assert "worker 3: locked=True before its update" in res.logs[3], res.all_logs()
+    check_saved(res, 4, [2, 3])
 
 
 def test_rank0_hung_its_controller_declares_it_hung(tmp_path):
@@ -135,8 +158,10 @@ def test_clean_run_with_bad_frames_exits_zero_without_a_flow(tmp_path):
 
 
 def test_rank0_and_first_backup_killed_second_backup_takes_over(tmp_path):
-    res = run_job(tmp_path, {"faults": [fault("kill_host", 0, "after"),
-                                        fault("kill", 1, "after")]})
+    # rank 0 kills its controller, rank 1 (the first backup) and itself back to back: a rank 1
+    # still alive once the others notice the controller's loss would itself take over, and a
+    # controller still alive once rank 1 is gone would start (and claim) a flow of its own
+    res = run_job(tmp_path, {"faults": [dict(fault("kill_host", 0, "after"), with_ranks=[1])]})
     assert [res.codes[r] for r in (2, 3)] == [SAVED] * 2, res.all_logs()
     check_saved(res, 5, [2, 3])
     assert "now served by the standby controller on rank 2" in res.logs[3]

@@ -25,16 +25,51 @@ RANK, WORLD, PLAN, OUT = 0, 1, {}, "."  # set by main() from the env
 CONTROLLER_PID_FILE = "controller.pid"
 
 
+def progress_file(rank: int) -> str:
+    return os.path.join(OUT, "..", "progress", f"rank_{rank}")
+
+
+def note_progress(step: int) -> None:
+    """This rank's update of `step` is done (read by `wait_for_others`)."""
+    path = progress_file(RANK)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(str(step))
+    os.replace(path + ".tmp", path)
+
+
+def wait_for_others(step: int, limit: float = 20.0) -> None:
+    """Until every other rank has done its update of `step` (they can: its collectives are
+    behind them), so the fault cannot reach a survivor before that update: without this, a
+    survivor the fault's news reaches first is held at its gate with step - 1, and that is the
+    newest step it holds (test_survivors_held_at_the_gate_save_the_step_they_hold)."""
+    deadline = time.monotonic() + limit
+    for r in range(WORLD):
+        while r != RANK and time.monotonic() < deadline:
+            try:
+                with open(progress_file(r)) as f:
+                    if int(f.read() or 0) >= step:
+                        break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+
+
 def inject(phase: str, step: int) -> None:
     for f in PLAN.get("faults", []):
         if f["rank"] == RANK and f["step"] == step and f["phase"] == phase:
             kind = f["kind"]
+            if f.get("after_others"):
+                wait_for_others(step)
             print(f"worker {RANK}: injecting {kind} at step {step} {phase}", flush=True)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind in ("kill_host", "stop_host"):  # node 0 lost: rank 0 and its controller
                 sig = signal.SIGKILL if kind == "kill_host" else signal.SIGSTOP
                 os.kill(ttp._controller.pid, sig)
+                for r in f.get("with_ranks", []):  # lost with it, before anyone fails over
+                    with open(progress_file(r) + ".pid") as pid:
+                        os.kill(int(pid.read()), sig)
                 os.kill(os.getpid(), sig)
             elif kind == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -48,6 +83,12 @@ def inject(phase: str, step: int) -> None:
                         s.sendall(junk)
                         while s.recv(4096):  # its challenge, then the controller closes
                             pass
+            elif kind == "until_locked":  # hold here until this rank's processor locks it
+                from mindio_ttp.control.hooks import STATE
+                deadline = time.monotonic() + 20
+                while not STATE.locked and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                print(f"worker {RANK}: locked={STATE.locked} before its update", flush=True)
             elif kind == "exception":
                 raise RuntimeError(f"injected failure on rank {RANK} at step {step} {phase}")
 
@@ -124,6 +165,7 @@ def train(param: torch.Tensor, steps: int) -> None:
         inject("inside", step)
         param += grad
         ttp.ttp_end_updating_os(step)
+        note_progress(step)
         inject("after", step)
         ttp.ttp_set_ckpt_args((step, param))
         time.sleep(PLAN.get("step_sleep", 0.02))
@@ -148,6 +190,10 @@ def main() -> None:
     ttp.ttp_register_save_ckpt_handler(save)
     ttp.ttp_register_rename_handler(rename)
     ttp.ttp_set_checkpoint_dir(OUT)
+    pid_file = progress_file(RANK) + ".pid"  # for a kill_host's with_ranks
+    os.makedirs(os.path.dirname(pid_file), exist_ok=True)
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
     dist.barrier()
     param = torch.zeros(4)
     train(param, PLAN.get("steps", 20))
