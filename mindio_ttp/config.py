@@ -60,6 +60,13 @@ ENV_RECOVER_TIMEOUT = "TTP_RECOVER_TIMEOUT"
 ENV_REPLACEMENTS = "TTP_REPLACEMENTS"
 # set by ttprun in a replacement's environment: the recovery it joins (recovery/rank.py)
 ENV_RECOVERY_JOIN = "TTP_RECOVERY_JOIN"
+# the control plane's tiers (docs/design.md, "The control plane in tiers"): "1" (default) each
+# node's ranks reach the controller through that node's agent; "0" every rank connects itself
+ENV_NODE_AGENT = "TTP_NODE_AGENT"
+# agents per relay and per controller (0: the square root of the job's nodes, at least 32)
+ENV_FANOUT = "TTP_FANOUT"
+# set by ttprun in its workers: the AF_UNIX socket of this node's agent (its own process)
+ENV_AGENT_SOCKET = "TTP_AGENT_SOCKET"
 
 # The controller's TCP port, inclusive: no privileged port (ranks do not run as root), and the
 # one range everything holds a port to: the port argument, TTP_CONTROLLER_PORT, `ttp-patch
@@ -283,10 +290,14 @@ SETTINGS: Tuple[Setting, ...] = (
             "each rank listens on one port of this range on its own address, for a standby "
             "controller; give at least as many ports as ranks per node, and open them between "
             "nodes"),
-    Setting(ENV_HEARTBEAT_INTERVAL, "seconds", "2, or world size / 8192 when larger",
-            "(0, 604800]", "between a rank's heartbeats and the controller's acks", seconds, 2.0,
-            "the default keeps the controller under ~8,000 heartbeats a second: 2 s up to "
-            "16,384 ranks, 12.2 s at 100,000 (docs/design.md, how the control plane scales)"),
+    Setting(ENV_HEARTBEAT_INTERVAL, "seconds", "2 (without node agents: world size / 8192 "
+            "when larger)", "(0, 604800]",
+            "between a rank's heartbeats and its agent's (or controller's) acks, and between "
+            "tiers", seconds, 2.0,
+            "with node agents (the default) a rank heartbeats to its own node and each node once "
+            "per interval up the tree, at any job size; with TTP_NODE_AGENT=0 the default keeps "
+            "the controller under ~8,000 heartbeats a second: 12.2 s at 100,000 ranks "
+            "(docs/design.md, how the control plane scales)"),
     Setting(ENV_HEARTBEAT_TIMEOUT, "seconds", f"6, or 3 x {ENV_HEARTBEAT_INTERVAL} when larger",
             f"> {ENV_HEARTBEAT_INTERVAL}",
             "silence after which a rank is hung (or the controller lost)", seconds, 6.0,
@@ -314,7 +325,8 @@ SETTINGS: Tuple[Setting, ...] = (
     # ack) within this; a rank gives up on a listener that has not. Long enough for every rank
     # of a large job connecting at once, short enough that a port held by another program ends
     # every rank within seconds instead of after TTP_CONNECT_TIMEOUT.
-    Setting(ENV_HANDSHAKE_TIMEOUT, "seconds", "10, or world size / 4096 when larger",
+    Setting(ENV_HANDSHAKE_TIMEOUT, "seconds", "10 (without node agents: world size / 4096 "
+            "when larger)",
             "(0, 604800]", "a connection must finish its handshake within this", seconds, 10.0,
             "long enough for the controller (or a standby, on a failover) to register every "
             "rank of a storm"),
@@ -357,6 +369,19 @@ SETTINGS: Tuple[Setting, ...] = (
             "each rank logs to ttp-rank<R>.log here", text),
     Setting(ENV_CPU_BUILD_DIR, "directory", "<tmp>/ttp_cpu_adaptor_build", "",
             "CPU rehearsals: where Megatron's dataset helpers are built", text),
+    Setting(ENV_NODE_AGENT, "0/1", "1", "0 or 1",
+            "1: each node's ranks reach the controller through one node agent; 0: every rank "
+            "connects to the controller itself", flag, True,
+            "the agent is ttprun's own process, or one the node's first rank starts under "
+            "another launcher; it sees a local rank die or hang at once, whatever the job's "
+            "size, and the controller serves one connection per relay (docs/design.md)"),
+    Setting(ENV_FANOUT, "count", "0 (auto)", ">= 0",
+            "node agents per relay and per controller", count, 0,
+            "0: the square root of the job's nodes, at least 32; the controller takes that many "
+            "agents itself and sends the rest to them as relays"),
+    Setting(ENV_AGENT_SOCKET, "path", "set by ttprun", "",
+            "the AF_UNIX socket of this node's agent", text, None,
+            "set by ttprun for its workers, not by you"),
     Setting(ENV_RDZV_NOTICE, "seconds", "10", "(0, 604800]",
             "how often ttprun says it waits for other nodes", seconds, 10.0),
 )
@@ -375,7 +400,8 @@ REGISTRATIONS_PER_S = 4096.0  # handshake timeout >= world_size / this
 
 
 def scaled_defaults(world_size: Optional[int]) -> Dict[str, float]:
-    """The defaults of the settings that depend on the job's size."""
+    """The defaults of the settings that depend on the job's size (without node agents: with
+    them no connection serves more than a node's ranks or a relay's agents)."""
     interval = max(BY_NAME[ENV_HEARTBEAT_INTERVAL].value, (world_size or 0) / HEARTBEATS_PER_S)
     return {
         ENV_HEARTBEAT_INTERVAL: interval,
@@ -406,7 +432,11 @@ def _parse_all(env: Mapping[str, str],
                world_size: Optional[int] = None) -> Tuple[Dict[str, Any], List[str]]:
     values: Dict[str, Any] = {}
     problems: List[str] = []
-    scaled = scaled_defaults(world_size)
+    try:
+        tiers = flag(_raw(env, ENV_NODE_AGENT) or "1")
+    except ValueError:
+        tiers = True  # reported with the rest below
+    scaled = scaled_defaults(None if tiers else world_size)
     for s in SETTINGS:
         raw = _raw(env, s.name)
         if raw is None:
@@ -594,6 +624,8 @@ class TTPConfig:
     recovery: str = RECOVERY_MODES[0]
     recover_timeout: float = 120.0
     replacements: str = ""  # what the launcher offers (ENV_REPLACEMENTS); "": none
+    node_agent: bool = True  # ENV_NODE_AGENT
+    fanout: int = 0  # ENV_FANOUT; 0: auto
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None,
@@ -637,6 +669,8 @@ class TTPConfig:
             recovery=v[ENV_RECOVERY],
             recover_timeout=v[ENV_RECOVER_TIMEOUT],
             replacements=(v[ENV_REPLACEMENTS] or "").strip(),
+            node_agent=v[ENV_NODE_AGENT],
+            fanout=v[ENV_FANOUT],
         )
         budget = cfg.collect_timeout + cfg.save_time_limit + cfg.rename_time_limit
         if budget >= cfg.ot:

@@ -47,10 +47,12 @@ from mindio_ttp.control.hooks import TTPError
 from mindio_ttp.control.keyspace import KeySpace
 from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.roster import RankInfo, Roster
+from mindio_ttp.control.routes import Routes
 from mindio_ttp.control.session import ListenerHandshake
 from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox
+from mindio_ttp.control.wire import tier as T
 from mindio_ttp.faulttime import claim as C
 
 log = logging.getLogger("mindio_ttp.controller")
@@ -176,6 +178,8 @@ class Controller:
                          self._ranks, self._outbox, self.close_store,
                          claims or (lambda: C.registered(self.fault_id)),
                          address=lambda: self.address, rearmed=self._refresh_backups)
+        # ranks served through node agents and relays (docs/design.md, the tiers)
+        self.routes = Routes(self)
 
     # -- what the flow found (read by tests, benchmarks and the API) ---------------------------
     @property
@@ -384,7 +388,9 @@ class Controller:
                     self.name, len(self._pending), f"{addr[0]}:{addr[1]}", self._refused_pending)
                 sock.close()
                 continue
-            hs = ListenerHandshake(self.cfg.auth_key, P.pre_auth_max_payload(self.world_size))
+            hs = ListenerHandshake(self.cfg.auth_key, P.pre_auth_max_payload(self.world_size),
+                                   {P.Register: self.cfg.auth_key,
+                                    T.NodeRegister: self.routes.hop_key}, T.CODEC)
             conn = Conn(sock, hs.tx, hs.dec, f"{addr[0]}:{addr[1]}")
             conn.handshake = hs
             self._conns[sock.fileno()] = conn
@@ -397,10 +403,7 @@ class Controller:
         for item in self._mail.drain():
             kind = item[0]
             if kind == "send":
-                info = self._ranks.get(item[1])
-                if info is not None and info.conn is not None:
-                    info.conn.queue(item[2])
-                    self._flush(info.conn)
+                self._send_to(item[1], item[2])
             elif kind == "send_many":  # one serialisation for all: save orders to N/2 ranks
                 payload = P.encode_payload(item[2])
                 for r in item[1]:
@@ -408,6 +411,7 @@ class Controller:
                     if info is not None and info.conn is not None:
                         info.conn.queue_payload(item[2].TYPE, payload)
                         self._flush(info.conn)
+                self.routes.to_ranks(item[1], item[2])  # one envelope for the routed ones
             elif kind == "send_alive":
                 self._send_alive_now(item[1], item[2])
             elif kind == "flush":
@@ -422,11 +426,23 @@ class Controller:
         elif isinstance(msg, P.AdvanceTo):
             self._phase_msgs.append(msg)
         payload = None
-        for info in self._ranks.values():
-            if info.status == "alive" and info.conn is not None and info.rank != exclude:
+        for conn in list(self._conns.values()):  # the direct ranks; routed ones below
+            info = self._ranks.get(conn.rank) if conn.rank is not None else None
+            if info is not None and info.conn is conn and info.status == "alive" \
+                    and info.rank != exclude:
                 payload = payload or P.encode_payload(msg)
-                info.conn.queue_payload(msg.TYPE, payload)
-                self._flush(info.conn)
+                conn.queue_payload(msg.TYPE, payload)
+                self._flush(conn)
+        self.routes.broadcast(msg, exclude)
+
+    def _send_to(self, rank: int, msg: P.Message) -> None:
+        """One rank, directly or in an envelope through its node agent."""
+        info = self._ranks.get(rank)
+        if info is not None and info.conn is not None:
+            info.conn.queue(msg)
+            self._flush(info.conn)
+        else:
+            self.routes.to_rank(rank, msg)
 
     def _flush(self, conn: Conn) -> None:
         if conn.closed:
@@ -469,7 +485,8 @@ class Controller:
                 # one ack for all the heartbeats of this read: a loop that fell behind reads
                 # several per rank, and acking each would keep it behind (the processor needs
                 # to hear from us, not one answer per beat)
-                conn.queue(P.HeartbeatAck(conn.ack_due))
+                conn.queue(T.TierAck(conn.ack_due) if conn.child is not None
+                           else P.HeartbeatAck(conn.ack_due))
                 conn.ack_due = None
                 self._flush(conn)
         except ConnClosed as exc:
@@ -507,6 +524,9 @@ class Controller:
         self._pending.pop(conn, None)
         self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
         conn.close()  # frees its buffers now
+        if conn.child is not None:
+            self.routes.lost(conn.child, why)
+            conn.child = None
         if conn.rank is not None:
             self.store.forget(conn.rank)
         with self._cond:
@@ -550,8 +570,17 @@ class Controller:
             with self._cond:  # every rank alive yet none advanced: a job-wide stall
                 self.flow.fault(f"no training progress for {seen - self._progress_at:.1f} s "
                             f"(TTP_STEP_TIMEOUT={stall:g}) while every processor heartbeats")
+        for child in self.routes.check(seen):
+            self._warn_pre_auth.warning("%s: node agent %s silent for TTP_HEARTBEAT_TIMEOUT="
+                                        "%g s; closing", self.name, child.conn.peer,
+                                        self.cfg.heartbeat_timeout)
+            self._drop(child.conn, "silent")
         limit = self.cfg.heartbeat_timeout
-        for info in self._ranks.values():
+        direct = [self._ranks.get(c.rank) for c in list(self._conns.values())
+                  if c.rank is not None]
+        for info in direct:
+            if info is None:
+                continue
             if info.status == "alive" and seen - info.last_seen > limit:
                 if info.conn is not None and not info.conn.closed:
                     self._on_readable(info.conn)  # a heartbeat may wait unread: read it first
@@ -571,8 +600,14 @@ class Controller:
         if isinstance(msg, P.Register):
             self._on_register(conn, msg)
             return
+        if isinstance(msg, T.NodeRegister):
+            self.routes.on_node_register(conn, msg)
+            return
+        if conn.child is not None:
+            self.routes.on_message(conn.child, msg)
+            return
         info = self._ranks.get(conn.rank) if conn.rank is not None else None
-        if info is None or info.conn is not conn:
+        if info is None or info.conn is not conn or type(msg).TYPE in T.TYPES:
             self.rejected_frames += 1
             self._warn_pre_auth.warning("%s: %s from unregistered peer %s; closing", self.name,
                                         type(msg).__name__, conn.peer)
@@ -584,7 +619,13 @@ class Controller:
                 self._progress_at = info.last_seen  # armed by the first change seen
             info.step, info.updating = msg.step, msg.updating
             conn.ack_due = msg.seq  # acked once the read is done (_on_readable)
-        elif isinstance(msg, P.FaultReport):
+            return
+        self._on_rank_msg(info, msg, lambda reply: self._reply(conn, reply), conn.peer)
+
+    def _on_rank_msg(self, info: RankInfo, msg: P.Message, reply: Callable[[P.Message], None],
+                     peer: str = "") -> None:
+        """What a registered rank said, directly or through its node agent (routes.py)."""
+        if isinstance(msg, P.FaultReport):
             with self._cond:
                 self.flow.fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}",
                                 rank=info.rank, kind=msg.kind)
@@ -601,7 +642,7 @@ class Controller:
             with self._cond:
                 self.flow.result(msg.flow_id, info.rank, msg)
         elif isinstance(msg, P.StoreRequest):
-            self.store.handle(info.rank, msg, lambda reply: self._reply(conn, reply), conn.peer)
+            self.store.handle(info.rank, msg, reply, peer)
         elif isinstance(msg, P.Goodbye):
             with self._cond:
                 self._set_status(info, "gone", "finished training")
@@ -623,25 +664,41 @@ class Controller:
         self._drop(conn, reason)
 
     def _on_register(self, conn: Conn, m: P.Register) -> None:
-        if conn.rank is not None:
+        if conn.rank is not None or conn.child is not None:
             return self._refuse(conn, "registered twice on one connection")
         # a Register recorded on another connection raises ProtocolError here (a rejected
         # frame); from here on both directions use this connection's session keys
         conn.handshake.accept(m)
+        why = self._admit(m, conn=conn)
+        if why is not None:
+            return self._refuse(conn, why)
+        conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
+                                 self._backups, self.fault_id or ""))
+        for phase_msg in self._phase_msgs:
+            conn.queue(phase_msg)
+        self._flush(conn)
+        if m.failover or m.locked:
+            log.info("%s: rank %d registered (failover=%s)", self.name, m.rank, m.failover)
+        self._after_registration()
+
+    def _admit(self, m: P.Register, conn: Optional[Conn] = None,
+               child: Optional[object] = None) -> Optional[str]:
+        """Check and record one rank's registration, on its own connection `conn` or through
+        the node agent `child` (routes.py); None when it is admitted, else why not."""
         if m.world_size != self.world_size or not 0 <= m.rank < self.world_size:
-            return self._refuse(conn, f"rank {m.rank} / world_size {m.world_size} do not match "
-                                f"this job's world_size {self.world_size}")
+            return (f"rank {m.rank} / world_size {m.world_size} do not match this job's "
+                    f"world_size {self.world_size}")
         if m.rank not in m.dp_ranks or m.replica != self.replica:
-            return self._refuse(conn, f"rank {m.rank}: dp_ranks {m.dp_ranks[:8]} / replica "
-                                f"{m.replica} do not match (controller replica {self.replica})")
-        if self.sm.is_in(S.EXITING, S.STOPPED):
-            return self._refuse(conn, "controller is exiting")
+            return (f"rank {m.rank}: dp_ranks {m.dp_ranks[:8]} / replica {m.replica} do not "
+                    f"match (controller replica {self.replica})")
+        if self._exiting():
+            return "controller is exiting"
         now = self._clock.now()
         with self._cond:
             old = self._ranks.get(m.rank)
             joining = self.sm.is_in(S.RECOVERING) and m.rank in self.flow.recovery.expecting
             if old is not None and old.status in ("dead", "hung", "replaced") and not joining:
-                return self._refuse(conn, f"rank {m.rank} was already declared {old.note}")
+                return f"rank {m.rank} was already declared {old.note}"
             if joining:
                 self.flow.recovery.replacement_registered(m.rank)
             if old is not None and old.conn is not None and old.conn is not conn:
@@ -650,17 +707,21 @@ class Controller:
                     # for it is a replay or an impostor, never a reason to drop the real one
                     log.warning("%s: refused a Register for rank %d from %s: that rank is "
                                 "connected from %s and heartbeating", self.name, m.rank,
-                                conn.peer, old.conn.peer)
-                    return self._refuse(conn, f"rank {m.rank} is already connected")
+                                conn.peer if conn is not None else "a node agent",
+                                old.conn.peer)
+                    return f"rank {m.rank} is already connected"
                 stale, old.conn = old.conn, None
                 self._drop(stale, "replaced by a new connection")
-            self._pending.pop(conn, None)
-            self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
-            conn.dec.authenticated()
-            conn.rank = m.rank
-            self._ranks.register(RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port,
-                                          conn, now, m.step, m.updating))
-            self.flow.joined(m.rank)  # if mid-flow: it gets the phase orders below
+            if conn is not None:
+                self._authenticated(conn)
+                conn.rank = m.rank
+                self.routes.children.detach([m.rank])  # it left its node agent
+                self.routes.limbo.pop(m.rank, None)
+            info = RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port, conn, now,
+                            m.step, m.updating)
+            info.route = child
+            self._ranks.register(info)
+            self.flow.joined(m.rank)  # if mid-flow: it gets the phase orders
             self._cond.notify_all()
         if self.sm.is_in(S.SERVING) and m.standby_port > 0 and m.rank != self.host_rank:
             # before the ack, so the list it carries counts this rank too: a rank that is
@@ -668,13 +729,19 @@ class Controller:
             # on a later broadcast reaching it before the controller is lost
             with self._cond:  # the flow thread refreshes the list after a recovery
                 self._consider_backup(m.rank, m.host, m.standby_port)
-        conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
-                                 self._backups, self.fault_id or ""))
-        for phase_msg in self._phase_msgs:
-            conn.queue(phase_msg)
-        self._flush(conn)
-        if m.failover or m.locked:
-            log.info("%s: rank %d registered (failover=%s)", self.name, m.rank, m.failover)
+        return None
+
+    def _authenticated(self, conn: Conn) -> None:
+        """`conn` registered (a rank or a node agent): no longer counted before authentication."""
+        self._pending.pop(conn, None)
+        self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
+        conn.dec.authenticated()
+
+    def _exiting(self) -> bool:
+        return self.sm.is_in(S.EXITING, S.STOPPED)
+
+    def _after_registration(self) -> None:
+        """A standby takes over once half of the world's ranks registered with it."""
         if self.sm.is_in(S.STANDBY):
             alive = self._ranks.n_alive
             if 2 * alive >= self.world_size:  # exactly half: the fault claim decides

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindio_ttp.config import ENV_RECOVERY_JOIN, FLOW_FINISHED_FILE, Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control.agent import client as agent_client
 from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.flow_record import FlowRecord
 from mindio_ttp.control.handlers import HANDLERS, Handlers, Job
@@ -42,6 +43,7 @@ from mindio_ttp.control.hooks import STATE, TTPError, fault_kind
 from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
+from mindio_ttp.control.wire import tier as T
 from mindio_ttp.launch import replace as R
 from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, RecoveryOrder
 
@@ -133,9 +135,17 @@ class Processor:
         self._preempted = False
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
+        # through this node's agent (control/agent/): what it accepts from it; None: direct
+        self._agent: Optional[agent_client.AgentLink] = None
+        self._controller_at: Optional[Tuple[str, int]] = None  # where ttp_start_processor said
+        self._advanced: Dict[int, Optional[Tuple[Optional[int], bool]]] = {}  # flow -> report
+        self._incarnation = ""  # of the controller that welcomed us last (through the agent)
 
     # -- start / stop ----------------------------------------------------------------------------
     def start(self, ip: str, port: int) -> None:
+        self._controller_at = (ip, port)
+        if self.cfg.node_agent and self._start_via_agent(ip, port):
+            return
         deadline = time.monotonic() + self.cfg.connect_timeout
         last: Exception = TimeoutError("no attempt")
         while time.monotonic() < deadline:
@@ -159,6 +169,77 @@ class Processor:
         except HandshakeFailed as exc:
             self.standby.stop()
             raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: {exc}") from None
+        self._begin(conn, ip, port)
+
+    def _start_via_agent(self, ip: str, port: int) -> bool:
+        """Register through this node's agent (found or started: agent/client.py); False when
+        there is none or it does not take us within TTP_CONNECT_TIMEOUT (the caller then
+        connects to the controller itself)."""
+        link = agent_client.AgentLink(self.cfg.auth_key, self.rank)
+        path = agent_client.find_or_start(link.hop_key, ip, port, self.world_size)
+        if path is None:
+            return False
+        local_ip = agent_client.local_ip_towards(ip, port)
+        self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
+                                  standby=True)
+        self.standby.listen(local_ip, 0, self.cfg.listen_ports, self.rank)
+        self.standby.start()
+        local = os.environ.get("LOCAL_WORLD_SIZE", "0")
+        try:
+            sock, hs, early = agent_client.connect(
+                path, link.hop_key, self._register_msg(local_ip, False),
+                T.Upstream(ip, port, int(local) if local.isdigit() else 0),
+                self.cfg.handshake_timeout)
+            link.inbox.nonces.add(hs.nonce or "")
+            welcome = self._await_welcome(sock, hs, early, link)
+        except (OSError, TimeoutError, ConnClosed, P.ProtocolError, HandshakeFailed) as exc:
+            log.warning("rank %d: node agent at %s did not register this rank (%s); connecting "
+                        "to the controller itself", self.rank, path, exc)
+            self.standby.stop()
+            self.standby = None
+            return False
+        self._agent = link
+        self._welcomed(welcome)
+        conn = Conn(sock, hs.tx, hs.dec, "node agent", clock=self._clock.now)
+        conn.data = early
+        self._begin(conn, ip, port)
+        return True
+
+    def _await_welcome(self, sock: socket.socket, hs: Any, early: List[P.Message],
+                       link: agent_client.AgentLink) -> T.Welcome:
+        """Block (TTP_CONNECT_TIMEOUT) until the controller's Welcome comes through the agent;
+        frames behind it stay in `early`. HandshakeFailed when the controller refuses us."""
+        deadline = time.monotonic() + self.cfg.connect_timeout
+        while True:
+            while early:
+                m = early.pop(0)
+                if isinstance(m, P.Reject):
+                    raise HandshakeFailed(f"the controller refused the registration: {m.reason}")
+                kind, inner = link.classify(m)
+                if kind == link.ORDER and isinstance(inner, T.Welcome):
+                    return inner
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no Welcome from the controller through the node agent "
+                                   f"within TTP_CONNECT_TIMEOUT={self.cfg.connect_timeout:g} s")
+            early.extend(recv_messages(sock, hs.dec, left))
+
+    def _welcomed(self, w: T.Welcome) -> None:
+        """A controller took this rank through its agent (the RegisterAck of a direct rank)."""
+        if w.incarnation != self._incarnation:  # flow ids are a controller's own
+            if self._incarnation and w.role == "standby":
+                log.warning("rank %d: now served by the standby controller on rank %s",
+                            self.rank, w.controller_rank)
+            self._incarnation = w.incarnation
+            self._advanced.clear()
+        self.controller_rank = w.controller_rank
+        if self.fault_id is None and w.fault_id:
+            self.fault_id = w.fault_id
+        if w.backups:
+            self._backups = w.backups
+
+    def _begin(self, conn: Conn, ip: str, port: int) -> None:
+        assert self.standby is not None
         STATE.wait_limit = self.cfg.ot
         self.standby.fault_id = self.fault_id  # if promoted, it claims under the primary's id
         if self.controller_rank is not None:  # where the controller's rank runs, should the
@@ -287,6 +368,8 @@ class Processor:
 
     def _set_conn(self, conn: Conn) -> None:
         self._conn = conn
+        if self._agent is None:
+            self._advanced.clear()  # a (new) controller's flows: their ids are its own
         self._sel.register(conn.sock, selectors.EVENT_READ, "conn")
         early, conn.data = conn.data or [], None
         for m in early:
@@ -418,6 +501,7 @@ class Processor:
                 log.error("rank %d: reporting %s: %s", self.rank, item[1], item[2])
                 self._send(P.FaultReport(self.rank, item[1], item[2]))
             elif kind == "state":
+                self._advanced[item[1]] = (item[2], item[3])
                 self._send(P.StateReport(item[1], 2, self.rank, item[2], item[3]))
             elif kind == "job_done":
                 self.handlers.finished(item[1], item[2], item[3])
@@ -447,6 +531,24 @@ class Processor:
 
     # -- orders ----------------------------------------------------------------------------------
     def _handle(self, m: P.Message) -> None:
+        if self._agent is not None:
+            kind, inner = self._agent.classify(m)
+            if kind == self._agent.LOST:
+                return self._upstream_lost(str(inner))
+            if kind in (self._agent.HOP, self._agent.REFUSED):
+                return
+            m = inner  # type: ignore[assignment]
+            if isinstance(m, T.Welcome):
+                return self._welcomed(m)
+            if kind == self._agent.DUPLICATE:
+                # sent again to a rank that registered (again) mid-flow: answer, do not redo
+                if isinstance(m, P.AdvanceTo) and m.flow_id in self._advanced:
+                    done = self._advanced[m.flow_id]
+                    if done is not None:
+                        self._send(P.StateReport(m.flow_id, 2, self.rank, *done))
+                    return
+                if not isinstance(m, (P.Lock, P.AdvanceTo, P.Backups)):
+                    return
         if isinstance(m, P.HeartbeatAck):
             return
         if isinstance(m, P.StoreReply):
@@ -459,6 +561,9 @@ class Processor:
             self._send(P.StateReport(m.flow_id, 1, self.rank, step, updating))
         elif isinstance(m, P.AdvanceTo):
             self._note_fault()
+            if m.flow_id in self._advanced:
+                return  # already advancing for this flow: its report comes when done
+            self._advanced[m.flow_id] = None
 
             def advance(fid: int = m.flow_id, limit: int = m.limit, grace: float = m.grace) -> None:
                 step, updating = STATE.advance_to(limit, grace)
@@ -544,7 +649,37 @@ class Processor:
         threading.Thread(target=watch, name="ttp-replace-watch", daemon=True).start()
 
     # -- failover and exit -----------------------------------------------------------------------
+    def _upstream_lost(self, why: str) -> None:
+        """The node agent lost its parent and fails over for the node: stop training until a
+        controller decides, as on losing the controller ourselves; store calls in flight fail."""
+        self._note_fault()
+        STATE.lock()
+        self._calls.fail_all(ConnectionError(f"the connection to the TTP controller was lost "
+                                             f"({why}; a new controller starts with an empty "
+                                             "store)"))
+        log.error("rank %d: %s; training locked, the node agent fails over", self.rank, why)
+
+    def _agent_lost(self, why: str) -> None:
+        """The node agent is gone (or silent): register with the controller ourselves. Not a
+        fault: the controller keeps our place for a while (routes.py), training goes on."""
+        self._agent = None
+        self._drop_conn()
+        if self._closing or self._stop.is_set():
+            self._stop.set()
+            return
+        log.warning("rank %d: node agent lost (%s); registering with the controller itself",
+                    self.rank, why)
+        ip, port = self._controller_at or ("", 0)
+        conn, err = self._try_backup([self.controller_rank or 0, ip, port],
+                                     min(self.cfg.heartbeat_timeout, 5.0))
+        if conn is not None:
+            self._set_conn(conn)
+            return
+        self._controller_lost(f"node agent lost ({why}), controller unreachable ({err})")
+
     def _controller_lost(self, why: str) -> None:
+        if self._agent is not None:
+            return self._agent_lost(why)
         self._drop_conn()
         if self._closing or self._stop.is_set():
             self._stop.set()

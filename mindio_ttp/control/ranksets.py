@@ -105,3 +105,35 @@ def decode(blocks: List[List[int]], limit: int = MAX_RANKS) -> List[int]:
             base = start + i * ostep
             out.extend(range(base, base + count * step, step) if step else [base] * count)
     return out
+
+
+def contains(blocks: Sequence[Sequence[int]], rank: int) -> bool:
+    """Whether `rank` is in the list `blocks` stands for, without expanding it: O(blocks) for
+    the blocks jobs use (one period each), O(periods) at worst. `blocks` must be valid."""
+    for start, step, count, ostep, ocount in blocks:
+        if ocount == 1 or ostep == 0:
+            periods: Any = [start]
+        elif count * abs(step) <= abs(ostep) and step >= 0 and ostep > 0:
+            i = (rank - start) // ostep  # periods do not overlap: only one can hold it
+            periods = [start + i * ostep] if 0 <= i < ocount else []
+        else:
+            periods = (start + i * ostep for i in range(ocount))
+        for base in periods:
+            d = rank - base
+            if step == 0:
+                if d == 0:
+                    return True
+            elif d % step == 0 and 0 <= d // step < count:
+                return True
+    return False
+
+
+def all_but(world: int, excluded: Sequence[int] = ()) -> List[List[int]]:
+    """The blocks of every rank of the world but `excluded` (a broadcast's destinations)."""
+    out: List[List[int]] = []
+    start = 0
+    for r in sorted(set(excluded)) + [world]:
+        if r > start:
+            out.append([start, 1, r - start, 0, 1])
+        start = r + 1
+    return out

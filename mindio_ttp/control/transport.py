@@ -26,7 +26,7 @@ class ConnClosed(Exception):
 
 class Conn:
     __slots__ = ("sock", "tx", "dec", "out", "peer", "rank", "last_rx", "closed", "data",
-                 "writing", "handshake", "clock", "ack_due")
+                 "writing", "handshake", "clock", "ack_due", "child")
 
     def __init__(self, sock: socket.socket, tx: Sealer, dec: FrameDecoder,
                  peer: str = "", clock: Callable[[], float] = time.monotonic) -> None:
@@ -48,6 +48,7 @@ class Conn:
         self.data: Any = None
         self.writing = False  # registered for EVENT_WRITE in the owner's selector
         self.ack_due: Optional[int] = None  # a heartbeat read, its ack not queued yet
+        self.child: Any = None  # a node agent or relay below (control/relay/), once it registered
 
     def read(self, limit: Optional[int] = None) -> List[Message]:
         """Drain what the socket has (at most `limit` bytes); raises ConnClosed on EOF/reset,

@@ -61,9 +61,11 @@ def listener(kind: str) -> Iterator[Controller]:
 
 @contextlib.contextmanager
 def real_rank(ctl: Controller, rank: int = 3, **env: str) -> Iterator[tuple]:
-    """A real processor as `rank` (the one whose reaction matters), exit codes recorded."""
+    """A real processor as `rank` (the one whose reaction matters), exit codes recorded. It
+    connects to the controller itself (TTP_NODE_AGENT=0): these are the processor's own
+    failover's tests (a node agent's are in test_agent.py)."""
     hooks.STATE.reset()
-    proc = Processor(TTPConfig.from_env(dict(ENV, **env)), rank, DP, 4, 2)
+    proc = Processor(TTPConfig.from_env(dict(ENV, TTP_NODE_AGENT="0", **env)), rank, DP, 4, 2)
     codes: list = []
     proc.exit_fn = codes.append
     try:
