@@ -249,8 +249,11 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
             if "claims" in m and m["claims"]:
                 C.register(m["claims"])
             if "status" in m:
+                children, routed = ctl.routes.describe()
                 chan.send(status={"state": ctl.sm.state.value, "registered": len(ctl.registered),
-                                  "faults": ctl.faults[:100], "n_faults": len(ctl.faults)})
+                                  "faults": ctl.faults[:100], "n_faults": len(ctl.faults),
+                                  "children": children, "routed": routed,
+                                  "redirects": ctl.routes.redirects})
             if "stop" in m:
                 ctl.stop(wait_goodbyes=float(m["stop"]))
                 return 0

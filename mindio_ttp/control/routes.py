@@ -47,7 +47,7 @@ class Routes:
         self.hop_key = K.hop_key(ctl.cfg.auth_key)
         self._seq = 0
         self._local_world = 0  # ranks per node, as the agents say
-        self.limbo: Dict[int, float] = {}  # rank -> when its route was lost (looking clock)
+        self.limbo: Dict[int, Tuple[float, str]] = {}  # rank -> (since, why): no route
         self.grace = ctl.cfg.heartbeat_interval + 1.0  # ROUTE_GRACE_S, see the docstring
         self.redirects = 0
 
@@ -102,7 +102,7 @@ class Routes:
         if reg.local_world and not self._local_world:
             self._local_world = reg.local_world
         k = self.fanout()
-        if not (reg.redirected or reg.children or reg.failover) and len(self.children) >= k:
+        if not (reg.redirected or reg.children) and len(self.children) >= k:
             relay = self._relay_with_room(k)
             if relay is not None:
                 relay.assigned += 1
@@ -207,8 +207,10 @@ class Routes:
             return
         if msg.kind in ("moved", "lost"):
             now = ctl._clock.now()
+            why = ("closed its connection to its node agent" if msg.kind == "moved" else
+                   f"its route was lost ({msg.detail[:120]})")
             for r in ranks:
-                self.limbo[r] = now
+                self.limbo[r] = (now, why)
             return
         status = {"dead": "dead", "hung": "hung", "gone": "gone"}[msg.kind]
         with ctl._cond:
@@ -233,7 +235,7 @@ class Routes:
             return
         now = self.ctl._clock.now()
         for r in ranks:
-            self.limbo[r] = now
+            self.limbo[r] = (now, f"its node agent {child.conn.peer} was lost ({why[:80]})")
         log.warning("%s: node agent %s lost (%s); its %d rank(s) have %.1f s to register "
                     "again", self.ctl.name, child.conn.peer, why, len(ranks), self.grace)
 
@@ -241,11 +243,11 @@ class Routes:
         """Count ranks whose route was lost ROUTE_GRACE_S ago dead; returns the children silent
         for TTP_HEARTBEAT_TIMEOUT (the owner drops them)."""
         ctl = self.ctl
-        expired = [r for r, t in self.limbo.items() if seen - t > self.grace]
+        expired = [r for r, (t, _) in self.limbo.items() if seen - t > self.grace]
         if expired:
             with ctl._cond:
                 for r in expired:
-                    del self.limbo[r]
+                    _, why = self.limbo.pop(r)
                     info = ctl._ranks.get(r)
                     if info is None or info.status != "alive" or info.conn is not None or \
                             r in self.children.route:
@@ -254,8 +256,8 @@ class Routes:
                     if ctl._exiting():
                         ctl._set_status(info, "gone", "left after the exit order")
                         continue
-                    ctl._set_status(info, "dead", f"dead (its node agent was lost and it did "
-                                    f"not register again within {self.grace:g} s)")
+                    ctl._set_status(info, "dead", f"dead ({why} and it did not register "
+                                    f"again within {self.grace:g} s)")
                     ctl.flow.fault(f"rank {r} {info.note}")
         limit = ctl.cfg.heartbeat_timeout
         return [c for c in self.children if seen - c.conn.last_rx > limit]

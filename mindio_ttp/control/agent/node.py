@@ -64,6 +64,7 @@ class AgentSettings:
     ot: float = 120.0
     local_world: int = 0
     listen_ports: Optional[Tuple[int, int]] = None
+    local_pending_cap: int = LOCAL_PENDING_CAP  # a node runs ≤ 16 ranks; tests simulate more
 
 
 class LocalRank:
@@ -156,7 +157,8 @@ class NodeAgent:
         self.failovers = 0
         self.relay = RelayRole(Batch())
         self.batch: Batch = self.relay.sink  # type: ignore[assignment]
-        self._local_gate = Gate(LOCAL_PENDING_CAP, PRE_AUTH_BUDGET, settings.handshake_timeout)
+        self._local_gate = Gate(settings.local_pending_cap, PRE_AUTH_BUDGET,
+                                settings.handshake_timeout)
         self._child_gate = Gate(CHILD_PENDING_CAP, PRE_AUTH_BUDGET, settings.handshake_timeout)
         self._sel = selectors.DefaultSelector()
         self._mail = Mailbox()
@@ -186,7 +188,7 @@ class NodeAgent:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(self.path)
         os.chmod(self.path, 0o600)
-        sock.listen(256)
+        sock.listen(max(256, self.s.local_pending_cap))
         sock.setblocking(False)
         self._listener = sock
         self._sel.register(sock, selectors.EVENT_READ, "local")
@@ -204,6 +206,11 @@ class NodeAgent:
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn(*args)` on the loop thread (any thread may call this)."""
         self._mail.put(fn, *args)
+
+    def use_controller(self, host: str, port: int) -> None:
+        """Register with the controller at host:port now, before any rank names it (a relay
+        host of the bench; any thread)."""
+        self.call(self._on_upstream, T.Upstream(host, port, 0))
 
     @property
     def members(self) -> int:
