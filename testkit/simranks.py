@@ -177,8 +177,14 @@ class SimWorker:
     def _lost(self, r: _Rank, why: str) -> None:
         """The controller went away: fail over to the backups in order, as processors do
         (a round over all of them, then 0.2 s, then the next round)."""
+        was_agent = r.via_agent and r.sock is not None
         self._close(r)
         self._unpace(r)
+        if was_agent and not r.done and self.target is not None:
+            # its node agent is gone: the controller itself, as processor.py does
+            r.failover, r.via_agent, r.backup_idx = True, False, 0
+            self._connect(r, self.target)
+            return
         if r.done or not self.backups or r.attempts >= 200:
             r.done = True
             return

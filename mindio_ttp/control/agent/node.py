@@ -232,6 +232,8 @@ class NodeAgent:
         next_check = time.monotonic() + tick
         while not self._stop.is_set():
             now = time.monotonic()
+            # a hang is seen TTP_HEARTBEAT_TIMEOUT after the rank's last frame, not a tick later
+            next_check = min(next_check, self._silence_due(now))
             wake = min(next_check, self._next_beat if self.parent is not None else next_check)
             for key, mask in self._sel.select(self._clock.waiting(max(0.0, wake - now))):
                 self._guarded(key.data, mask)
@@ -646,6 +648,13 @@ class NodeAgent:
         for lr in self.ranks.values():
             lr.joined = False
         self._link(failover=True)
+
+    def _silence_due(self, now: float) -> float:
+        """When the first local rank's silence reaches the timeout (monotonic time)."""
+        if not self.ranks:
+            return now + 3600.0
+        oldest = min(lr.conn.last_rx for lr in self.ranks.values())
+        return now + max(0.0, oldest + self.s.heartbeat_timeout - self._clock.now()) + 0.005
 
     def _check(self) -> None:
         now = time.monotonic()
