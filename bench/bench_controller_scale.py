@@ -226,6 +226,10 @@ class Tiers:
         self.sims.pin(cpus)
         self.local.pin(cpus)
 
+    def relay_cpu_s(self) -> float:
+        """CPU seconds of every real relay and of node 0's agent, together."""
+        return sum(cpu_s(h.pid) for h in [self.node0] + self.relays)
+
     def close(self) -> None:
         for part in reversed(self.parts):
             try:
@@ -281,7 +285,7 @@ def run_one(n: int, window: float, out: Dict[str, Any]) -> None:
         out["relays_up"] = wait_children(host, tiers.fanout, 120)
 
         phase("registration storm")
-        c0 = cpu_s(ctl_pid)
+        c0, r0 = cpu_s(ctl_pid), tiers.relay_cpu_s()
         t0 = time.monotonic()
         tiers.sims.ask("connect", addr)
         if not tiers.sims.wait_registered(n - PER_NODE, 1200):
@@ -289,6 +293,7 @@ def run_one(n: int, window: float, out: Dict[str, Any]) -> None:
                                f"simulated ranks registered within 1200 s; {host.status()}")
         out["storm_s"] = tiers.sims.summary()["registered_last"] - t0
         out["storm_ctl_cpu_s"] = cpu_s(ctl_pid) - c0
+        out["storm_relay_cpu_s"] = (tiers.relay_cpu_s() - r0) / tiers.fanout  # per relay
         st = host.status() or {}
         out["ctl_children"], out["routed"] = st.get("children"), st.get("routed")
 
@@ -305,7 +310,7 @@ def run_one(n: int, window: float, out: Dict[str, Any]) -> None:
         tiers.pin(all_cpus)  # rank 0 stops training at the fault: its CPU goes to the simulation
         tiers.sims.ask("mark")
         tiers.local.ask("mark")
-        c0 = cpu_s(ctl_pid)
+        c0, r0 = cpu_s(ctl_pid), tiers.relay_cpu_s()
         t_stop = time.monotonic()
         os.kill(tiers.real.proc.pid, signal.SIGSTOP)
         try:
@@ -337,6 +342,10 @@ def run_one(n: int, window: float, out: Dict[str, Any]) -> None:
         out["all_locked_ms"] = last("Lock")
         out["all_saves_ms"] = last("SaveOrder")
         out["all_exits_ms"] = last("ExitOrder")
+        out["flow_relay_cpu_s"] = (tiers.relay_cpu_s() - r0) / tiers.fanout  # per relay
+        out["sim_failovers"] = summ["failed_over"]
+        out["relay_failovers"] = sum(a["failovers"] for h in [tiers.node0] + tiers.relays
+                                     for a in h.status())
         out["bytes"] = summ["bytes"] + sum(r.bytes_in + r.bytes_out for r in local.values())
         out["bytes_per_rank"] = out["bytes"] / (summ["ranks"] + len(local))
         ttp.ttp_shutdown()
@@ -470,25 +479,31 @@ def row(r: Dict[str, Any]) -> str:
     done = r.get("phase") == "done"
     cols = [
         r["n"], f"{fmt(r.get('fanout'))} / {fmt(r.get('ctl_children'))}",
-        fmt(r.get("storm_s"), ".1f"), fmt(r.get("storm_ctl_cpu_s"), ".1f"),
+        fmt(r.get("storm_s"), ".1f"),
+        f"{fmt(r.get('storm_ctl_cpu_s'), '.2f')} / {fmt(r.get('storm_relay_cpu_s'), '.3f')}",
         f"{fmt(r.get('step_ms_without'), '.1f')} / {fmt(r.get('step_ms_with'), '.1f')}",
         f"{r['ratio']:.3f} (median {r['ratio_median']:.3f}, B2/B1 {r['ab_noise']:.3f})"
         if r.get("ratio") else "-",
         fmt(r.get("ctl_cpu_pct"), ".2f"), fmt(r.get("ctl_rss_mib")), fmt(r.get("ctl_fds")),
         fmt(r.get("hang_seen_s"), ".2f"), fmt(r.get("all_locked_ms")),
         fmt(r.get("all_saves_ms")), fmt(r.get("verdict_ms")), fmt(r.get("all_exits_ms")),
-        fmt(r.get("flow_ctl_cpu_s"), ".2f"), fmt(r.get("bytes_per_rank")),
+        f"{fmt(r.get('flow_ctl_cpu_s'), '.2f')} / {fmt(r.get('flow_relay_cpu_s'), '.3f')}",
+        fmt(r.get("bytes_per_rank")),
         (r.get("outcome", "-") + (f", {r['no_exit_order']} rank(s) without an exit order"
-                                  if r.get("no_exit_order") else ""))
+                                  if r.get("no_exit_order") else "")
+         + (f", {r['sim_failovers']} simulated rank(s) and {r['relay_failovers']} relay(s) "
+            "failed over" if r.get("sim_failovers") or r.get("relay_failovers") else ""))
         if done else f"incomplete at {r.get('phase')}: {r.get('error', '?')}",
     ]
     return "| " + " | ".join(map(str, cols)) + " |"
 
 
-HEAD = ("N", "fan-out / controller's connections", "storm s", "storm ctl CPU s",
+HEAD = ("N", "fan-out / controller's connections", "storm s",
+        "storm CPU s: ctl / each relay",
         "rank-0 step ms without / with", "ratio", "ctl CPU % of a core", "ctl RSS MiB",
         "ctl fds", "hung rank seen s", "-> all locked ms", "-> all save orders ms",
-        "-> verdict ms", "-> all exit orders ms", "flow ctl CPU s", "bytes per rank per flow",
+        "-> verdict ms", "-> all exit orders ms", "flow CPU s: ctl / each relay (to the "
+        "verdict and after)", "bytes per rank per flow",
         "outcome")
 
 

@@ -104,6 +104,7 @@ class SimAgentWorker:
         self.retry: Deque[Tuple[float, _Agent]] = collections.deque()
         self.next_beat = time.monotonic()
         self.registered_ranks = 0
+        self.decoded: Dict[Tuple[bytes, int], Tuple[P.Message, tuple, frozenset]] = {}
 
     # -- connections ------------------------------------------------------------------------------
     def _connect(self, a: _Agent, addr: Tuple[str, int]) -> None:
@@ -219,8 +220,8 @@ class SimAgentWorker:
             a.state, a.attempts = "ready", 0
             if m.backups:
                 self.backups = m.backups
-            self._send(a, T.join_payloads([p for r, p in zip(a.ranks, a.payloads)
-                                           if r not in a.exited]))
+            self._send(a, T.join([(r, p) for r, p in zip(a.ranks, a.payloads)
+                                  if r not in a.exited]))
             return
         if isinstance(m, T.Redirect):
             a.relay = (m.host, m.port)
@@ -241,7 +242,14 @@ class SimAgentWorker:
 
     def _envelope(self, a: _Agent, blob: bytes, now: float) -> None:
         env = E.verify(self.order_key, blob)  # once per node: its ranks verify in parallel
-        msg = P.decode_payload(env.code, env.payload, T.CODEC)
+        key = (env.incarnation, env.seq)
+        if key not in self.decoded:  # a 50,000-rank save order decoded once per process
+            msg = P.decode_payload(env.code, env.payload, T.CODEC)
+            listed = tuple(getattr(msg, "save_ranks", None) or getattr(msg, "ranks", None) or ())
+            self.decoded[key] = (msg, listed, frozenset(listed))
+            if len(self.decoded) > 64:
+                self.decoded.pop(next(iter(self.decoded)))
+        msg, ranks, in_ranks = self.decoded[key]
         mine = [r for r in a.ranks if r not in a.exited and env.reaches(r)]
         if isinstance(msg, T.Welcome):
             welcomed = set(msg.ranks)
@@ -262,7 +270,6 @@ class SimAgentWorker:
         if isinstance(msg, (P.Closing, P.StoreReply)):
             return
         kind = type(msg).__name__
-        ranks = tuple(getattr(msg, "save_ranks", None) or getattr(msg, "ranks", None) or ())
         step = getattr(msg, "step", None)
         outcome = getattr(msg, "outcome", "")
         fid = getattr(msg, "flow_id", -1)
@@ -272,13 +279,17 @@ class SimAgentWorker:
             phase = 1 if isinstance(msg, P.Lock) else 2
             self._send(a, T.reports(msg.flow_id, phase, [(r, self.step, False) for r in mine]))
         elif isinstance(msg, P.SaveOrder):
-            for r in mine:
-                ok = msg.step == self.step and r in ranks
-                self._send(a, T.up(r, P.SaveResult(msg.flow_id, r, ok,
-                                                   "" if ok else "wrong order", 0.0)))
+            done = []
+            for r in mine:  # like a real agent: successes batched, a failure alone
+                if msg.step == self.step and r in in_ranks:
+                    done.append((r, 0.0))
+                else:
+                    self._send(a, T.up(r, P.SaveResult(msg.flow_id, r, False, "wrong order",
+                                                       0.0)))
+            if done:
+                self._send(a, T.results(msg.flow_id, P.SaveResult.TYPE, done))
         elif isinstance(msg, P.RenameOrder):
-            for r in mine:
-                self._send(a, T.up(r, P.RenameResult(msg.flow_id, r, True, "", 0.0)))
+            self._send(a, T.results(msg.flow_id, P.RenameResult.TYPE, [(r, 0.0) for r in mine]))
         elif isinstance(msg, P.ExitOrder):
             a.exited.update(mine)  # each exits on its order: its agent sees it die
             self._send(a, T.Left(sorted(mine), "dead", "exited on its exit order"))

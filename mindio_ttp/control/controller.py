@@ -171,6 +171,9 @@ class Controller:
         # the running flow's phase orders (lock, advance) as this thread broadcast them: a rank
         # registering mid-flow gets exactly these, and the broadcast it missed, never twice
         self._phase_msgs: List[P.Message] = []
+        # the flow's exit order once sent: a rank that registers after it (its failover or its
+        # node agent's took longer than the flow) gets the verdict instead of a refusal
+        self.verdict: Optional[P.ExitOrder] = None
         self._progress_at: Optional[float] = None  # last heartbeat showing a step change
         self._clock = LookingClock()  # silences count only while the I/O loop runs
         self.store = KeySpace()  # the authenticated store; only the I/O thread touches it
@@ -425,6 +428,8 @@ class Controller:
             self._phase_msgs = [msg]
         elif isinstance(msg, P.AdvanceTo):
             self._phase_msgs.append(msg)
+        elif isinstance(msg, P.ExitOrder):
+            self.verdict = msg
         payload = None
         for conn in list(self._conns.values()):  # the direct ranks; routed ones below
             info = self._ranks.get(conn.rank) if conn.rank is not None else None
@@ -669,6 +674,8 @@ class Controller:
         # a Register recorded on another connection raises ProtocolError here (a rejected
         # frame); from here on both directions use this connection's session keys
         conn.handshake.accept(m)
+        if self._exiting() and self.verdict is not None:
+            return self._late(conn, m)
         why = self._admit(m, conn=conn)
         if why is not None:
             return self._refuse(conn, why)
@@ -730,6 +737,17 @@ class Controller:
             with self._cond:  # the flow thread refreshes the list after a recovery
                 self._consider_backup(m.rank, m.host, m.standby_port)
         return None
+
+    def _late(self, conn: Conn, m: P.Register) -> None:
+        """A rank registers after the verdict: it gets the verdict (it took part in the flow's
+        fault, or it would be waiting TTP_OT for an exit order that was sent before it came)."""
+        log.warning("%s: rank %d registered after the verdict; sending it the exit order",
+                    self.name, m.rank)
+        self._authenticated(conn)
+        conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
+                                 self._backups, self.fault_id or ""))
+        conn.queue(self.verdict)  # type: ignore[arg-type]
+        self._flush(conn)
 
     def _authenticated(self, conn: Conn) -> None:
         """`conn` registered (a rank or a node agent): no longer counted before authentication."""

@@ -97,7 +97,7 @@ class Routes:
         if reg.world_size != ctl.world_size:
             return ctl._refuse(conn, f"node agent for world_size {reg.world_size}, this job's "
                                f"is {ctl.world_size}")
-        if ctl._exiting():
+        if ctl._exiting() and ctl.verdict is None:
             return ctl._refuse(conn, "controller is exiting")
         if reg.local_world and not self._local_world:
             self._local_world = reg.local_world
@@ -141,6 +141,13 @@ class Routes:
             child.alive = msg.alive
         elif isinstance(msg, T.Reports):
             self._on_reports(child, msg)
+        elif isinstance(msg, T.Results):
+            fid, cls, entries = T.result_entries(msg)
+            route = self.children.route
+            with self.ctl._cond:
+                for rank, secs in entries:
+                    if route.get(rank) is child:
+                        self.ctl.flow.result(fid, rank, cls(fid, rank, True, "", secs))
         elif isinstance(msg, T.Up):
             rank, inner = T.up_message(msg)
             if self.children.route.get(rank) is not child:
@@ -169,6 +176,8 @@ class Routes:
 
     def _on_join(self, child: Child, regs: List[P.Register]) -> None:
         ctl = self.ctl
+        if ctl._exiting() and ctl.verdict is not None:
+            return self._late(child, regs)
         accepted: List[P.Register] = []
         for reg in regs:
             why = ctl._admit(reg, child=child)
@@ -199,6 +208,19 @@ class Routes:
         ctl._flush(child.conn)
         if accepted:
             ctl._after_registration()
+
+    def _late(self, child: Child, regs: List[P.Register]) -> None:
+        """Ranks that come after the verdict get it (controller.py's `_late`)."""
+        ctl = self.ctl
+        ranks = [r.rank for r in regs]
+        log.warning("%s: %d rank(s) registered through node agent %s after the verdict; "
+                    "sending them the exit order", ctl.name, len(ranks), child.conn.peer)
+        dst = ranksets.encode(sorted(ranks))
+        welcome = T.Welcome(self.incarnation.hex(), "standby" if ctl.standby else "primary",
+                            ctl.host_rank, ctl.fault_id or "", [], ranks, [r.nonce for r in regs])
+        child.conn.queue_payload(T.Sealed.TYPE, self.seal(welcome, dst))
+        child.conn.queue_payload(T.Sealed.TYPE, self.seal(ctl.verdict, dst))  # type: ignore
+        ctl._flush(child.conn)
 
     def _on_left(self, child: Child, msg: T.Left) -> None:
         ctl = self.ctl

@@ -205,6 +205,23 @@ def test_under_another_launcher_the_node_s_ranks_start_one_agent_and_register_th
     assert "seen by its node agent" in logs
 
 
+@pytest.mark.slow
+def test_a_lost_node_agent_is_no_fault_its_ranks_register_themselves_and_train_on(tmp_path):
+    """The node agent's process is SIGKILLed mid-training (rank 1 does it at step 3): every
+    rank registers with the controller itself and training ends normally, no flow, exit 0;
+    then a rank's death is still saved by the rest."""
+    res = run_job(tmp_path, {"faults": [{"kind": "kill_agent", "rank": 1, "step": 3,
+                                         "phase": "after"}]})
+    logs = res.all_logs()
+    assert res.codes == {r: 0 for r in range(4)}, logs
+    assert res.flow is None and "killing the node agent" in logs
+    assert logs.count("registering with the controller itself") == 4, logs
+    res = run_job(tmp_path / "again", {"faults": [
+        {"kind": "kill_agent", "rank": 1, "step": 3, "phase": "after"},
+        {"kind": "kill", "rank": 3, "step": 5, "phase": "inside"}]})
+    assert res.codes == {0: 83, 1: 83, 2: 83, 3: -9}, res.all_logs()
+
+
 def test_an_agent_s_local_listener_refuses_a_flood_and_still_serves_its_ranks():
     """More unauthenticated local connections than it lets wait: the rest are closed at once,
     and what the waiting ones may send is bounded (the frame cap of an unregistered peer)."""

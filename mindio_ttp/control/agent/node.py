@@ -82,13 +82,18 @@ class Batch:
     """What goes up at the end of a loop turn: one frame of each kind (relay/role.py's Sink)."""
 
     def __init__(self) -> None:
-        self.joins: List[bytes] = []
+        self.joins: List[T.Member] = []
         self.lefts: Dict[Tuple[str, str], List[int]] = {}
         self.reps: Dict[Tuple[int, int], List[Tuple[int, Optional[int], bool]]] = {}
+        self.res: Dict[Tuple[int, int], List[Tuple[int, float]]] = {}
         self.ups: List[T.Up] = []
 
-    def join(self, payloads: List[bytes]) -> None:
-        self.joins += payloads
+    def join(self, members: List[T.Member]) -> None:
+        self.joins += members
+
+    def results(self, flow_id: int, code: int, entries: List[Tuple[int, float]]) -> None:
+        if entries:
+            self.res.setdefault((flow_id, code), []).extend(entries)
 
     def left(self, kind: str, ranks: List[int], detail: str) -> None:
         self.lefts.setdefault((kind, detail[:200]), []).extend(ranks)
@@ -104,18 +109,20 @@ class Batch:
     def frames(self) -> List[P.Message]:
         out: List[P.Message] = []
         if self.joins:
-            out.append(T.join_payloads(self.joins))
+            out.append(T.join(self.joins))
         for (kind, detail), ranks in self.lefts.items():
             out.append(T.Left(sorted(ranks), kind, detail))
         for (fid, phase), entries in self.reps.items():
             out.append(T.reports(fid, phase, entries))
+        for (fid, code), done in self.res.items():
+            out.append(T.results(fid, code, done))
         out += self.ups
-        self.joins, self.lefts, self.reps, self.ups = [], {}, {}, []
+        self.joins, self.lefts, self.reps, self.res, self.ups = [], {}, {}, {}, []
         return out
 
     def forget_flow(self) -> None:
         """A failover: reports of the lost controller's flow mean nothing to the next one."""
-        self.reps = {}
+        self.reps, self.res = {}, {}
 
 
 def pid_alive(pid: int) -> bool:
@@ -359,7 +366,10 @@ class NodeAgent:
                 raise P.ProtocolError(f"rank {local.rank} sends for rank {m.rank}")
             if isinstance(m, P.Goodbye):
                 local.goodbye = True
-            self.batch.up(T.up(local.rank, m))
+            if isinstance(m, (P.SaveResult, P.RenameResult)) and m.ok and not m.error:
+                self.batch.results(m.flow_id, m.TYPE, [(m.rank, m.seconds)])
+            else:
+                self.batch.up(T.up(local.rank, m))
         else:
             raise P.ProtocolError(f"a rank does not send {type(m).__name__} to its agent")
 
@@ -474,10 +484,11 @@ class NodeAgent:
         self._sel.register(conn.sock, selectors.EVENT_READ, conn)
         self._next_beat = time.monotonic()
         # everyone below registers (again): local ranks and the relay's children's ranks
-        payloads = [lr.payload for lr in self.ranks.values()] + list(self.relay.payloads.values())
+        members = [(lr.rank, lr.payload) for lr in self.ranks.values()]
+        members += list(self.relay.payloads.items())
         for lr in self.ranks.values():
             lr.joined = True
-        self.batch.joins = payloads
+        self.batch.joins = members
         (log.warning if failover else log.info)(
             "%s: registered with the %s (%s)%s", self.name, linked.target.kind, conn.peer,
             f" after {len(linked.tried)} failed attempt(s)" if linked.tried else "")
@@ -504,7 +515,7 @@ class NodeAgent:
         for lr in self.ranks.values():  # ranks that registered since the last turn
             if not lr.joined and not lr.conn.closed:
                 lr.joined = True
-                self.batch.joins.append(lr.payload)
+                self.batch.joins.append((lr.rank, lr.payload))
         frames = self.batch.frames()
         for f in frames:
             self._to_parent(f)

@@ -20,7 +20,7 @@ from mindio_ttp.control.wire import tier as T
 class Sink(Protocol):
     """Where a relay's children's messages go: the agent's batch for its own parent."""
 
-    def join(self, payloads: List[bytes]) -> None: ...
+    def join(self, members: List[T.Member]) -> None: ...
 
     def left(self, kind: str, ranks: List[int], detail: str) -> None: ...
 
@@ -28,6 +28,8 @@ class Sink(Protocol):
                 entries: List[Tuple[int, Optional[int], bool]]) -> None: ...
 
     def up(self, msg: T.Up) -> None: ...
+
+    def results(self, flow_id: int, code: int, entries: List[Tuple[int, float]]) -> None: ...
 
 
 class RelayRole:
@@ -44,12 +46,11 @@ class RelayRole:
             child.conn.ack_due = msg.seq
             child.progress, child.alive = msg.progress, msg.alive
         elif isinstance(msg, T.Join):
-            payloads = T.join_payload_list(msg)
-            regs = T.members(msg)  # each checked: a bad member refuses the frame
-            for reg, payload in zip(regs, payloads):
-                self.payloads[reg.rank] = payload
-            self.children.attach(child, [r.rank for r in regs])
-            self.sink.join(payloads)
+            members = T.join_members(msg)  # checked by the controller, which may refuse one
+            for rank, payload in members:
+                self.payloads[rank] = payload
+            self.children.attach(child, [r for r, _ in members])
+            self.sink.join(members)
         elif isinstance(msg, T.Left):
             ranks = self.children.detach(msg.ranks, child)
             for r in ranks:
@@ -60,6 +61,10 @@ class RelayRole:
             fid, phase, entries = T.report_entries(msg)
             route = self.children.route
             self.sink.reports(fid, phase, [e for e in entries if route.get(e[0]) is child])
+        elif isinstance(msg, T.Results):
+            fid, cls, entries = T.result_entries(msg)
+            route = self.children.route
+            self.sink.results(fid, cls.TYPE, [e for e in entries if route.get(e[0]) is child])
         elif isinstance(msg, T.Up):
             rank, _ = T.up_message(msg)
             if self.children.route.get(rank) is child:

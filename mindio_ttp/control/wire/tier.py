@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.protocol import Ranks
@@ -81,17 +81,24 @@ class Redirect(P.Message):
 @P.message(63, registry=_OWN, raw=True)
 @dataclass
 class Join(P.Message):
-    """Ranks registering through this connection: u32 length + a Register payload, repeated."""
+    """Ranks registering through this connection: (u32 length, u32 rank) + that rank's Register
+    payload, repeated. The rank in the framing lets a relay route without decoding; the
+    controller decodes and checks every Register, and that it is the rank it says."""
     data: bytes
 
     def problem(self) -> str:
         n, i = len(self.data), 0
         while i < n:
-            if i + 4 > n:
+            if i + MEMBER.size > n:
                 return "a truncated member"
-            (length,) = struct.unpack_from("!I", self.data, i)
-            i += 4 + length
+            length, rank = MEMBER.unpack_from(self.data, i)
+            if rank >= P.MAX_RANKS:
+                return f"rank {rank} out of range"
+            i += MEMBER.size + length
         return "a truncated member" if i != n else ""
+
+
+MEMBER = struct.Struct("!II")
 
 
 @P.message(64, registry=_OWN, kind=P.one_of("dead", "hung", "gone", "moved", "lost"),
@@ -212,41 +219,77 @@ class Welcome(P.Message):
         return "" if bad is None else f"bad nonce {bad[:40]!r}"
 
 
+RESULT_HEAD = struct.Struct("!QB")
+RESULT = struct.Struct("!Id")
+
+
+@P.message(74, registry=_OWN, raw=True)
+@dataclass
+class Results(P.Message):
+    """Save or rename results that succeeded, many ranks per frame: flow id u64, the result's
+    message type u8 (SaveResult or RenameResult), then (rank u32, seconds f64) per rank. A
+    failure travels alone, as the rank's own message in an `Up` (it carries its error)."""
+    data: bytes
+
+    def problem(self) -> str:
+        n = len(self.data) - RESULT_HEAD.size
+        return "" if n >= 0 and n % RESULT.size == 0 else "bad length"
+
+
 # every message a tier connection decodes: the ranks' own and the tiers'
 CODEC: Dict[int, Type[P.Message]] = {**P.MESSAGE_TYPES, **_OWN}
 TYPES: Dict[int, Type[P.Message]] = dict(_OWN)
 
 
 # -- packing and unpacking the raw messages -----------------------------------------------
-def join(registers: List[P.Register]) -> Join:
-    return Join(b"".join(_framed(P.encode_payload(r)) for r in registers))
+Member = Tuple[int, bytes]  # a rank and its Register payload, as it sent it
 
 
-def join_payloads(payloads: List[bytes]) -> Join:
-    return Join(b"".join(_framed(p) for p in payloads))
+def join(members: List[Member]) -> Join:
+    return Join(b"".join(MEMBER.pack(len(p), r) + p for r, p in members))
 
 
-def _framed(payload: bytes) -> bytes:
-    return struct.pack("!I", len(payload)) + payload
-
-
-def join_payload_list(m: Join) -> List[bytes]:
+def join_members(m: Join) -> List[Member]:
+    """(rank, payload) of every member, not decoded (a relay routes by the rank)."""
     out, i, data = [], 0, m.data
     while i < len(data):
-        (length,) = struct.unpack_from("!I", data, i)
-        out.append(data[i + 4:i + 4 + length])
-        i += 4 + length
+        length, rank = MEMBER.unpack_from(data, i)
+        out.append((rank, bytes(data[i + MEMBER.size:i + MEMBER.size + length])))
+        i += MEMBER.size + length
     return out
 
 
 def members(m: Join) -> List[P.Register]:
-    """Every Register of a Join, each checked as protocol.py checks a rank's own (ProtocolError
-    refuses the whole frame: a sender that makes one bad member is not trusted for the rest)."""
+    """Every Register of a Join, each checked as protocol.py checks a rank's own, and against
+    the rank its framing names (ProtocolError refuses the whole frame: a sender that makes one
+    bad member is not trusted for the rest)."""
     out = []
-    for payload in join_payload_list(m):
+    for rank, payload in join_members(m):
         reg = P.decode_payload(P.Register.TYPE, payload)
-        out.append(reg)  # type: ignore[arg-type]
+        if reg.rank != rank:  # type: ignore[attr-defined]
+            raise P.ProtocolError(f"Join: member framed as rank {rank} registers rank "
+                                  f"{reg.rank}")  # type: ignore[attr-defined]
+        out.append(reg)
     return out  # type: ignore[return-value]
+
+
+def results(flow_id: int, code: int, entries: List[Tuple[int, float]]) -> Results:
+    return Results(RESULT_HEAD.pack(flow_id, code)
+                   + b"".join(RESULT.pack(r, s) for r, s in entries))
+
+
+def result_entries(m: Results) -> Tuple[int, Type[P.Message], List[Tuple[int, float]]]:
+    """(flow id, SaveResult or RenameResult, [(rank, seconds)]): every field range-checked."""
+    flow_id, code = RESULT_HEAD.unpack_from(m.data)
+    cls = {P.SaveResult.TYPE: P.SaveResult, P.RenameResult.TYPE: P.RenameResult}.get(code)
+    if cls is None or flow_id >= 2**63:
+        raise P.ProtocolError(f"Results: bad flow {flow_id} / type {code}")
+    out = []
+    for r, secs in RESULT.iter_unpack(memoryview(m.data)[RESULT_HEAD.size:]):
+        if r >= P.MAX_RANKS or not P.seconds(secs):
+            raise P.ProtocolError(f"Results: bad entry {(r, secs)}")
+        out.append((r, secs))
+    return flow_id, cls, out
 
 
 _NONE = -(2**63)
@@ -282,7 +325,3 @@ def up_message(m: Up) -> Tuple[int, P.Message]:
     if rank >= P.MAX_RANKS or code not in _UP_CODES:
         raise P.ProtocolError(f"Up: bad rank {rank} or message type {code}")
     return rank, P.decode_payload(code, bytes(m.data[UP.size:]))
-
-
-def iter_members(data: bytes) -> Iterator[bytes]:
-    yield from join_payload_list(Join(data))
