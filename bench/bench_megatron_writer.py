@@ -1,35 +1,44 @@
-"""The Megatron dying-save writer against torch.save of the same tensors, and the host memory
-each way of writing adds, on state dicts shaped like Megatron 285068c's checkpoint files.
+"""The Megatron dying-save writer against torch.save + fsync of the same tensors, and the host
+memory each way of writing adds, on state dicts shaped like Megatron 285068c's checkpoint files.
 
     python bench/bench_megatron_writer.py [--hidden 768] [--layers 4] [--repeats 9] [--dir DIR]
+        [--methods NAME ...] [--burn N] [--json OUT]
+
+    # the two sizes of docs/benchmarks.md: 41.4M parameters (277 MiB), and ~2 GiB per rank
+    python bench/bench_megatron_writer.py --repeats 9
+    python bench/bench_megatron_writer.py --hidden 1792 --layers 7 --repeats 9
 
 Files (one model-parallel rank, DP position 0 of 4): ``mp_rank_00/model_rng.pt`` (args, the
 GPT model state dict in fp32: embedding, per layer QKV / dense / MLP / layer norms, the RNG
 states) and ``mp_rank_00_000/optim.pt`` (one DP position's distributed-optimizer state: fp32
 param, exp_avg, exp_avg_sq per group, the scheduler). Methods, each writing both files into a
-fresh directory of the same disk:
+fresh directory of the same filesystem (``--dir``; default the temp directory's):
 
-* ``torch.save``: straight to the file, page cache only;
-* ``torch.save + fsync``: the same, durable (the like-for-like baseline of a dying save), with
-  torch's zip CRC-32 switched off as the writer switches it off (``CRC off``), and as torch
-  does it by default (``CRC on``, for reference: the CRC costs about as much as the write);
-* ``BytesIO _save (before)``: what megatron_ttp/save.py did before checkpoint_writer:
-  torch.save into BytesIO, ``getvalue()``, sha256 of the bytes, write + fsync + rename;
-* ``checkpoint_writer``: the writer the dying save uses now (streamed into the file, sha256
-  in the same pass, fsync, rename, directory fsync).
+* ``torch.save + fsync, CRC off`` (the baseline): what Megatron's own save does, made durable,
+  with torch's zip CRC-32 off as the writer has it; it computes no digest at all;
+* ``torch.save + fsync, CRC on``: torch's default, for reference;
+* ``writer, <digest>, inline|helper``: ``checkpoint_writer.write_torch`` (streamed into a
+  ``.part`` file, digested in the same pass, fsync, rename, directory fsync), with the digest
+  of an unkeyed manifest (xxh3_128) or of a signed one (blake3), or the sha256 of before,
+  computed inline after each buffer's write or on the helper thread beside it. ``(default)``
+  marks what the writer picks by itself on this machine.
 
-Throughput: interleaved repeats (ABCD DCBA ..., so order effects cancel), median; the spread
-(min-max) is printed too. Peak memory: each method once in a fresh process,
-VmHWM after the save minus VmHWM before it (the state already resident), over the state size.
+Every file a writer wrote is re-read and its digest recomputed after the timed part
+(``verify s``: what the load's check costs per method), and must equal the one the writer
+returned. Throughput: interleaved repeats (ABC CBA ..., so order effects cancel), median; the
+spread (min-max) and the process CPU time (all threads) are printed too. ``vs baseline``:
+baseline median / method median; ``per repeat``: the median of that ratio taken within each
+repeat. Peak memory: each method once in a fresh process, VmHWM after the save minus VmHWM
+before it (the state already resident), over the state size. ``--burn N`` runs N busy
+processes beside the bench (a loaded node); /proc/loadavg is printed at start and end.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import io
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -47,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from mindio_ttp.faulttime import checkpoint_writer  # noqa: E402
+from mindio_ttp.faulttime import checkpoint_writer, digest  # noqa: E402
 
 MODEL_FILE = "mp_rank_00/model_rng.pt"
 OPTIM_FILE = "mp_rank_00_000/optim.pt"
@@ -142,34 +151,46 @@ def torch_save_file(path: Path, state: dict, fsync: bool, crc: bool = True) -> N
                 os.fsync(f.fileno())
 
 
-def _bytesio_before(path: Path, state: dict) -> None:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    hashlib.sha256(data).hexdigest()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _writer(algo: str, helper: bool) -> Callable[[Path, dict], object]:
+    return lambda p, s: checkpoint_writer.write_torch(p, s, algo=algo, helper=helper)
 
 
 BASELINE = "torch.save + fsync, CRC off"  # the same bytes durably, the same CRC setting
-METHODS: Dict[str, Callable[[Path, dict], None]] = {
-    "torch.save, CRC on": lambda p, s: torch_save_file(p, s, fsync=False),
-    "torch.save + fsync, CRC on": lambda p, s: torch_save_file(p, s, fsync=True),
+METHODS: Dict[str, Callable[[Path, dict], object]] = {
     BASELINE: lambda p, s: torch_save_file(p, s, fsync=True, crc=False),
-    "BytesIO _save (before), CRC on": _bytesio_before,
-    "checkpoint_writer (sha256, CRC off)": lambda p, s: checkpoint_writer.write_torch(p, s),
+    "torch.save + fsync, CRC on": lambda p, s: torch_save_file(p, s, fsync=True),
 }
-WRITER = "checkpoint_writer (sha256, CRC off)"
+for _algo in (digest.XXH3_128, digest.BLAKE3, digest.SHA256):
+    for _helper in (False, True):
+        _name = f"writer, {_algo}, {'helper' if _helper else 'inline'}"
+        if _helper == checkpoint_writer.HashingWriter.helper_pays(_algo):
+            _name += " (default)"
+        METHODS[_name] = _writer(_algo, _helper)
+WRITERS = [m for m in METHODS if m.startswith("writer")]
 
 
-def write_all(method: str, root: Path, states: Dict[str, dict]) -> None:
+def write_all(method: str, root: Path, states: Dict[str, dict]) -> Dict[str, object]:
+    out = {}
     for rel, state in states.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        METHODS[method](root / rel, state)
+        out[rel] = METHODS[method](root / rel, state)
+    return out
+
+
+def verify_all(root: Path, written: Dict[str, object]) -> float:
+    """Re-read every file a writer wrote and check its digest (what the load does); seconds."""
+    t0 = time.perf_counter()
+    for rel, w in written.items():
+        got = digest.of_file(root / rel, w.algo)  # type: ignore[attr-defined]
+        if got != w.digest:  # type: ignore[attr-defined]
+            raise SystemExit(f"{root / rel}: digest {got} on re-read, the writer said "
+                             f"{w.digest}")  # type: ignore[attr-defined]
+    return time.perf_counter() - t0
+
+
+def burn() -> None:
+    while True:
+        pass
 
 
 def _hwm() -> int:
@@ -187,6 +208,13 @@ def peak_child(method: str, root: Path, hidden: int, layers: int, vocab: int) ->
     print(json.dumps({"extra": _hwm() - before, "state": state_bytes(states)}))
 
 
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=768)
@@ -194,6 +222,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--repeats", type=int, default=9, help="interleaved repeats (>= 7)")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
+    ap.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                    help="only these methods (substrings of their names; the baseline always)")
+    ap.add_argument("--burn", type=int, default=0, help="busy processes beside the bench")
+    ap.add_argument("--no-peaks", action="store_true", help="skip the peak-RSS children")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -206,49 +238,80 @@ def main() -> None:
         finally:
             shutil.rmtree(base, ignore_errors=True)
         return
+    methods = [m for m in METHODS if m == BASELINE or a.methods is None
+               or any(k in m for k in a.methods)]
     states = megatron_states(a.hidden, a.layers, a.vocab, dp=4)
     nbytes = state_bytes(states)
-    times: Dict[str, list] = {m: [] for m in METHODS}
+    times: Dict[str, list] = {m: [] for m in methods}
+    cpu: Dict[str, list] = {m: [] for m in methods}
+    verify: Dict[str, list] = {m: [] for m in methods}
+    phases: Dict[str, Dict[str, list]] = {m: {} for m in methods}
     sizes: Dict[str, int] = {}
+    load_start = _loadavg()
+    burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(a.burn)]
+    for proc in burners:
+        proc.start()
     try:
-        for m in METHODS:  # warm-up: page cache, allocator
+        for m in methods:  # warm-up: page cache, allocator
             write_all(m, base / "warm", states)
             shutil.rmtree(base / "warm")
         for r in range(a.repeats):
-            for m in (list(METHODS) if r % 2 == 0 else list(reversed(METHODS))):
-                d = base / f"{r}-{m.replace(' ', '_')}"
-                t0 = time.perf_counter()
-                write_all(m, d, states)
+            for m in (methods if r % 2 == 0 else list(reversed(methods))):
+                d = base / f"{r}-{m.replace(' ', '_').replace(',', '')}"
+                c0, t0 = time.process_time(), time.perf_counter()
+                written = write_all(m, d, states)
                 times[m].append(time.perf_counter() - t0)
+                cpu[m].append(time.process_time() - c0)
                 sizes[m] = sum(f.stat().st_size for f in d.rglob("*.pt"))
+                if m in WRITERS:
+                    verify[m].append(verify_all(d, written))
+                    for w in written.values():
+                        for k, v in w.phases.items():  # type: ignore[attr-defined]
+                            phases[m].setdefault(k, [0.0] * a.repeats)[r] += v
                 shutil.rmtree(d)
     finally:
+        for proc in burners:
+            proc.kill()
+            proc.join()
         shutil.rmtree(base, ignore_errors=True)
+    load_end = _loadavg()
     peaks = {}
-    for m in METHODS:
+    for m in methods if not a.no_peaks else []:
         cmd = [sys.executable, __file__, "--child", m, "--hidden", str(a.hidden), "--layers",
                str(a.layers), "--vocab", str(a.vocab)] + (["--dir", str(a.dir)] if a.dir else [])
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, check=True)
         peaks[m] = json.loads(done.stdout.strip().splitlines()[-1])
     med = {m: statistics.median(v) for m, v in times.items()}
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     params = model_params(a.hidden, a.layers, a.vocab)
+    where = a.dir if a.dir is not None else Path(tempfile.gettempdir())
+    fs = subprocess.run(["df", "-T", str(where)], capture_output=True, text=True).stdout
+    fs_type = fs.splitlines()[-1].split()[1] if fs.count("\n") >= 2 else "?"
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: GPT of {a.layers} layers, "
           f"hidden {a.hidden}, vocab {a.vocab} ({params / 1e6:.1f}M parameters), DP position 0 "
-          f"of 4: state {nbytes / 2**20:.0f} MiB in 2 files ({MODEL_FILE}, {OPTIM_FILE}); "
-          f"{a.repeats} interleaved repeats, median; load average {load:.2f} at the end")
-    print(f"| method | median s (min-max) | MiB/s | vs {BASELINE} | peak extra RSS / state |")
-    print("|---|---:|---:|---:|---:|")
-    for m in METHODS:
+          f"of 4: state {nbytes / 2**20:.0f} MiB in 2 files ({MODEL_FILE}, {OPTIM_FILE}) on "
+          f"{where} ({fs_type}); {a.repeats} interleaved repeats, median; {a.burn} busy "
+          f"processes beside; /proc/loadavg {load_start} at the start, {load_end} at the end")
+    print("| method | median s (min-max) | MiB/s | CPU s | vs baseline | per repeat (min-max) "
+          "| verify s | peak extra RSS / state |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for m in methods:
+        pairs = [b / w for b, w in zip(times[BASELINE], times[m])]
+        peak = f"{peaks[m]['extra'] / peaks[m]['state']:.2f}" if m in peaks else "-"
+        ver = f"{statistics.median(verify[m]):.3f}" if verify[m] else "-"
         print(f"| {m} | {med[m]:.3f} ({min(times[m]):.3f}-{max(times[m]):.3f}) | "
-              f"{sizes[m] / 2**20 / med[m]:.0f} | {med[BASELINE] / med[m]:.0%} | "
-              f"{peaks[m]['extra'] / peaks[m]['state']:.2f} |")
-    pairs = [b / w for b, w in zip(times[BASELINE], times[WRITER])]
-    print(f"writer speed / {BASELINE}, per repeat: median {statistics.median(pairs):.0%}, "
-          f"{min(pairs):.0%}-{max(pairs):.0%}")
+              f"{sizes[m] / 2**20 / med[m]:.0f} | {statistics.median(cpu[m]):.3f} | "
+              f"{med[BASELINE] / med[m]:.0%} | {statistics.median(pairs):.0%} "
+              f"({min(pairs):.0%}-{max(pairs):.0%}) | {ver} | {peak} |")
+    print("writer phases, median s over repeats (both files): "
+          + "; ".join(f"{m}: " + ", ".join(f"{k} {statistics.median(v):.3f}"
+                                           for k, v in phases[m].items())
+                      for m in methods if phases[m]))
     if a.json:
-        a.json.write_text(json.dumps({"state_bytes": nbytes, "times": times, "median": med,
-                                      "peaks": peaks, "load": load}, indent=1))
+        a.json.write_text(json.dumps({"state_bytes": nbytes, "params": params, "dir": str(where),
+                                      "fs": fs_type, "times": times, "cpu": cpu,
+                                      "verify": verify, "phases": phases, "median": med,
+                                      "peaks": peaks, "load": [load_start, load_end],
+                                      "burn": a.burn}, indent=1))
 
 
 if __name__ == "__main__":

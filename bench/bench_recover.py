@@ -1,9 +1,12 @@
 """Time lost per fault: in-memory recovery (warm spare, cold replacement) against a restart
 from the dying checkpoint and a cold start, on real Megatron-LM 285068c on CPU.
 
-The job is the tiny GPT of mindio_ttp.demo.rehearsal (DP4, gloo, --use-distributed-optimizer,
-a tree patched with `ttp-patch apply --device cpu`), launched by `ttprun`. Four paths, run in
-rounds with the order rotated each round, so load drifts hit every path alike:
+The job is the tiny GPT of mindio_ttp.demo.rehearsal (DP4, --use-distributed-optimizer, a tree
+patched with `ttp-patch apply --device cpu`), launched by `ttprun`, on gloo or (``--backend
+nccl-like``) on the test rig's NCCL-like backend, where a collective with the dead rank spins
+until aborted as on NCCL instead of raising as on gloo (testkit/nccl_like, docs/rehearsal.md).
+Four paths, run in rounds with the order rotated each round, so load drifts hit every path
+alike:
 
 * in-memory (warm spare): TTP_RECOVERY=in-memory, `ttprun --warm-spares 1`;
 * in-memory (cold replacement): the same with no spare;
@@ -35,6 +38,7 @@ Medians over the rounds, with min-max. The last line is the ratio of the medians
 
     TTP_MEGATRON_DIR=/path/to/Megatron-LM python bench/bench_recover.py   # checkout at 285068c
     python bench/bench_recover.py --megatron DIR --rounds 3 --big-rounds 1 --keep OUT
+    python bench/bench_recover.py --backend nccl-like --big-rounds 0   # or nccl-like@2.1 ...
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ from mindio_ttp.demo.rehearsal.launch import (  # noqa: E402
     tiny_gpt_args,
 )
 from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree  # noqa: E402
-from testkit.hooks import FAULT_HOOK_DIR, pythonpath  # noqa: E402
+from testkit.hooks import GLOO, backend_setup  # noqa: E402
 
 FAULT_RANK = 1
 FAULT_STEP = 4
@@ -213,6 +217,7 @@ class Bench:
     data: object
     work: Path
     world: int = 4
+    backend: str = GLOO
 
     def launch(self, path: str, tag: str, extra: Sequence[str] = (),
                fault_step: int = FAULT_STEP, iters: int = ITERS) -> Run:
@@ -220,8 +225,9 @@ class Bench:
         out = self.work / tag
         for sub in ("logs", "records", "runs", "ckpt"):
             (out / sub).mkdir(parents=True, exist_ok=True)
+        backend_env, backend_args = backend_setup(self.backend)
         env = {
-            "PYTHONPATH": pythonpath(FAULT_HOOK_DIR),
+            **backend_env,
             "TTP_OT": "120",
             "TTP_CONTROLLER_PORT": str(pick_free_port()),
             "TTP_LOG_PATH": str(out / "logs"),
@@ -242,7 +248,7 @@ class Bench:
         iters = iters if faulted else 3  # Megatron wants more iterations than warm-up ones
         ckpt = out / "ckpt"
         args = tiny_gpt_args(self.data, train_iters=iters, save=ckpt,  # type: ignore[arg-type]
-                             load=ckpt, save_interval=10_000, extra=extra)
+                             load=ckpt, save_interval=10_000, extra=[*extra, *backend_args])
         log = out / "job.log"
         launched = time.time()
         with PretrainJob(self.tree, args, nproc=self.world, log_path=log,
@@ -280,10 +286,12 @@ def _cell(values: List[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def table(runs: Dict[str, List[Run]], title: str, fault_step: int = FAULT_STEP) -> List[str]:
+def table(runs: Dict[str, List[Run]], title: str, fault_step: int = FAULT_STEP,
+          backend: str = GLOO) -> List[str]:
     params = next((r.params for rs in runs.values() for r in rs if r.params), None)
     size = f"{params / 1e6:.1f}M parameters" if params else "size not printed"
-    lines = [f"{title} ({size}, DP4, fault: SIGKILL rank {FAULT_RANK} in the forward step "
+    lines = [f"{title} ({size}, DP4 on {backend}, fault: SIGKILL rank {FAULT_RANK} in the "
+             "forward step "
              f"of iteration {fault_step}; seconds, median (min-max) of "
              f"{max(len(r) for r in runs.values())} run(s))", "",
              "| path | time lost | iterations lost | " + " | ".join(SPLIT) + " |",
@@ -311,6 +319,9 @@ def main() -> int:
                         help="rounds at about 100M parameters (in-memory warm spare and restart "
                         "only); 0 skips them")
     parser.add_argument("--keep", type=Path, help="work in this new folder and keep every log")
+    parser.add_argument("--backend", default=GLOO,
+                        help="gloo (default), or nccl-like[@2.1|@2.4|@2.6]: the test rig's "
+                        "backend whose collectives spin on a dead peer until aborted, as NCCL's")
     parser.add_argument("--paths", default=",".join(PATH_KEYS),
                         help=f"comma-separated subset of {', '.join(PATH_KEYS)} (default: all)")
     opts = parser.parse_args()
@@ -326,7 +337,7 @@ def main() -> int:
         tree = copy_megatron_tree(opts.megatron, work / "Megatron-LM")
         apply_ttp_patch(tree, "cpu")
         data = make_tiny_dataset(tree, work / "data")
-        bench = Bench(tree, data, work)
+        bench = Bench(tree, data, work, backend=opts.backend)
         tiny: Dict[str, List[Run]] = {p: [] for p in paths}
         for round_ in range(opts.rounds):
             order = paths[round_ % len(paths):] + paths[:round_ % len(paths)]
@@ -345,11 +356,11 @@ def main() -> int:
     print(f"\nmeasured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, "
           f"{os.cpu_count()} cores, load average {load:.2f} at the start, "
           f"{(time.time() - started) / 60:.1f} min in all\n")
-    for line in table(tiny, "tiny GPT"):
+    for line in table(tiny, "tiny GPT", backend=opts.backend):
         print(line)
     if opts.big_rounds:
         print()
-        for line in table(big, "about 100M parameters", BIG_FAULT_STEP):
+        for line in table(big, "about 100M parameters", BIG_FAULT_STEP, opts.backend):
             print(line)
     warm = _median([r.lost_s for r in tiny.get(WARM, [])])
     restart = _median([r.lost_s for r in tiny.get(RESTART, [])])

@@ -43,8 +43,8 @@ DEFAULT_TORCH = ("1.13.1", "2.1.2", "2.13.0", "2.14.1")
 # torch builds compiled against numpy 1.x (torch < 2.3) fail to convert arrays under numpy 2.
 NUMPY_1 = ("1.", "2.0.", "2.1.", "2.2.")
 # The package's own imports and Megatron-LM 285068c's on CPU (setup.cfg, extras "test").
-DEPS = ("libcst>=1.1,<2", "gitpython>=3.1", "unidiff>=0.7", "psutil>=5", "pybind11>=2.10",
-        "regex", "six")
+DEPS = ("libcst>=1.1,<2", "gitpython>=3.1", "unidiff>=0.7", "xxhash>=3.0", "blake3>=0.4",
+        "psutil>=5", "pybind11>=2.10", "regex", "six")
 PIP_TIMEOUT_S = 3600
 DEMO_TIMEOUT_S = 1800
 

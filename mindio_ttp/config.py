@@ -67,6 +67,8 @@ ENV_NODE_AGENT = "TTP_NODE_AGENT"
 ENV_FANOUT = "TTP_FANOUT"
 # set by ttprun in its workers: the AF_UNIX socket of this node's agent (its own process)
 ENV_AGENT_SOCKET = "TTP_AGENT_SOCKET"
+# ttprun --max-restarts: the port (or range) node 0 gives a restarted attempt's store
+ENV_RESTART_STORE_PORTS = "TTP_RESTART_STORE_PORTS"
 
 # The controller's TCP port, inclusive: no privileged port (ranks do not run as root), and the
 # one range everything holds a port to: the port argument, TTP_CONTROLLER_PORT, `ttp-patch
@@ -103,6 +105,10 @@ DEVICE_READY_TIMEOUT_S = 30.0
 # NPU's stop/restart) before it reports the stragglers as timed out and the save reads anyway,
 # on its private stream: an abort can hang in NCCL's proxy thread (nccl #1013, #1777).
 ABORT_TIMEOUT_S = 10.0
+# How long the dying checkpoint's private read stream may take to pass what is queued ahead of
+# it (device_copy.DeviceReader): an event on an otherwise idle stream passes in microseconds,
+# unless the stream shares a hardware queue with a kernel the abort failed to end.
+FALLBACK_PROBE_S = 5.0
 # In TTP_RUN_DIR: one empty file per rank whose processor started (rank-N). The launcher holds
 # survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
 # rank holds anything a dying checkpoint could use.
@@ -195,6 +201,17 @@ def port_range(raw: str) -> Tuple[int, int]:
     return lo, hi
 
 
+def port_or_range(raw: str) -> Tuple[int, int]:
+    """One port ("29400") or a range ("29400-29409"), as (low, high)."""
+    if "-" not in raw and ":" not in raw:
+        try:
+            one = port(raw.strip())
+        except ValueError as exc:
+            raise ValueError(f"must be a port or a range LOW-HIGH: {exc}") from None
+        return one, one
+    return port_range(raw)
+
+
 def flag(raw: str) -> bool:
     if raw.strip() not in ("0", "1"):
         raise ValueError("must be 1 (on) or 0 (off)")
@@ -209,7 +226,8 @@ def hex_key(raw: str) -> bytes:
                          "print(secrets.token_hex(32))\"`)") from None
     lo, hi = KEY_BYTES
     if len(key) < lo:
-        raise ValueError(f"is {len(key)} bytes: use at least {lo} ({2 * lo} hex chars)")
+        raise ValueError(f"is {len(key)} bytes: use at least {lo} ({2 * lo} hex chars, e.g. "
+                         "from `python -c \"import secrets; print(secrets.token_hex(32))\"`)")
     if len(key) > hi:
         raise ValueError(f"is {len(key)} bytes: use at most {hi}")
     return key
@@ -290,6 +308,12 @@ SETTINGS: Tuple[Setting, ...] = (
             "each rank listens on one port of this range on its own address, for a standby "
             "controller; give at least as many ports as ranks per node, and open them between "
             "nodes"),
+    Setting(ENV_RESTART_STORE_PORTS, "port or range", "(ephemeral)",
+            "PORT or LOW-HIGH in 1024..65535",
+            "ttprun --max-restarts: where node 0 hosts a restarted attempt's store",
+            port_or_range, None,
+            "the first free port of the range, on node 0 (the static rendezvous' MASTER_ADDR, "
+            "or the c10d round's first node); open it between nodes, as MASTER_PORT"),
     Setting(ENV_HEARTBEAT_INTERVAL, "seconds", "2 (without node agents: world size / 8192 "
             "when larger)", "(0, 604800]",
             "between a rank's heartbeats and its agent's (or controller's) acks, and between "
@@ -479,15 +503,56 @@ def problems(env: Mapping[str, str]) -> List[str]:
     return found + _cross_checks(env, values)
 
 
+# Characters a name can hold by mistake in place of another that looks the same: the digit for
+# the letter (TTP_0T), a lowercase letter, '-' for '_', and the Cyrillic and Greek capitals a
+# copy from a document can bring along. Both sides of a comparison are folded the same way.
+_LOOK_ALIKE = str.maketrans({
+    "0": "O", "1": "I", "l": "I", "L": "I", "|": "I", "5": "S", "8": "B", "-": "_",
+    "\u0410": "A", "\u0412": "B", "\u0415": "E", "\u041a": "K", "\u041c": "M", "\u041d": "H",
+    "\u041e": "O", "\u0420": "P", "\u0421": "C", "\u0422": "T", "\u0425": "X", "\u0406": "I",
+    "\u0391": "A", "\u0392": "B", "\u0395": "E", "\u0397": "H", "\u0399": "I", "\u039a": "K",
+    "\u039c": "M", "\u039d": "N", "\u039f": "O", "\u03a1": "P", "\u03a4": "T", "\u03a7": "X",
+})
+
+
+def _folded(name: str) -> str:
+    return name.translate(_LOOK_ALIKE).upper().translate(_LOOK_ALIKE)
+
+
+_FOLDED = {_folded(n): n for n in BY_NAME}
+
+
 def unknown_names(env: Mapping[str, str]) -> List[str]:
-    """Warnings for TTP_* names that look like a misspelt setting (they are ignored)."""
+    """Warnings for names that look like a misspelt setting (they are ignored): one letter off
+    (TTP_OTT), or made of look-alike characters (TTP_0T with a zero, ttp_ot, TTP-OT)."""
     out = []
     for name in sorted(env):
-        if name.startswith(("TTP_", "TTPRUN_")) and name not in BY_NAME:
+        if name in BY_NAME:
+            continue
+        folded = _folded(name)
+        if folded in _FOLDED:
+            out.append(f"{ascii(name)[1:-1]} is not a setting (ignored): it looks like "
+                       f"{_FOLDED[folded]} but {_difference(name, _FOLDED[folded])}")
+        elif folded.startswith(("TTP_", "TTPRUN_")):
             close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.85)
             if close:
                 out.append(f"{name} is not a setting (ignored): did you mean {close[0]}?")
     return out
+
+
+def _difference(typed: str, meant: str) -> str:
+    """Which characters of `typed` differ from the setting `meant` (same length or not)."""
+    pairs = [(a, b) for a, b in zip(typed, meant) if a != b]
+    if len(typed) != len(meant) or not pairs:
+        return f"is spelt {ascii(typed)}"
+    a, b = pairs[0]
+    return f"has {_char(a)} where the setting has {_char(b)}"
+
+
+def _char(c: str) -> str:
+    import unicodedata
+
+    return f"{c!r} ({unicodedata.name(c, hex(ord(c))).lower()})"
 
 
 def derived_save_limit(ot: float, collect: float, rename: float) -> float:
@@ -697,7 +762,8 @@ def help_lines(width: int = 96) -> List[str]:
     out = []
     for s in SETTINGS:
         default = f", default {s.default}" if s.default else ""
-        out += textwrap.wrap(f"{s.name} ({s.type}{default}): {s.meaning}", width,
+        values = f"; {s.range}" if s.parse is recovery_mode else ""  # the values themselves
+        out += textwrap.wrap(f"{s.name} ({s.type}{default}{values}): {s.meaning}", width,
                              initial_indent="  ", subsequent_indent="      ")
     return out
 

@@ -180,7 +180,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("status", "verify"):
         report = status(args.dir, device=args.device)
         sys.stdout.write(report.to_json() + "\n" if args.json else report.to_text())
-        return report.verify_exit_code if args.command == "verify" else EXIT_OK
+        return (report.verify_exit_code if args.command == "verify"
+                else report.status_exit_code)
     if args.command == "diff":
         sys.stdout.write(diff(args.dir, Options.build(args.device, args.port)))
         return EXIT_OK

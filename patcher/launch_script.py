@@ -175,6 +175,16 @@ def _fill_in_checks(device: Device) -> List[str]:
         '    *"<Specify"*|xxx.*|/path/to/*) need "$v: still the placeholder \'${!v}\'" ;;',
         "  esac",
         "done",
+        "# DATA_PATH: Megatron's prefix (or a blend \"W1 PREFIX1 W2 PREFIX2\"): PREFIX.bin/.idx",
+        'case "$DATA_PATH" in',
+        '  *"<Specify"*|/path/to/*) ;;',
+        "  *) for p in $DATA_PATH; do",
+        '       case "$p" in',
+        "         *[!0-9.eE+-]*) [ -f \"$p.bin\" ] && [ -f \"$p.idx\" ] || need \"DATA_PATH: no"
+        " $p.bin and $p.idx (the prefix tools/preprocess_data.py wrote, without .bin)\" ;;",
+        "       esac",
+        "     done ;;",
+        "esac",
         "for v in VOCAB_FILE MERGE_FILE; do",
         '  [ -f "${!v}" ] || need "$v=${!v} is not a file (the GPT-2 tokenizer\'s'
         ' vocab.json / merges.txt)"',

@@ -68,13 +68,21 @@ def _edit_text_lines(edit: Edit, opts: Options) -> List[str]:
     return [line.strip() for t in texts for line in t.splitlines() if line.strip()]
 
 
-def _describe(path: str, c: Conflict, opts: Options) -> str:
+# the edit a later change touches (None: not known), why revert refuses, and where (for status)
+Reason = Tuple[Optional[Edit], str, str]
+
+
+def _describe(path: str, c: Conflict, opts: Options) -> Reason:
     named = [e for e in edits_for(path) if c.our_text in _edit_text_lines(e, opts)]
     what = f"edit {named[0].id} ({named[0].number})" if named else "one of our edits"
-    return (
-        f"{path}: your change at {_lines(c.current_lines)} touches {what} "
-        f"(our {_lines(c.ours_lines)}: `{c.our_text}`)"
-    )
+    return (named[0] if named else None,
+            f"{path}: your change at {_lines(c.current_lines)} touches {what} "
+            f"(our {_lines(c.ours_lines)}: `{c.our_text}`)",
+            f"changed by hand at {_lines(c.current_lines)} since apply")
+
+
+def _unnamed(why: str) -> Reason:
+    return (None, why, why)
 
 
 def _lines(span: Tuple[int, int]) -> str:
@@ -83,19 +91,20 @@ def _lines(span: Tuple[int, int]) -> str:
 
 def _without_our_edits(
     path: str, original: bytes, current: bytes, man: Manifest
-) -> Tuple[Optional[bytes], List[str]]:
+) -> Tuple[Optional[bytes], List[Reason]]:
     """`current` minus our edits and nothing else, or why that cannot be proven."""
     opts = man.options
     try:
         ours = plan_file(path, original, opts).after
     except PatchError as exc:  # pragma: no cover - apply planned these very bytes
-        return None, [f"{path}: cannot rebuild what apply wrote ({exc.message})"]
+        return None, [_unnamed(f"{path}: cannot rebuild what apply wrote ({exc.message})")]
     if sha256(ours) != man.files[path].after:
-        return None, [f"{path}: this ttp-patch would not write what the recorded apply wrote"]
+        return None, [_unnamed(f"{path}: this ttp-patch would not write what the recorded "
+                               "apply wrote")]
     try:
         merge = take_out(original, ours, current)
     except UnicodeDecodeError:
-        return None, [f"{path}: not UTF-8 any more"]
+        return None, [_unnamed(f"{path}: not UTF-8 any more")]
     if not merge.clean:
         return None, [_describe(path, c, opts) for c in merge.conflicts]
     try:
@@ -105,8 +114,22 @@ def _without_our_edits(
     else:
         why = "re-applying our edits to the result does not give your file back exactly"
     if again != current:
-        return None, [f"{path}: {why}"]
+        return None, [_unnamed(f"{path}: {why}")]
     return merge.result, []
+
+
+def later_changes(tree: Tree, man: Manifest, path: str, current: bytes) -> List[Reason]:
+    """Why `revert` would refuse `path` as it is now (empty: it would take our edits out and
+    keep the user's changes). `status` and `verify` ask the same question, so a hand edit
+    inside one of our insertions reads as modified there too, not as applied."""
+    rec = man.files[path]
+    if sha256(current) in (rec.before, rec.after):
+        return []
+    before = originals.find(tree.checkout, man, path)
+    if before is None:
+        return [_unnamed(f"{path}: the bytes it had before apply are gone (no copy, not at "
+                         "the recorded commit nor HEAD)")]
+    return _without_our_edits(path, before, current, man)[1]
 
 
 def revert(directory: str, force: bool = False) -> RevertOutcome:
@@ -150,7 +173,7 @@ def revert(directory: str, force: bool = False) -> RevertOutcome:
                         outcome.merged.append(path)
                     else:
                         drift.append(path)
-                        why += reasons
+                        why += [text for _, text, _ in reasons]
                 elif current is None:
                     drift.append(path)
                 changes.append(Change(tree.path(path), before))

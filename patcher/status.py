@@ -15,7 +15,9 @@ from .edits import TARGET_FILES, State, edits_for
 from .engine import assess_module, parse
 from .errors import EXIT_NOT_APPLIED, EXIT_OK, UnreadableTarget
 from .fileio import sha256
+from .manifest import Manifest
 from .options import Device, Options
+from .revert import later_changes
 from .tree import Tree
 
 SCRIPT_ID = "launch/pretrain-gpt-ttp-sh"
@@ -38,12 +40,16 @@ class StatusReport:
     manifest: bool
     rows: List[Row] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    # a later change revert refuses that no single edit could be named for
+    unattributed: List[str] = field(default_factory=list)
 
     @property
     def overall(self) -> str:
         states = {r.state for r in self.rows}
         if State.DRIFTED.value in states:
             return "drifted"
+        if State.MODIFIED.value in states or self.unattributed:
+            return "modified"
         if states == {State.APPLIED.value}:
             return "applied"
         if states == {State.MISSING.value}:
@@ -54,6 +60,12 @@ class StatusReport:
     def verify_exit_code(self) -> int:
         """The CI gate: 0 only when every edit is in place and nothing drifted."""
         return EXIT_OK if self.overall == "applied" else EXIT_NOT_APPLIED
+
+    @property
+    def status_exit_code(self) -> int:
+        """`status` fails only when the tree is not what ttp-patch can stand behind: an edit
+        drifted, or one changed by hand since apply (which revert refuses)."""
+        return EXIT_NOT_APPLIED if self.overall in ("drifted", "modified") else EXIT_OK
 
     def to_json(self) -> str:
         doc = {
@@ -95,6 +107,34 @@ def _script_row(tree: Tree, recorded: Optional[str]) -> Row:
     return row
 
 
+def _number(number: str) -> tuple:
+    return tuple(int(part) for part in number.split("."))
+
+
+def _later_changes(report: StatusReport, tree: Tree, man: Manifest, path: str,
+                   data: bytes) -> None:
+    """A file changed since apply: the edits the change touches read "modified" (as revert
+    sees them: it refuses them), and a change outside every edit is a note."""
+    rec = man.files[path]
+    if sha256(data) in (rec.before, rec.after):
+        return
+    reasons = later_changes(tree, man, path, data)
+    if not reasons:
+        report.notes.append(f"{path} changed after apply, outside ttp-patch's edits (revert "
+                            "keeps your change and takes out only ours)")
+        return
+    rows = {r.id: r for r in report.rows}
+    for edit, why, where in reasons:
+        row = rows.get(edit.id) if edit is not None else None
+        if row is None:
+            report.unattributed.append(why)
+            report.notes.append(f"modified after apply: {why} (revert refuses it; "
+                                "`revert --force` drops the change)")
+        elif row.state == State.APPLIED.value:
+            row.state = State.MODIFIED.value
+            row.detail = f"{where}: revert refuses it, `revert --force` drops the change"
+
+
 def status(directory: str, device: Optional[str] = None) -> StatusReport:
     with Tree.open(directory) as tree:
         man = tree.manifest()
@@ -121,13 +161,12 @@ def status(directory: str, device: Optional[str] = None) -> StatusReport:
                 if shown is not None and report.device is None:
                     report.device = shown.value
             if man is not None and path in man.files and data is not None:
-                rec = man.files[path]
-                if sha256(data) not in (rec.before, rec.after):
-                    report.notes.append(
-                        f"{path} changed after apply (revert takes out only our edits, or "
-                        "refuses if your change touches one)"
-                    )
-        report.rows.append(_script_row(tree, man.launch_script if man else None))
+                _later_changes(report, tree, man, path, data)
+        script = _script_row(tree, man.launch_script if man else None)
+        # in the order of the edits' numbers: 5 (the script) before 6.x
+        at = next((i for i, r in enumerate(report.rows) if _number(r.number) > (5,)),
+                  len(report.rows))
+        report.rows.insert(at, script)
         if man is not None and report.overall == "clean":
             report.notes.append(f"{tree.manifest_path} is stale: `ttp-patch revert` clears it")
         return report

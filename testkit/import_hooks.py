@@ -44,14 +44,23 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+_RAN: dict = {}  # hook file -> its module: each runs once per process, however chained
+
+
 def run_hook_file(path: str, name: str = "_ttp_chained_hook") -> ModuleType:
     """Execute another hook's ``sitecustomize.py`` too (Python imports only the first one on
-    ``sys.path``), e.g. the fault hook under the dist audit."""
+    ``sys.path``), e.g. the fault hook under the dist audit; once per process, so two hooks
+    that both chain the fault hook (one of them chained by the other) install it once."""
     import importlib.util
+    import os
 
+    key = os.path.realpath(path)
+    if key in _RAN:
+        return _RAN[key]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load the hook file {path}")
     module = importlib.util.module_from_spec(spec)
+    _RAN[key] = module
     spec.loader.exec_module(module)
     return module

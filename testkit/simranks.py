@@ -17,8 +17,9 @@ them all, also when a test fails. A process keeps at most `INFLIGHT` of its rank
 connect and registered: a real rank answers its challenge from its own CPU at once, a few
 thousand simulated ones share one, and answered all at once they would answer late (past the
 listener's handshake timeout) and fail, which real ranks would not. Connections come from
-several loopback source addresses (127.0.0.2, .3, ...; IP_BIND_ADDRESS_NO_PORT), so more than
-the ~28,000 ephemeral ports one source has towards one listener can connect.
+loopback source addresses (127.0.0.2, .3, ...; IP_BIND_ADDRESS_NO_PORT), `RANKS_PER_SOURCE`
+from each, as from nodes: a listener admits at most 64 waiting connections from one address
+(control/admission.py), and one source has ~28,000 ephemeral ports towards one listener.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from mindio_ttp.control.wire import tier as T
 
 IP_BIND_ADDRESS_NO_PORT = 24  # linux/in.h
 INFLIGHT = 256
-RANKS_PER_SOURCE = 20000  # well under the ~28,000 ephemeral ports of one source address
+RANKS_PER_SOURCE = 32  # a node's worth: under admission.PER_SOURCE_PENDING (64)
 ORDERS = (P.Lock, P.AdvanceTo, P.SaveOrder, P.RenameOrder, P.ExitOrder)
 
 
@@ -435,6 +436,12 @@ def _worker_main(conn: Any, args: tuple, cpus: Optional[set],
     SimWorker(*args, conn=conn, agents=agents).run()
 
 
+def loopback(i: int) -> str:
+    """The i-th source address: 127.0.0.2, 127.0.0.3, ... 127.0.0.254, 127.0.1.1, ..."""
+    hi, lo = divmod(i, 253)
+    return f"127.{hi // 256}.{hi % 256}.{2 + lo if hi == 0 else 1 + lo}"
+
+
 class SimGroup:
     """`ranks` simulated processors split over `procs` processes (forked from the caller)."""
 
@@ -446,7 +453,7 @@ class SimGroup:
         ranks = list(ranks)
         self._where = {r: i % procs for i, r in enumerate(ranks)}
         n_src = max(1, -(-len(ranks) // RANKS_PER_SOURCE))
-        sources = [f"127.0.0.{2 + i}" for i in range(n_src)]
+        sources = [loopback(i) for i in range(n_src)]
         ctx = mp.get_context("fork")
         self.procs: List[Any] = []
         self.pipes: List[Any] = []

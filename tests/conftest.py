@@ -23,6 +23,26 @@ def pick_free_port() -> int:
     return pick()
 
 
+EXTENDED_ENV = "TTP_EXTENDED"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--extended", action="store_true",
+                     help="also run the tests marked `extended` (the fault matrix beyond CI's "
+                          f"cases; or set {EXTENDED_ENV}=1)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Tests marked `extended` skip, saying how to run them, unless asked for."""
+    if config.getoption("--extended") or os.environ.get(EXTENDED_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"extended fault matrix: run with --extended "
+                                   f"(or {EXTENDED_ENV}=1)")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def free_port() -> int:
     return pick_free_port()

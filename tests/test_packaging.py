@@ -96,12 +96,13 @@ def _pytest_line(text: str) -> str:
 
 
 def test_ci_tox_and_readme_run_the_same_test_command() -> None:
-    """-rs: a skipped test says why, so a CI run that skipped the real tree shows it."""
+    """-rfEs: a skipped test says why, so a CI run that skipped the real tree shows it, and the
+    summary names every failed and erroring test (one of 1,086 failed once, unnamed)."""
     readme = _pytest_line((ROOT / "README.md").read_text())
     ci = _pytest_line((ROOT / ".ci/run").read_text().split("# README.md: the test command", 1)[1])
     tox = configparser.ConfigParser()
     tox.read(ROOT / "tox.ini")
-    assert readme == ci == _pytest_line(tox["testenv"]["commands"]) == "python -m pytest -q -rs"
+    assert readme == ci == _pytest_line(tox["testenv"]["commands"]) == "python -m pytest -q -rfEs"
 
 
 def test_ci_fails_without_the_real_tree() -> None:

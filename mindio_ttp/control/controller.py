@@ -18,10 +18,13 @@ What a peer can do to the I/O thread is bounded (docs/security.md): a peer that 
 registered is read no further than the frame it is sending and the pre-authentication budget,
 and only `PRE_AUTH_EVENTS_PER_LOOP` of them (and as many new connections) are served per loop
 turn, for at most `PRE_AUTH_BUDGET_S`, after every registered rank, so neither a flood nor a
-registration storm of the whole job can delay a heartbeat. New connections are accepted only
-while fewer than `PENDING_CAP` wait for their handshake: the rest wait in the kernel's accept
-queue, where no timer of ours runs (a rank's connect just takes longer; it retries for
-TTP_CONNECT_TIMEOUT), instead of timing out half-served. Silences are measured on the time
+registration storm of the whole job can delay a heartbeat. Who may wait for a handshake, and
+who gives way when too many wait, is admission.py's: at most `world_size + 64` (never more
+than PENDING_CAP) and 64 per source address; connections that have had their chance give way
+to new ones, a recovery's replacements keep their slots, and in a storm (every waiting rank
+about to be served) the rest wait in the kernel's accept queue, where no timer of ours runs (a
+rank's connect just takes longer; it retries), instead of timing out half-served; while
+nothing can be admitted the listener is not watched. Silences are measured on the time
 this loop was running (liveness.py), and a rank is declared hung only once its socket is read
 dry. Warnings an outsider
 can cause are rate-limited (`LogLimit`). An unexpected error while serving one connection
@@ -34,14 +37,16 @@ import errno
 import heapq
 import logging
 import resource
+import select
 import selectors
 import socket
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from mindio_ttp.config import PRE_AUTH_BUFFER_BUDGET, TTPConfig
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control.admission import PENDING_CAP, Admission
 from mindio_ttp.control.flow import Decision, Flow
 from mindio_ttp.control.hooks import TTPError
 from mindio_ttp.control.keyspace import KeySpace
@@ -64,7 +69,6 @@ BACKUPS_COALESCE_S = 0.1  # at most one Backups broadcast per this: a fault soon
 # start must find every rank with the same list (ranks that fail over to different standbys
 # split the job), and the best two change only ~ln(N) times in a start-up storm
 PRE_AUTH_BUDGET_S = 0.05  # a handshake costs ~100 us of this thread: a storm waits its turn
-PENDING_CAP = 512  # connections accepted and not registered, at most (see the docstring)
 # Before registration a read takes the rest of the frame being sent (or this much, so a short
 # junk line is read whole and the peer sees a clean close, not a reset), never more.
 PRE_AUTH_READ = 4096
@@ -150,14 +154,16 @@ class Controller:
         self._outbox = MailOutbox(self._mail)
         self._sel = selectors.DefaultSelector()
         self._listener: Optional[socket.socket] = None
-        self._pending: Dict[Conn, float] = {}  # accepted, not registered yet
-        self._refused_pending = 0
+        # accepted, not registered yet (admission.py): every rank may connect at once at
+        # start-up; beyond that, only floods. Memory before authentication is bounded per
+        # connection by pre_auth_max_payload(world_size) and in all by PRE_AUTH_BUFFER_BUDGET
+        # (partial frames of unregistered connections)
+        self._pending: Admission[Conn] = Admission(min(world_size + 64, PENDING_CAP))
+        self._accepting = False  # the listener is watched (not while nothing can be admitted)
+        self._refused_pending = 0  # connections closed at accept (their source was full)
+        self.evicted = 0  # waiting connections closed to make room for newer ones
         self._warn_refused = LogLimit("refused connections")
         self._warn_pre_auth = LogLimit("warnings about unregistered connections")
-        # every rank may connect at once at start-up; beyond that, only floods: memory before
-        # authentication is bounded per connection by pre_auth_max_payload(world_size) and in
-        # all by PRE_AUTH_BUFFER_BUDGET (partial frames of unregistered connections)
-        self._max_pending = world_size + 64
         self._pre_auth_held: Dict[Conn, int] = {}
         self._pre_auth_total = 0
         self.pre_auth_budget = PRE_AUTH_BUFFER_BUDGET
@@ -169,7 +175,8 @@ class Controller:
         self._backups: List[List[object]] = []
         self._backups_sent: List[List[object]] = []  # what the last Backups broadcast said
         # the running flow's phase orders (lock, advance) as this thread broadcast them: a rank
-        # registering mid-flow gets exactly these, and the broadcast it missed, never twice
+        # registering while the flow collects or saves gets exactly these, and the broadcast it
+        # missed, never twice (`_replayed_on_register`)
         self._phase_msgs: List[P.Message] = []
         # the flow's exit order once sent: a rank that registers after it (its failover or its
         # node agent's took longer than the flow) gets the verdict instead of a refusal
@@ -240,6 +247,7 @@ class Controller:
     def start(self) -> None:
         assert self._listener is not None, "listen() first"
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        self._accepting = True
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
         self.sm.transition_to(S.STANDBY if self.standby else S.SERVING,
                               f"listening on {self.address[0]}:{self.address[1]}")
@@ -323,7 +331,7 @@ class Controller:
                 if time.monotonic() > budget:
                     break
                 if key.data == "listen":
-                    self._guarded(None, self._accept, PENDING_CAP - len(self._pending))
+                    self._guarded(None, self._accept)
                 else:
                     self._on_event(key.data, mask)
             stall = self._clock.tick()
@@ -373,9 +381,24 @@ class Controller:
                 log.exception("%s: error while closing %s", self.name, conn.peer)
                 conn.close()
 
-    def _accept(self, limit: int = PRE_AUTH_EVENTS_PER_LOOP) -> None:
+    def _accept(self) -> None:
+        """Admit new connections while there is room (admission.py), at most
+        PRE_AUTH_EVENTS_PER_LOOP a turn; with none, make room from the connections that have
+        had their chance, or stop watching the listener until a slot frees."""
         assert self._listener is not None
-        for _ in range(min(limit, PRE_AUTH_EVENTS_PER_LOOP)):  # the rest wait for the next turn
+        now = time.monotonic()
+        give_way: Optional[Iterator[Conn]] = None
+        for _ in range(PRE_AUTH_EVENTS_PER_LOOP):  # the rest wait for the next turn
+            if self._pending.room <= 0:
+                if not _readable(self._listener):
+                    return  # nobody waits in the kernel's queue: nothing to make room for
+                if give_way is None:
+                    give_way = self._pending.give_way(now, self._idle, self._kept_slots())
+                victim = next(give_way, None)
+                if victim is None:
+                    self._watch_listener(False)  # the kernel's queue holds the rest meanwhile
+                    return
+                self._evict(victim, "every waiting slot was taken")
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -383,24 +406,66 @@ class Controller:
             except OSError as exc:  # e.g. EMFILE: log and keep serving the others
                 log.error("%s: accept failed: %s (raise `ulimit -n`?)", self.name, exc)
                 return
-            if len(self._pending) >= self._max_pending:
-                # an unauthenticated flood: refuse it here, before any byte is buffered
+            source = str(addr[0])
+            full, victim = self._pending.crowded(source, self._idle)
+            if full and victim is None:
+                # every connection from there has sent what we have not read yet: refused
+                # here, before any byte is buffered (a rank retries)
                 self._refused_pending += 1
                 self._warn_refused.warning(
-                    "%s: %d connections waiting to register; refused %s (%d refused so far)",
-                    self.name, len(self._pending), f"{addr[0]}:{addr[1]}", self._refused_pending)
+                    "%s: %d connections from %s waiting to register; refused %s:%s (%d refused "
+                    "so far)", self.name, self._pending.from_source(source), source, source,
+                    addr[1], self._refused_pending)
                 sock.close()
                 continue
+            if victim is not None:
+                self._evict(victim, f"{source} had {self._pending.per_source} waiting")
             hs = ListenerHandshake(self.cfg.auth_key, P.pre_auth_max_payload(self.world_size),
                                    {P.Register: self.cfg.auth_key,
                                     T.NodeRegister: self.routes.hop_key}, T.CODEC)
-            conn = Conn(sock, hs.tx, hs.dec, f"{addr[0]}:{addr[1]}")
+            conn = Conn(sock, hs.tx, hs.dec, f"{source}:{addr[1]}")
             conn.handshake = hs
             self._conns[sock.fileno()] = conn
-            self._pending[conn] = time.monotonic()
+            self._pending.add(conn, source, now)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             conn.queue_raw(hs.challenge())
             self._flush(conn)
+
+    def _idle(self, conn: Conn) -> bool:
+        """Nothing `conn` sent waits unread: if it is late, it is late on its own."""
+        return not _unread(conn.sock)
+
+    def _evict(self, conn: Conn, why: str) -> None:
+        self.evicted += 1
+        self._warn_refused.warning(
+            "%s: closing %s, which has not registered, to make room for a newer connection "
+            "(%s)", self.name, conn.peer, why)
+        self._drop(conn, "gave way to a newer connection")
+
+    def _kept_slots(self) -> Dict[str, int]:
+        """Source address -> waiting connections that never give way: one per replacement the
+        running recovery expects from that host (its lost rank's)."""
+        if not self.sm.is_in(S.RECOVERING):
+            return {}
+        kept: Dict[str, int] = {}
+        with self._cond:
+            for rank in self.flow.recovery.expecting:
+                info = self._ranks.get(rank)
+                host = info.host if info is not None else self.flow.known_hosts.get(rank)
+                if host:
+                    kept[host] = kept.get(host, 0) + 1
+        return kept
+
+    def _watch_listener(self, on: bool) -> None:
+        """Watch the listener (or stop: nothing can be admitted, and a listener left readable
+        would wake every loop turn for nothing) until a slot frees or the next tick."""
+        if on == self._accepting or self._listener is None:
+            return
+        self._accepting = on
+        if on:
+            self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        else:
+            self._sel.unregister(self._listener)
 
     def _on_mail(self) -> None:
         for item in self._mail.drain():
@@ -526,7 +591,8 @@ class Controller:
         except (KeyError, ValueError, OSError):
             pass
         self._conns.pop(conn.sock.fileno(), None)
-        self._pending.pop(conn, None)
+        if self._pending.remove(conn):
+            self._watch_listener(True)
         self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
         conn.close()  # frees its buffers now
         if conn.child is not None:
@@ -558,7 +624,8 @@ class Controller:
         self.store.expire(now)
         self._warn_refused.flush(now)
         self._warn_pre_auth.flush(now)
-        for conn, since in list(self._pending.items()):
+        self._watch_listener(True)  # connections may have had their chance since: look again
+        for conn, since in self._pending.items():
             if now - since > self.cfg.handshake_timeout:
                 if _unread(conn.sock):
                     continue  # its Register waits for a turn with time for it: not idle
@@ -636,10 +703,10 @@ class Controller:
                                 rank=info.rank, kind=msg.kind)
         elif isinstance(msg, P.RecoverReady):
             with self._cond:
-                self.flow.recovery.ready(msg, info.rank)
+                self.flow.recovery.ready(msg, info.rank, peer)
         elif isinstance(msg, P.ReplaceStatus):
             with self._cond:
-                self.flow.recovery.replace_status(msg)
+                self.flow.recovery.replace_status(msg, info.rank, peer)
         elif isinstance(msg, P.StateReport):
             with self._cond:
                 self.flow.report(msg.flow_id, msg.phase, info.rank, msg.step, msg.updating)
@@ -681,7 +748,7 @@ class Controller:
             return self._refuse(conn, why)
         conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
                                  self._backups, self.fault_id or ""))
-        for phase_msg in self._phase_msgs:
+        for phase_msg in self._replayed_on_register():
             conn.queue(phase_msg)
         self._flush(conn)
         if m.failover or m.locked:
@@ -751,7 +818,8 @@ class Controller:
 
     def _authenticated(self, conn: Conn) -> None:
         """`conn` registered (a rank or a node agent): no longer counted before authentication."""
-        self._pending.pop(conn, None)
+        if self._pending.remove(conn):
+            self._watch_listener(True)
         self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
         conn.dec.authenticated()
 
@@ -771,6 +839,18 @@ class Controller:
                     self._refresh_backups()  # it learned none while it stood by
                     self.flow.fault(f"primary controller lost ({alive} ranks failed over to "
                                     f"rank {self.host_rank})", promoted=True)
+
+    def _replayed_on_register(self) -> List[P.Message]:
+        """The phase orders a rank registering now must get: the flow's Lock and AdvanceTo while
+        the flow collects, saves or renames (a rank failing over late to a promoted standby
+        must stop like the others). Not while a recovery runs: a rank registering then is a
+        replacement, which is not part of the collect; locked, it reported a state the flow no
+        longer reads and then stopped training (TTPForceStop) once the grace ran out after the
+        commit. Not while serving: the orders of a flow that ended in a committed recovery.
+        A replacement gets its RegisterAck, then the recovery's commit or the exit order."""
+        if self.sm.is_in(S.COLLECTING, S.SAVING, S.RENAMING):
+            return self._phase_msgs
+        return []
 
     def _backup_key(self, b: List[object]) -> Tuple[bool, int]:
         """The best standby candidates: other hosts first, then lowest rank."""
@@ -808,6 +888,16 @@ class Controller:
         except (OSError, RuntimeError):
             pass
         self._mail.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """A listener with a connection waiting in the kernel's accept queue."""
+    poll = select.poll()  # not select(): a listener's descriptor may be past FD_SETSIZE
+    try:
+        poll.register(sock, select.POLLIN)
+        return bool(poll.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _unread(sock: socket.socket) -> bool:

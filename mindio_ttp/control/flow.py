@@ -33,6 +33,7 @@ from mindio_ttp.control.roster import Roster
 from mindio_ttp.control.selection import (
     Layout,
     RankState,
+    agreed_layout,
     choose_step,
     replacement_savers,
     savers_for,
@@ -185,7 +186,6 @@ class Flow:
         """After a committed recovery: serve again, ready for the next fault."""
         with self._cond:
             self._thread = None
-            self._lock_msgs = []
             self._reports = {1: {}, 2: {}}
             self._faulty, self._raised, self._preempted = {}, set(), False
             self.fault_at = None
@@ -271,23 +271,22 @@ class Flow:
             for r in silent:
                 self._ranks[r].note = "did not answer the collect in time"
             self._refuse_beyond(2, agreed)
+            try:
+                layout = self._agreed_layout()
+            except ValueError as exc:
+                return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
             reports = dict(self._reports[2])
             notes = {i.rank: i.note for i in self._ranks.values()}
             for r in range(self.world_size):
                 notes.setdefault(r, "did not register with this controller (dead or hung)")
-            groups = self._ranks.groups()
         log.info("%s: limit step %d; collected %d state report(s): %s", self.name, limit,
                  len(reports), _summary(reports))
-        try:
-            layout = Layout.build(groups, self.replica)
-        except ValueError as exc:
-            return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
         states = states_from(reports, range(self.world_size), notes)
         recovered, replaced = self._try_recovery(fid, layout, states, reports)
         if recovered:
             return RECOVERED  # type: ignore[return-value]
-        for r in replaced:  # an abandoned recovery killed them: not savers
-            states[r] = RankState(False, None, False, "replaced by the abandoned recovery")
+        if replaced:  # a recovery ran and was abandoned
+            fid = self._after_abandoned(states, replaced)
         step, reason = choose_step(layout, states, self.world_size)
         if step is None:
             log.error("%s: %s; nothing is saved", self.name, reason)
@@ -381,6 +380,63 @@ class Flow:
                 info.note = why
         return agreed
 
+    def _agreed_layout(self) -> Layout:
+        """The layout from the DP groups the members agree on (selection.agreed_layout); a
+        rank whose registered group its members do not confirm is faulty, its reports dropped
+        like a lying step report's (caller holds the lock). ValueError when even the agreed
+        groups do not make a layout."""
+        layout, dropped = agreed_layout(self._ranks.claims(), self.replica)
+        for r, why in sorted(dropped.items()):
+            self._faulty[r] = why
+            for phase in self._reports.values():
+                phase.pop(r, None)
+            log.error("%s: rank %d %s", self.name, r, why)
+            info = self._ranks.get(r)
+            if info is not None:
+                info.note = why
+        return layout
+
+    def _after_abandoned(self, states: Dict[int, RankState], replaced: Set[int]) -> int:
+        """After an abandoned recovery, the states collected before it are stale: a survivor
+        may have died, hung or raised during it, and a dead one picked as a saver holds the
+        save until its limit, then nothing is saved. Every rank that faulted meanwhile, or does
+        not answer a fresh lock now (a death the I/O thread has not yet seen, a hang its
+        heartbeat timeout has not yet caught), is no holder; so are the ranks the recovery
+        replaced (their processes are gone). Returns the new flow id. Updates `states`."""
+        with self._cond:
+            self._flow_id += 1
+            fid = self._flow_id
+            self._reports[1] = {}
+        self._expect(("report", 1), self._alive())
+        self._out.broadcast(P.Lock(fid))
+        self._await(self.cfg.collect_timeout)
+        with self._cond:
+            answered = set(self._reports[1])
+            raised = self._raised | set(self._faulty)
+            notes = {i.rank: (i.status, i.note) for i in self._ranks.values()}
+        dropped = []
+        for r in sorted(states):
+            if not states[r].alive:
+                continue
+            status, note = notes.get(r, ("unknown", ""))
+            if r in replaced:
+                why = "replaced by the abandoned recovery"
+            elif r in raised:
+                why = "faulted during the abandoned recovery"
+            elif status != "alive":
+                why = f"{note or status} during the abandoned recovery"
+            elif r not in answered:
+                why = "did not answer the lock after the abandoned recovery"
+            else:
+                continue
+            states[r] = RankState(False, None, False, why)
+            if r not in replaced:
+                dropped.append(r)
+        if dropped:
+            log.warning("%s: rank(s) %s lost during the abandoned recovery: not holders",
+                        self.name, ranksets.describe(dropped))
+        return fid
+
     def _end_save_store(self, why: str) -> None:
         if self._save_ns is not None:
             self._close_store(self._save_ns)
@@ -395,7 +451,6 @@ class Flow:
             lost = ({r for r in range(self.world_size) if r not in reports} | self._raised
                     | set(self._faulty))
             hosts = {**self.known_hosts, **{i.rank: i.host for i in self._ranks.values()}}
-            self._lock_msgs = []  # a replacement registering now must not be locked
         capable = RECOVERY.capability()
         if capable[0] and not self.cfg.replacements:
             capable = (False, "the launcher does not start replacements (ttprun does)")

@@ -39,6 +39,11 @@ class TTPForceStop(TTPError):
     runtime is saving a dying checkpoint and will end the process with its exit code."""
 
 
+class TTPReleased(TTPForceStop):
+    """Raised into the training thread (control/release.py) when it has not left the failed
+    step once its communicators were aborted: leave it, as after TTPForceStop."""
+
+
 class TTPRecovering(TTPError):
     """Raised out of the decorated `train` on a survivor when the controller ordered an
     in-memory recovery: the patched Megatron start-up catches it and rejoins the new world
@@ -51,7 +56,7 @@ class HotState:
     advance to `limit`; at or past it (or once `stopped`) it raises TTPForceStop."""
 
     __slots__ = ("cond", "state", "locked", "limit", "stopped", "ckpt_args", "backup_step",
-                 "wait_limit", "offer")
+                 "wait_limit", "offer", "fenced", "admitted", "waiting")
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
@@ -68,6 +73,9 @@ class HotState:
         # (step, fn): the update of `step` is ready (its collectives are done) and `fn` runs it
         # locally; see offer_update. Withdrawn when the normal path starts an update.
         self.offer: Optional[Tuple[int, Callable[[], None]]] = None
+        # the fault-time stop's fence (`fence`): set just before this rank's communicators are
+        # aborted; `admitted`: the rank was already waiting at the gate then; `waiting`: it is
+        self.fenced = self.admitted = self.waiting = False
 
     @property
     def step(self) -> Optional[int]:
@@ -106,6 +114,17 @@ class HotState:
             self.cond.notify_all()
             return self.state
 
+    def fence(self) -> None:
+        """Called just before the fault-time abort (release.py): from now on no update may
+        start, but for a rank already waiting at the gate. An aborted collective may return
+        early without raising, with torn results (half-reduced gradients); a rank that passed
+        the guide's barrier before the abort had its gradients complete on the device (the
+        barrier synchronises it), one that gets there after may not."""
+        with self.cond:
+            self.locked = self.fenced = True
+            self.admitted = self.waiting
+            self.cond.notify_all()
+
     def stop(self) -> None:
         with self.cond:
             self.locked = self.stopped = True
@@ -116,6 +135,7 @@ class HotState:
         with self.cond:
             self.state = (step, False)
             self.locked = self.stopped = False
+            self.fenced = self.admitted = False
             self.limit = None
             self.offer = None
             self.ckpt_args = ckpt_args
@@ -124,7 +144,17 @@ class HotState:
     def _wait_for_permission(self) -> None:
         """Called with cond held and locked set: block until allowed, or raise."""
         deadline = time.monotonic() + self.wait_limit
+        self.waiting = True
+        try:
+            self._wait_at_gate(deadline)
+        finally:
+            self.waiting = False
+
+    def _wait_at_gate(self, deadline: float) -> None:
         while True:
+            if self.fenced and not self.admitted:
+                raise TTPForceStop("TTP FORCE STOP: this rank's communicators were aborted "
+                                   "before its update's collectives were known complete")
             if self.stopped or (self.limit is not None and (self.step or 0) >= self.limit):
                 raise TTPForceStop("TTP FORCE STOP: a fault was detected; this rank must not "
                                    "start another optimizer update (the dying checkpoint is "
@@ -139,6 +169,33 @@ class HotState:
 
 
 STATE = HotState()
+
+
+class TrainingThread:
+    """Where the thread running the decorated `train` is, for the fault-time release
+    (control/release.py): inside `train` and not yet out of the failed step, or not."""
+
+    def __init__(self) -> None:
+        self.ident: Optional[int] = None
+        self.in_train = False
+        self.left = threading.Event()
+        self.left_at: Optional[float] = None  # time.time() it last left train()
+
+    def enter(self) -> None:
+        self.ident, self.in_train, self.left_at = threading.get_ident(), True, None
+        self.left.clear()
+
+    def leave(self) -> None:
+        self.in_train, self.left_at = False, time.time()
+        self.left.set()
+
+    @property
+    def in_step(self) -> bool:
+        """Inside train() and not yet out of it (the release may raise into it)."""
+        return self.in_train and not self.left.is_set()
+
+
+TRAINING = TrainingThread()
 
 
 def start_updating_os(backup_step: int) -> None:
@@ -177,7 +234,11 @@ def offer_update(step: int, fn: Callable[[], None]) -> None:
     holder stayed behind then has no clean replica at any step. A rank that left with the
     update ready runs `fn` while it waits for the verdict, when the controller allows this
     step (the catch-up a rank locked at the gate gets), so every shard can serve `step`.
+    On a device the offer's collectives may still run when the host gets here (NCCL returns
+    at enqueue): an event after them (`device_copy.OFFERED`, latched at the fault's abort)
+    says whether they had finished before the abort; only then may the update run.
     """
+    device_copy.OFFERED.record(step)
     STATE.offer = (step, fn)
 
 
@@ -193,6 +254,10 @@ def _catch_up_if_allowed() -> None:
         if (st.step or 0) + 1 != step or step > st.limit:
             return
         st.offer = None
+        if st.fenced and not device_copy.OFFERED.done_at(step):
+            log.warning("not catching up step %d: its gradients' collectives had not finished "
+                        "on the device when they were aborted", step)
+            return
         st.state = (st.step, True)  # inside the update window, as start_updating_os would say
     log.warning("catching up: running the ready update of step %d the controller allows", step)
     try:
@@ -286,9 +351,11 @@ def to_persist(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        TRAINING.enter()
         try:
             result = func(*args, **kwargs)
         except BaseException as exc:
+            TRAINING.leave()  # first: the release (release.py) stops raising into this thread
             rt = RUNTIME
             if rt is None or not rt.running:
                 raise
@@ -315,6 +382,7 @@ def to_persist(func: F) -> F:
             except AttributeError:
                 pass
             raise
+        TRAINING.leave()
         rt = RUNTIME
         if rt is not None:
             rt.shutdown()

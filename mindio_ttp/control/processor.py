@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import selectors
 import signal
 import socket
@@ -41,6 +42,8 @@ from mindio_ttp.control.flow_record import FlowRecord
 from mindio_ttp.control.handlers import HANDLERS, Handlers, Job
 from mindio_ttp.control.hooks import STATE, TTPError, fault_kind
 from mindio_ttp.control.liveness import LookingClock
+from mindio_ttp.control.release import Outcome as StopOutcome
+from mindio_ttp.control.release import Stopper
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 from mindio_ttp.control.wire import tier as T
@@ -56,10 +59,19 @@ NOT_OUR_CONTROLLER = (
 
 
 FAILOVER_CONNECT_S = 3.5
+RETRY_PAUSE_S = 0.1  # between two tries of a registration the listener closed (+-50 %)
 
 
 class HandshakeFailed(Exception):
-    """The listener did not complete the handshake; the text says why and what to do."""
+    """The listener did not complete the handshake; the text says why and what to do.
+    `again`: why trying again may work ("closed": the listener closed the connection without
+    an answer, maybe to make room for newer ones, see admission.py; "timeout": it did not
+    answer in time), "" when it will not (a refusal, a peer that is not this job's
+    controller)."""
+
+    def __init__(self, text: str, again: str = "") -> None:
+        super().__init__(text)
+        self.again = again
 
 
 _current: Optional[Processor] = None
@@ -135,6 +147,8 @@ class Processor:
         self._preempted = False
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
+        # the fault-time stop (release.py): abort off the main thread, on every survivor
+        self.stopper = Stopper(lambda outcome: self._mail.put("stopped", outcome))
         # through this node's agent (control/agent/): what it accepts from it; None: direct
         self._agent: Optional[agent_client.AgentLink] = None
         self._controller_at: Optional[Tuple[str, int]] = None  # where ttp_start_processor said
@@ -142,33 +156,45 @@ class Processor:
         self._incarnation = ""  # of the controller that welcomed us last (through the agent)
 
     # -- start / stop ----------------------------------------------------------------------------
-    def start(self, ip: str, port: int) -> None:
+    def start(self, ip: str, port: int, deadline_s: Optional[float] = None) -> None:
+        """Connect and register (blocks). Connecting is retried until TTP_CONNECT_TIMEOUT, and
+        so is a handshake the listener closed without an answer (before its challenge, or
+        after our Register: it made room for newer connections, control/admission.py).
+        `deadline_s` (a replacement: its recovery order's deadline) is how long instead, and
+        then a handshake the listener did not answer in time is retried too: a replacement
+        that gives up ends its recovery. A refusal is final. Through this node's agent first
+        (control/agent/), unless TTP_NODE_AGENT=0 or this is a replacement (which reaches the
+        acting controller itself)."""
         self._controller_at = (ip, port)
-        if self.cfg.node_agent and self._start_via_agent(ip, port):
+        if self.cfg.node_agent and deadline_s is None and self._start_via_agent(ip, port):
             return
-        deadline = time.monotonic() + self.cfg.connect_timeout
-        last: Exception = TimeoutError("no attempt")
-        while time.monotonic() < deadline:
+        persistent = deadline_s is not None
+        deadline = time.monotonic() + (self.cfg.connect_timeout if deadline_s is None
+                                        else deadline_s)
+        tries = 0
+        while True:
+            sock = self._connect(ip, port, deadline, persistent)
+            if self.standby is None:
+                self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
+                                          standby=True)
+                self.standby.listen(sock.getsockname()[0], 0, self.cfg.listen_ports, self.rank)
+                self.standby.start()
             try:
-                sock = connect(ip, port, timeout=min(2.0, self.cfg.connect_timeout))
+                conn = self._handshake(sock, failover=False, timeout=max(0.1, min(
+                    self.cfg.handshake_timeout, deadline - time.monotonic())))
                 break
-            except OSError as exc:
-                last = exc
-                time.sleep(0.1)  # the controller's rank may not be listening yet
-        else:
-            raise TTPError(f"rank {self.rank}: cannot reach the TTP controller at {ip}:{port} "
-                           f"within TTP_CONNECT_TIMEOUT={self.cfg.connect_timeout:g} s ({last});"
-                           " is rank 0 calling ttp_start_controller with the same ip/port?")
-        local_ip = sock.getsockname()[0]
-        self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
-                                  standby=True)
-        self.standby.listen(local_ip, 0, self.cfg.listen_ports, self.rank)
-        self.standby.start()
-        try:
-            conn = self._handshake(sock, failover=False, timeout=self.cfg.handshake_timeout)
-        except HandshakeFailed as exc:
-            self.standby.stop()
-            raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: {exc}") from None
+            except HandshakeFailed as exc:
+                retry = exc.again == "closed" or (persistent and exc.again != "")
+                if retry and time.monotonic() + RETRY_PAUSE_S < deadline:
+                    tries += 1
+                    (log.warning if tries in (1, 10, 100) else log.debug)(
+                        "rank %d: TTP controller at %s:%d: %s; trying again (try %d)",
+                        self.rank, ip, port, exc, tries + 1)
+                    time.sleep(RETRY_PAUSE_S * (0.5 + random.random()))
+                    continue
+                self.standby.stop()
+                raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: {exc}"
+                               f"{f' (after {tries + 1} tries)' if tries else ''}") from None
         self._begin(conn, ip, port)
 
     def _start_via_agent(self, ip: str, port: int) -> bool:
@@ -256,6 +282,23 @@ class Processor:
         log.info("rank %d: processor registered with the controller at %s:%d", self.rank, ip,
                  port)
 
+    def _connect(self, ip: str, port: int, deadline: float, persistent: bool) -> socket.socket:
+        """A TCP connection to the controller, tried until `deadline` (the controller's rank
+        may not be listening yet)."""
+        last: Exception = TimeoutError("no attempt")
+        while time.monotonic() < deadline:
+            try:
+                return connect(ip, port, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            except OSError as exc:
+                last = exc
+                time.sleep(0.1)
+        if persistent:
+            raise TTPError(f"rank {self.rank}: cannot reach the TTP controller at {ip}:{port} "
+                           f"before the recovery's deadline ({last})")
+        raise TTPError(f"rank {self.rank}: cannot reach the TTP controller at {ip}:{port} "
+                       f"within TTP_CONNECT_TIMEOUT={self.cfg.connect_timeout:g} s ({last}); "
+                       "is rank 0 calling ttp_start_controller with the same ip/port?")
+
     def shutdown(self, timeout: float = 2.0) -> None:
         """Normal end of training: say goodbye so our disconnect is not taken for a fault."""
         global _current
@@ -276,10 +319,10 @@ class Processor:
         self._restore_signals()
 
     # -- called from the training thread -------------------------------------------------------
-    def report_exception(self, exc: BaseException) -> None:
+    def report_exception(self, exc: BaseException, kind: str = "") -> None:
         """Reported as "exception" (this rank's own fault) or "collective" (a collective failed
-        because of another rank's fault: hooks.fault_kind)."""
-        kind = fault_kind(exc, self.fault_seen)
+        because of another rank's fault: hooks.fault_kind), unless the caller says which."""
+        kind = kind or fault_kind(exc, self.fault_seen)
         tb = traceback.extract_tb(exc.__traceback__)
         where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
         self._mail.put("fault", kind, f"{type(exc).__name__}: {exc}{where}"[:2000])
@@ -340,14 +383,16 @@ class Processor:
             msgs = recv_messages(sock, hs.dec, self.cfg.handshake_timeout)
         except (OSError, TimeoutError, ConnClosed, P.ProtocolError) as exc:
             sock.close()
+            again = ("timeout" if isinstance(exc, TimeoutError) else
+                     "closed" if isinstance(exc, (ConnClosed, ConnectionError)) else "")
             if isinstance(exc, TimeoutError):
                 exc = TimeoutError(f"no {'answer to our Register' if answered else 'challenge'} "
                                    f"within {self.cfg.handshake_timeout if answered else timeout:g}"
                                    " s (TTP_HANDSHAKE_TIMEOUT)")
             if answered:
-                raise HandshakeFailed(f"registration failed: {exc}") from None
-            raise HandshakeFailed(f"no valid TTP handshake ({exc}): {NOT_OUR_CONTROLLER}") \
-                from None
+                raise HandshakeFailed(f"registration failed: {exc}", again) from None
+            raise HandshakeFailed(f"no valid TTP handshake ({exc}): {NOT_OUR_CONTROLLER}",
+                                  again) from None
         first = msgs[0]
         if not isinstance(first, P.RegisterAck):
             sock.close()
@@ -513,6 +558,8 @@ class Processor:
                 self._closing = True
                 self._send(P.Goodbye(self.rank))
                 item[1].set()
+            elif kind == "stopped":
+                self._on_stopped(item[1])
             elif kind == "store":
                 if self._conn is None:
                     self._calls.close(item[1].req, ConnectionError(
@@ -559,6 +606,7 @@ class Processor:
             self._note_fault()
             step, updating = STATE.lock()
             self._send(P.StateReport(m.flow_id, 1, self.rank, step, updating))
+            self.stopper.start(f"lock of flow {m.flow_id}")
         elif isinstance(m, P.AdvanceTo):
             self._note_fault()
             if m.flow_id in self._advanced:
@@ -601,11 +649,27 @@ class Processor:
             STATE.stop()  # the training thread leaves the step at its next update, if not yet
             # TTP_OT counts again once the recovery's own bound has passed
             self._fault_time = time.monotonic() + m.deadline
+            self.stopper.start(f"recover order {m.recovery_id}")
+            if self.stopper.outcome is not None:
+                self._on_stopped(self.stopper.outcome)
+
+    def _on_stopped(self, outcome: StopOutcome) -> None:
+        """The fault-time stop ended: a survivor that could not abort, or whose main thread
+        would not leave the step, cannot recover in memory; it says so at once, so the
+        controller falls back to the dying checkpoint without waiting out the recovery's
+        bound (release.py)."""
+        if outcome.ok or not RECOVERY.pending:
+            return
+        why = ("the fault-time stop failed here: " + outcome.describe())[:1500]
+        log.error("rank %d: %s; failing the in-memory recovery", self.rank, why)
+        RECOVERY.report_ready(False, why)
+        RECOVERY.abandon(why[:300])
 
     def _on_commit(self, m: P.RecoverCommit) -> None:
         RECOVERY.commit(m.recovery_id)
         self._fault_time = None
         self.fault_seen = False
+        self.stopper.reset()
         log.warning("rank %d: recovery %d committed", self.rank, m.recovery_id)
 
     def _report_ready(self, recovery_id: int, ok: bool, detail: str, digest: str,
@@ -686,6 +750,7 @@ class Processor:
             return
         self._note_fault()
         STATE.lock()  # no further updates until a controller decides
+        self.stopper.start("controller lost")
         log.error("rank %d: controller lost (%s); failing over to %s", self.rank, why,
                   [b[0] for b in self._backups] or "nobody")
         deadline = self._fault_time + self.ot  # type: ignore[operator]

@@ -41,7 +41,9 @@ MAGIC = b"TP"
 # 3: validated fields, the authenticated store (StoreRequest/StoreReply), the launch's fault id
 #    in RegisterAck, SaveOrder.store names a store namespace
 # 4: binary heartbeats / acks / lock / advance / state reports, rank lists as blocks
-VERSION = 4
+# 5: rank blocks strictly increasing (an inverted or self-overlapping block is refused), no
+#    rank twice in a list, a Register's DP group a multiple of its replica count (issue 24)
+VERSION = 5
 HEADER = struct.Struct("!2sBBQI")
 _PREFIX = struct.Struct("!2sB")  # magic and version: checked before the rest of a header
 MAC_LEN = 32
@@ -176,7 +178,8 @@ def text(max_len: int, pattern: str = "") -> Check:
 
 
 def ranks(v: List[int]) -> bool:
-    return all(0 <= r < MAX_RANKS for r in v)
+    """Ranks in range, none twice (a DP group, savers, lost ranks: sets in an order)."""
+    return all(0 <= r < MAX_RANKS for r in v) and len(set(v)) == len(v)
 
 
 def _b64(v: str) -> bool:
@@ -341,6 +344,14 @@ class Register(Message):
     failover: bool
     challenge: str = ""  # the listener's nonce, echoed: binds this frame to one connection
     nonce: str = ""  # the rank's own fresh nonce (session.py)
+
+    def problem(self) -> str:
+        # every shard has as many holders (DP position i holds shard i % replica): a group
+        # of another size is no DP group of this job (the controller also checks `replica`)
+        if not self.dp_ranks or len(self.dp_ranks) % self.replica:
+            return (f"a DP group of {len(self.dp_ranks)} rank(s) cannot hold {self.replica} "
+                    "shard(s) with as many holders each")
+        return ""
 
 
 @_message(18, nonce=NONCE)
@@ -686,6 +697,9 @@ def _decode_payload(code: int, payload: bytes,
         if not ranksets.valid_wire(obj[name], MAX_RANKS):
             raise ProtocolError(f"{cls.__name__}.{name}: bad value {_show(obj[name])}")
         obj[name] = ranksets.decode(obj[name], MAX_RANKS)
+        if len(set(obj[name])) != len(obj[name]):  # blocks overlapping, or one twice
+            raise ProtocolError(f"{cls.__name__}.{name}: a rank named twice in "
+                                f"{_show(obj[name])}")
     for name, of_type, in_range in schema:
         if name in ranks_fields:
             continue  # the blocks' check covers each rank of the list: O(blocks), not O(ranks)

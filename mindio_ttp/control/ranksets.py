@@ -15,8 +15,13 @@ is one block; each rank that deviates from the pattern (a dead saver replaced by
 adds at most a few. The encoding is greedy, exact for any list, and degrades to one block per
 rank only for lists with no structure at all.
 
-`decode` refuses anything that would expand past `MAX_RANKS` or outside `0..MAX_RANKS-1`
-before it expands, so a peer cannot make a receiver allocate more than a world's worth.
+Every block is strictly increasing: `step` >= 1, and a repeat starts past the end of the run
+before it (`outer_step` > (count - 1) * step). A descending stretch of a list (pairs placed
+across hosts can order a DP group so) is sent as several blocks. `decode` refuses an inverted
+block (negative or zero step: one block used to stand for a group as [3, 2, 1, 0]) and one that
+overlaps itself, and anything that would expand past `MAX_RANKS` or outside `0..MAX_RANKS-1`,
+before it expands, so a peer cannot make a receiver allocate more than a world's worth. That a
+list names no rank twice (blocks overlapping each other) is the protocol's check.
 """
 
 from __future__ import annotations
@@ -28,14 +33,15 @@ Block = Tuple[int, int, int, int, int]  # start, step, count, outer_step, outer_
 
 
 def _runs(ranks: Sequence[int]) -> List[Tuple[int, int, int]]:
-    """Maximal arithmetic runs (start, step, count), greedily, in order."""
+    """Maximal increasing arithmetic runs (start, step >= 1, count), greedily, in order."""
     runs: List[Tuple[int, int, int]] = []
     i, n = 0, len(ranks)
     while i < n:
-        if i + 1 == n:
+        step = ranks[i + 1] - ranks[i] if i + 1 < n else 0
+        if step < 1:  # the last rank, or the list goes down (or repeats) here
             runs.append((ranks[i], 1, 1))
-            break
-        step = ranks[i + 1] - ranks[i]
+            i += 1
+            continue
         j = i + 1
         while j + 1 < n and ranks[j + 1] - ranks[j] == step:
             j += 1
@@ -53,9 +59,10 @@ def encode(ranks: Sequence[int]) -> List[List[int]]:
             if b[1] == step and b[2] == count:
                 # this run repeats the previous block's run at a fixed distance: one more period
                 last = b[0] + (b[4] - 1) * b[3]
-                if b[4] == 1 or start - last == b[3]:
-                    if b[4] == 1:
-                        b[3] = start - b[0]
+                gap = start - b[0] if b[4] == 1 else start - last
+                # a new period at the same distance, past the end of the previous one
+                if (b[4] == 1 or gap == b[3]) and gap > (count - 1) * step:
+                    b[3] = gap
                     b[4] += 1
                     continue
         blocks.append([start, step, count, 0, 1])
@@ -82,8 +89,10 @@ def valid_wire(value: Any, limit: int = MAX_RANKS) -> bool:
                 isinstance(x, int) and not isinstance(x, bool) for x in b)):
             return False
         start, step, count, ostep, ocount = b
-        if count < 1 or ocount < 1:
-            return False
+        if count < 1 or ocount < 1 or step < 1 or ostep < 0:
+            return False  # empty, or inverted
+        if ocount > 1 and ostep <= (count - 1) * step:
+            return False  # a period overlapping (or going back before) the one before it
         total += count * ocount
         if total > limit:
             return False

@@ -68,6 +68,17 @@ class Roster:
         """Every DP group some registered rank named, each once."""
         return list(self._groups.values())
 
+    def claims(self) -> List[Tuple[Tuple[int, ...], List[int]]]:
+        """Each DP group the ranks registered now, with the ranks that registered it (every
+        rank known, alive or not); O(ranks): equal groups are one object."""
+        by_group: Dict[int, Tuple[Tuple[int, ...], List[int]]] = {}
+        for info in self._by_rank.values():
+            entry = by_group.get(id(info.dp_ranks))
+            if entry is None:
+                entry = by_group[id(info.dp_ranks)] = (info.dp_ranks, [])
+            entry[1].append(info.rank)
+        return list(by_group.values())
+
     def set_status(self, info: RankInfo, status: str, note: str) -> bool:
         """Change a rank's status; True when this took it out of 'alive'."""
         left = info.status == "alive" and status != "alive"

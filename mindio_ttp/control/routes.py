@@ -154,7 +154,8 @@ class Routes:
                 return  # a child speaks for its own ranks only (a late frame of a moved rank)
             info = self.ctl._ranks.get(rank)
             if info is not None:
-                self.ctl._on_rank_msg(info, inner, lambda reply, r=rank: self.to_rank(r, reply))
+                self.ctl._on_rank_msg(info, inner, lambda reply, r=rank: self.to_rank(r, reply),
+                                      f"{child.conn.peer} (node agent)")
         elif isinstance(msg, T.Join):
             self._on_join(child, T.members(msg))
         elif isinstance(msg, T.Left):
@@ -200,7 +201,7 @@ class Routes:
                                 [r.nonce for r in accepted])
             blob = self.seal(welcome, dst)
             child.conn.queue_payload(T.Sealed.TYPE, blob)
-            for phase_msg in ctl._phase_msgs:  # mid-flow: the phase orders they missed
+            for phase_msg in ctl._replayed_on_register():  # the phase orders they missed
                 child.conn.queue_payload(T.Sealed.TYPE, self.seal(phase_msg, dst))
             if any(r.failover or r.locked for r in accepted):
                 log.info("%s: %d rank(s) registered through node agent %s (failover)", ctl.name,

@@ -63,6 +63,54 @@ class Layout:
         return {r for g in self.groups for r in g}
 
 
+Claim = Tuple[Tuple[int, ...], Sequence[int]]  # a DP group as registered, and who registered it
+
+
+def agreed_layout(claims: Iterable[Claim], replica: int) -> Tuple[Layout, Dict[int, str]]:
+    """The layout from the DP groups the members agree on, and the ranks whose claim is
+    dropped, with why (issue 24).
+
+    Every rank registers its own DP group; a key holder may register any group (rank 3 as
+    [3, 2, 1, 0]), and a layout built from every claim was inconsistent: nothing was saved
+    though every shard had an honest clean holder. Claims that give every rank the same shard
+    (its position mod `replica`) are one group, whatever their order. Groups are taken by
+    support, the most first (ties: the larger group, then the lowest ranks), each unless it
+    shares a rank with one taken already; a rank whose group is not taken disagrees with what
+    its members say, and its claim is dropped like a step report beyond the agreed step: the
+    flow does not use its state. One liar is outvoted by the rest of its group; in a group of
+    two it cannot tell the other member's shard apart from its own unless it changes who is in
+    the group, which the other groups then refute. O(sum of the claimed groups' sizes)."""
+    classes: Dict[Tuple[Tuple[int, ...], ...], Tuple[Tuple[int, ...], List[int]]] = {}
+    for group, who in claims:
+        if not who:
+            continue
+        key = tuple(tuple(sorted(group[s::replica])) for s in range(replica))
+        entry = classes.get(key)
+        if entry is None:
+            classes[key] = (tuple(group), list(who))
+        else:
+            if min(who) < min(entry[1]):  # the lowest supporter's order represents it
+                entry = classes[key] = (tuple(group), entry[1])
+            entry[1].extend(who)
+    order = sorted(classes.values(),
+                   key=lambda c: (-len(c[1]), -len(c[0]), sorted(c[0])))
+    owner: Dict[int, Tuple[int, ...]] = {}
+    taken: List[Tuple[int, ...]] = []
+    dropped: Dict[int, str] = {}
+    for group, who in order:
+        clash = next((r for r in group if r in owner), None)
+        if clash is None:
+            taken.append(group)
+            owner.update((r, group) for r in group)
+            continue
+        theirs = owner[clash]
+        for r in who:
+            dropped[r] = (f"registered DP group {describe(group)}, which its members do not "
+                          f"confirm (rank {clash} is in DP group {describe(theirs)}): a faulty "
+                          "rank, its state is not used")
+    return Layout.build(taken, replica), dropped
+
+
 def _describe(rank: int, st: Optional[RankState]) -> str:
     if st is None:
         return f"rank {rank} unknown"

@@ -4,21 +4,21 @@ Layout under the checkpoint root::
 
     step_0000005.<tag>.tmp/shard_0.pt, .json    written by the save handler (one rank per shard)
     step_0000005/                               the rename handler's atomic move of the tmp dir
-        shard_0.pt, shard_1.pt, manifest.json   manifest: step, layout, sha256 + size per file
+        shard_0.pt, shard_1.pt, manifest.json   manifest: step, layout, digest + size per file
     latest                                      {"step": 5, "dir": "step_0000005"}, replaced last
 
 Each shard file is written by ``mindio_ttp.faulttime.checkpoint_writer`` (the writer Megatron's
-dying save uses too): hashed (sha256) in the same pass as torch.save writes it to a ``.part`` name,
+dying save uses too): digested (xxh3_128; blake3 with ``TTP_CHECKPOINT_KEY``; the entry names
+which) in the same pass as torch.save writes it to a ``.part`` name,
 fsynced and renamed, so a rank killed mid-write leaves no file that looks complete. The rename
 handler checks that every shard is there with the size its saver recorded before the move, and
 ``latest`` only changes after the move, so a failed or partial save is never "latest"; the loader
-verifies every sha256. ``<tag>`` is the save order's (one staging directory per flow: no flow writes
+verifies every digest. ``<tag>`` is the save order's (one staging directory per flow: no flow writes
 into another's), and an existing step directory is never replaced: a second flow's rename of the
 same step is refused. """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from mindio_ttp.demo.model import FullState, ShardLayout, ShardState
-from mindio_ttp.faulttime import checkpoint_writer
+from mindio_ttp.faulttime import checkpoint_writer, digest
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -102,7 +102,7 @@ def save_shard(
     written = checkpoint_writer.write_torch(tmp / name, payload, midway)
     entry = {
         "file": name,
-        "sha256": written.sha256,
+        written.algo: written.digest,
         "bytes": written.size,
         "rank": rank,
         "seconds": time.perf_counter() - started,
@@ -131,7 +131,7 @@ def finalize(root: Path, step: int, layout: ShardLayout, tag: str = "") -> Path:
             raise CheckpointError(f"step {step}: shard {shard} was not saved ({meta_path} missing)")
         entry = json.loads(meta_path.read_text(encoding="utf-8"))
         shard_file = tmp / entry["file"]
-        # the size guards against a torn or replaced file; the loader verifies every sha256
+        # the size guards against a torn or replaced file; the loader verifies every digest
         if not shard_file.is_file() or shard_file.stat().st_size != entry["bytes"]:
             raise CheckpointError(f"step {step}: {entry['file']} does not match its manifest entry")
         files[entry.pop("file")] = entry
@@ -225,8 +225,13 @@ def load(root: Path, layout: ShardLayout) -> Optional[LoadedCheckpoint]:
         if entry is None or not file.is_file():
             raise CheckpointError(f"{path}: {name} is missing: incomplete checkpoint, refusing it")
         data = file.read_bytes()
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{file} is corrupt (size or sha256 differs from the manifest)")
+        algo = next((a for a in sorted(digest.ALGOS) if a in entry), digest.SHA256)
+        try:
+            actual = digest.of_bytes(algo, data)
+        except LookupError as exc:
+            raise CheckpointError(f"{file} cannot be checked: {exc}") from None
+        if len(data) != entry["bytes"] or actual != entry.get(algo):
+            raise CheckpointError(f"{file} is corrupt (size or {algo} differs from the manifest)")
         part = torch.load(io.BytesIO(data), weights_only=True)
         if part["step"] != manifest["step"] or part["shard"] != shard:
             raise CheckpointError(f"{file} holds step {part['step']} shard {part['shard']}")

@@ -307,7 +307,7 @@ class MegatronRehearsal:
         size = sum(p.stat().st_size for p in files)
         self.say(f"      iteration {step} in {flow.checkpoint or iter_dir}, marked latest "
                  f"({manifest.TRACKER} says {tracked})")
-        self.say(f"      {len(files)} files, {size / 1024:.0f} KiB, each sha256 checked against "
+        self.say(f"      {len(files)} files, {size / 1024:.0f} KiB, each digest checked against "
                  f"{manifest.MANIFEST}; written by ranks {list(flow.ranks)} (rank "
                  f"{', '.join(map(str, faulty.killed))} lost)")
         if faulty.killed_at is not None:

@@ -9,19 +9,28 @@ a blocking copy). Both anchors stop the device's work first: NVRx's in-process r
 every communicator (``inprocess/abort.py``: one thread per group), MindSpeed's TFT calls
 ``torch_npu.npu.stop_device``. So does this module, once, before the dying checkpoint reads.
 
-What, per backend (the one table; `_abort_call`):
+What, per backend (the one table: `_plan`; which method a backend has is asked of the backend
+itself, in the aborting thread, by `mindio_ttp.compat.features`, never read from a version):
 
-* **NCCL**: ``backend.abort()`` (torch >= 2.6; older torch: ``backend._shutdown()``, as NVRx
-  does). All groups at once, each in its own thread: aborted one after the other, one
-  communicator's abort can block on another's hung kernel (pytorch #119797).
+* **NCCL**: the first of ``abort`` (torch's 2.5 era on), ``_shutdown`` (2.2-2.4), ``_abort``
+  (2.1) the backend has. Where ProcessGroupNCCL has ``_group_start``/``_group_end`` (the 2.5
+  era on) every NCCL backend is aborted inside one group call, in one thread, as torch's own
+  ``_abort_process_group`` does: NCCL then aborts the hung communicators together. Elsewhere
+  each group is aborted in a thread of its own, all at once, as NVRx does: aborted one after
+  the other, one communicator's abort can block on another's hung kernel (pytorch #119797).
 * **HCCL** (torch_npu): the device is stopped once, ``torch_npu.npu.stop_device(i)``, which
   ends every task queued on it, HCCL's included, then ``restart_device(i)`` in its default mode
   (tensors stay valid), because torch_npu refuses device work on a stopped device and the save
-  must read. Without those calls (an older torch_npu), each HCCL backend's ``abort()``.
+  must read. Without those calls (torch_npu before v6.0.rc3, which this project does not
+  support: it has no ``SyncLaunchStream`` either), each HCCL backend's ``abort_hccl_comm``;
+  never ``abort``, which from torch 2.7 is the base class's no-op.
 * **gloo** and anything else: nothing. A dead peer's TCP reset fails a gloo collective, a hung
   peer is killed by its launcher, and host memory has no device queue to wait behind. (torch's
   ``ProcessGroupGloo.abort`` exists but would fail the survivors' own pending collectives for
   nothing.)
+
+Every aborting thread binds the device first (`DeviceBinding.bind`): a new thread's current
+CUDA device is 0, and an abort there could make a context on another rank's GPU.
 
 Bounded: every call runs in a daemon thread and the whole abort waits at most ``timeout_s``
 (``config.ABORT_TIMEOUT_S``); a call that hangs (``ncclCommAbort`` can, in NCCL's proxy thread:
@@ -95,16 +104,6 @@ class AbortReport:
         return text + (f"; {'; '.join(bad[:4])}" if bad else "")
 
 
-def _torch_older_than(version: str) -> bool:
-    import torch
-
-    def parse(text: str) -> Tuple[int, ...]:
-        return tuple(int("".join(c for c in p if c.isdigit()) or 0)
-                     for p in text.split("+")[0].split(".")[:3])
-
-    return parse(torch.__version__) < parse(version)
-
-
 def _name(obj: Any) -> str:
     try:
         return str(obj.name()).lower()
@@ -126,11 +125,16 @@ def _backends(pg: Any) -> List[Tuple[str, Any]]:
     return found or [(_name(pg), pg)]
 
 
+def _dist() -> Any:
+    """torch.distributed where this process imported it, else None: a process that never
+    imported torch has no process group, and importing torch here (seconds) would delay the
+    abort of a process that does."""
+    return sys.modules.get("torch.distributed")
+
+
 def _group_name(pg: Any) -> str:
     try:
-        import torch.distributed as dist
-
-        name = dist.distributed_c10d._world.pg_names.get(pg)
+        name = _dist().distributed_c10d._world.pg_names.get(pg)
         if name is not None:
             return str(name)
     except Exception:  # noqa: BLE001 - not initialised, or a test double
@@ -139,24 +143,67 @@ def _group_name(pg: Any) -> str:
 
 
 def _all_groups() -> List[Any]:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return []
-    if not dist.is_available() or not dist.is_initialized():
+    dist = _dist()
+    if dist is None or not dist.is_available() or not dist.is_initialized():
         return []
     return list(dist.distributed_c10d._world.pg_names)
 
 
-def _abort_call(backend_name: str, backend: Any) -> Optional[Callable[[], None]]:
-    """The call that aborts one backend, or None when there is nothing to abort (module doc)."""
-    if backend_name == "nccl":
-        if _torch_older_than("2.6") and hasattr(backend, "_shutdown"):
-            return backend._shutdown
-        return backend.abort
-    if backend_name == "hccl" and hasattr(backend, "abort"):
-        return backend.abort
-    return None
+def _features() -> Any:
+    from mindio_ttp.compat import features  # torch is imported wherever groups exist
+
+    return features
+
+
+def _abort_one(backend_name: str, backend: Any, binding: DeviceBinding) -> Callable[[], None]:
+    """The body of one aborting thread: bind, find the backend's abort, call it (module doc)."""
+
+    def run() -> None:
+        binding.bind()
+        features = _features()
+        call = features.abort_method(backend_name, backend)
+        if call is None:
+            raise RuntimeError(f"this {backend_name} backend ({type(backend).__name__}) has "
+                               f"none of {', '.join(features.ABORTS[backend_name])}")
+        call()
+
+    return run
+
+
+def _abort_together(backends: Sequence[Any], binding: DeviceBinding,
+                    errors: List[str]) -> Callable[[], None]:
+    """The body of the one thread that aborts every NCCL backend inside one NCCL group call
+    (module doc); an abort that raises is noted in `errors` (by index) and the rest go on."""
+
+    def run() -> None:
+        binding.bind()
+        features = _features()
+        start, end = features.nccl_group_calls(backends[0])
+        start()
+        try:
+            for i, backend in enumerate(backends):
+                call = features.abort_method("nccl", backend)
+                try:
+                    if call is None:
+                        raise RuntimeError(f"{type(backend).__name__} has none of "
+                                           f"{', '.join(features.NCCL_ABORTS)}")
+                    call()
+                except Exception as exc:  # noqa: BLE001 - reported per group
+                    errors[i] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            end()
+
+    return run
+
+
+def _groups_together(nccl: Sequence[Tuple[str, Any]]) -> bool:
+    """Whether the NCCL backends can be aborted inside one group call (module doc)."""
+    if len(nccl) < 2:
+        return False
+    try:
+        return _features().nccl_group_calls(nccl[0][1]) is not None
+    except Exception:  # noqa: BLE001 - cannot even ask: one thread per group, as before
+        return False
 
 
 def _npu_stop_restart(binding: DeviceBinding) -> Optional[Callable[[], None]]:
@@ -205,40 +252,47 @@ def abort_all(timeout_s: float = config.ABORT_TIMEOUT_S, *,
     process groups so that new ones can be made. Never raises for a backend (module doc)."""
     started = time.monotonic()
     deadline = started + timeout_s
-    pending: List[Tuple[str, str, _Call]] = []
     results: List[GroupAbort] = []
     with_device: List[str] = []  # HCCL groups that the device stop ends
+    to_abort: List[Tuple[str, str, Any]] = []  # (group, backend name, backend)
     device_call = _npu_stop_restart(binding)
     for pg in list(_all_groups() if groups is None else groups):
         gname = _group_name(pg)
         for bname, backend in _backends(pg):
             if bname == "hccl" and device_call is not None:
                 with_device.append(gname)
-                continue
-            call = _abort_call(bname, backend)
-            if call is None and bname in DEVICE_BACKENDS:
-                results.append(GroupAbort(gname, bname, FAILED, "this torch_npu has neither "
-                                          "stop_device/restart_device nor a backend abort()"))
-                continue
-            if call is None:
+            elif bname in DEVICE_BACKENDS:
+                to_abort.append((gname, bname, backend))
+            else:
                 why = ("no device work (a dead peer's connection reset fails its collectives)"
                        if bname == "gloo" else "not a device communicator")
                 results.append(GroupAbort(gname, bname, SKIPPED, why))
-                continue
-            thread = _Call(call, f"ttp-abort-{gname}")
-            pending.append((gname, bname, thread))
+    nccl = [(g, b) for g, n, b in to_abort if n == "nccl"]
+    together = _groups_together(nccl)
+    errors: List[str] = [""] * len(nccl)
+    # (groups, backend name, thread, errors by group or None)
+    pending: List[Tuple[List[str], str, _Call, Optional[List[str]]]] = []
+    if together:
+        pending.append(([g for g, _ in nccl], "nccl", _Call(
+            _abort_together([b for _, b in nccl], binding, errors), "ttp-abort-nccl"), errors))
+    for gname, bname, backend in to_abort:
+        if bname == "nccl" and together:
+            continue
+        pending.append(([gname], bname,
+                        _Call(_abort_one(bname, backend, binding), f"ttp-abort-{gname}"), None))
     device_thread = _Call(device_call, "ttp-abort-device") if device_call else None
-    threads = [t for _, _, t in pending] + ([device_thread] if device_thread else [])
+    threads = [t for _, _, t, _ in pending] + ([device_thread] if device_thread else [])
     for thread in threads:
         thread.start()
     _join_all(threads, deadline)
-    for gname, bname, thread in pending:
-        if thread.is_alive():
-            results.append(GroupAbort(gname, bname, TIMED_OUT, f"after {timeout_s:g} s"))
-        elif thread.error:
-            results.append(GroupAbort(gname, bname, FAILED, thread.error))
-        else:
-            results.append(GroupAbort(gname, bname, ABORTED))
+    for gnames, bname, thread, each in pending:
+        for i, gname in enumerate(gnames):
+            if thread.is_alive():
+                results.append(GroupAbort(gname, bname, TIMED_OUT, f"after {timeout_s:g} s"))
+            elif thread.error or (each and each[i]):
+                results.append(GroupAbort(gname, bname, FAILED, thread.error or each[i]))
+            else:
+                results.append(GroupAbort(gname, bname, ABORTED))
     device = ""
     if device_thread is not None:
         outcome = (TIMED_OUT if device_thread.is_alive()
@@ -255,17 +309,35 @@ def abort_all(timeout_s: float = config.ABORT_TIMEOUT_S, *,
 
 
 def _destroy(deadline: float) -> bool:
-    """destroy_process_group(), bounded by what is left of the deadline (at least 1 s)."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
+    return destroy_groups(max(1.0, deadline - time.monotonic()))
+
+
+def destroy_groups(timeout_s: float, binding: DeviceBinding = NO_DEVICE) -> bool:
+    """Destroy every process group, in a thread bound to the device, waiting at most
+    `timeout_s` (torch 2.6's graceful shutdown waits for every unfinished kernel of a group
+    that was not aborted: a group whose abort failed would hold it for good). HCCL backends
+    first release their communicator with ``abort_hccl_comm``, as torch_npu's own
+    ``reinit_process_group`` does before a new one is built (docs/stack.md says why the
+    recovery follows that part of it and not the rest). False when torch has no groups left to
+    destroy only because it failed, or the call did not return in time (logged)."""
+    dist = _dist()
+    if dist is None or not dist.is_available() or not dist.is_initialized():
         return False
-    if not dist.is_available() or not dist.is_initialized():
-        return False
-    call = _Call(dist.destroy_process_group, "ttp-destroy-groups")
+
+    def run() -> None:
+        binding.bind()
+        for pg in _all_groups():
+            for name, backend in _backends(pg):
+                call = _features().abort_method(name, backend) if name == "hccl" else None
+                if call is not None:
+                    call()
+        dist.destroy_process_group()
+
+    call = _Call(run, "ttp-destroy-groups")
     call.start()
-    call.join(max(1.0, deadline - time.monotonic()))
+    call.join(timeout_s)
     if call.is_alive() or call.error:
-        log.warning("destroy_process_group %s", call.error or "did not return in time")
+        log.warning("destroy_process_group %s", call.error or
+                    f"did not return within {timeout_s:g} s")
         return False
     return True

@@ -21,18 +21,17 @@ path. The order between files (shards, then manifest, then the tracker last) sta
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from mindio_ttp.faulttime import device_copy
+from mindio_ttp.faulttime import device_copy, digest
 from mindio_ttp.faulttime.durable import fsync_dir
 
 PART_SUFFIX = ".part"
@@ -40,14 +39,20 @@ PART_SUFFIX = ".part"
 
 @dataclass(frozen=True)
 class Written:
-    """What a finished file is: its sha256 (of the bytes on disk), size and write time."""
+    """What a finished file is: its digest (of the bytes on disk, by `algo`: see
+    `mindio_ttp.faulttime.digest`), size and write time, and where that time went: ``serialize``
+    (torch.save's own work: pickling, zip records), ``write`` (the write calls), ``digest``
+    (hashing the main thread waited for), ``fsync``, ``rename`` (rename + directory fsync)."""
 
-    sha256: str
+    algo: str
+    digest: str
     size: int
     seconds: float
+    phases: Dict[str, float] = field(default_factory=dict)
 
     def entry(self) -> Dict[str, object]:
-        return {"sha256": self.sha256, "size": self.size}
+        """The file's manifest entry: ``{algo: digest, "size": size}``."""
+        return {self.algo: self.digest, "size": self.size}
 
 
 def part_path(path: Path) -> Path:
@@ -68,27 +73,36 @@ def write_bytes(path: Path, data: bytes, sync_dir: bool = True) -> None:
 
 
 def write_torch(path: Path, obj: Any, midway: Optional[Callable[[], None]] = None,
-                live_params: bool = False) -> Written:
+                live_params: bool = False, algo: Optional[str] = None,
+                helper: Optional[bool] = None) -> Written:
     """torch.save `obj` to `path` (see the module docstring); `midway` runs after the first
     write (fault injection: a rank that dies there leaves a torn `.part` file); `live_params`:
     `obj` holds the model's live params, so the device read also waits for the event of their
-    all-gather (`device_copy.GATHERED`)."""
+    all-gather (`device_copy.GATHERED`). `algo`: the digest (default: by the manifest's mode,
+    `digest.default_algo`); `helper`: hash large buffers on a helper thread (default: by the
+    digest's speed, `HashingWriter.helper_pays`)."""
     started = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     part = part_path(path)
     with open(part, "wb") as f:
-        writer = HashingWriter(f, midway)
+        writer = HashingWriter(f, midway, algo=algo, helper=helper)
         try:
             with _without_torch_crc32(), device_copy.reading(live_params):
                 torch.save(obj, writer)
             f.flush()
+            saved = time.perf_counter()
             os.fsync(f.fileno())
         finally:
             writer.abandon()
-    digest = writer.hexdigest()
+    synced = time.perf_counter()
+    hexdigest = writer.hexdigest()
     os.replace(part, path)
     fsync_dir(path.parent)
-    return Written(digest, writer.size, time.perf_counter() - started)
+    done = time.perf_counter()
+    phases = {"serialize": max(0.0, saved - started - writer.write_s - writer.digest_s),
+              "write": writer.write_s, "digest": writer.digest_s, "fsync": synced - saved,
+              "rename": done - synced}
+    return Written(writer.algo, hexdigest, writer.size, done - started, phases)
 
 
 def _writeback_starter() -> Callable[[int, int, int], None]:
@@ -145,35 +159,56 @@ def _without_torch_crc32() -> Iterator[None]:
 
 
 class HashingWriter(io.RawIOBase):
-    """File wrapper for torch.save that hashes (sha256) every byte it writes, in the same pass.
+    """File wrapper for torch.save that digests every byte it writes, in the same pass.
 
-    torch.save hands over the tensor storages themselves as large memoryviews. Each large one is
-    written in chunks while a helper thread hashes the same buffer: ``write`` and
-    ``sha256.update`` both release the GIL, so on two cores the hash costs no extra time and no
-    copy is made; ``write`` returns only when both are done, so the buffer is never used after
-    torch may free it. Small buffers (pickle records, zip headers) are hashed inline. After each
-    chunk the kernel is asked to start writing it back (`_START_WRITEBACK`), so the closing fsync
-    waits for the tail only. (Measured on the 2-core dev VM against the previous design, copy
-    every buffer and hash on a queue thread: see docs/benchmarks.md, Persist.)
-    ``midway`` runs after the first write. ``max_write`` is the largest single buffer torch
-    handed over: the host memory this file's save staged at once (one storage).
+    torch.save hands over the tensor storages themselves as large memoryviews; nothing is
+    copied. Each large one is written in chunks, and after each chunk the kernel is asked to
+    start writing it back (`_START_WRITEBACK`), so the closing fsync waits for the tail only.
+    The digest (`algo`, see `mindio_ttp.faulttime.digest`) is computed one of two ways:
+
+    * inline, after the buffer's write (the default for xxh3_128: ~30 GB/s per core, a few ms
+      per GiB, less than a thread hand-off saves);
+    * on a helper thread while the same buffer is written (`helper=True`, the default for the
+      slower cryptographic digests when this process may run on more than one core): ``write``
+      and ``update`` both release the GIL, so with a free core the hash costs no wall time;
+      ``write`` returns only when both are done, so the buffer is never used after torch may
+      free it (a device tensor's host copy lives only for the call).
+
+    Small buffers (pickle records, zip headers) are always hashed inline. ``midway`` runs after
+    the first write. ``max_write`` is the largest single buffer torch handed over: the host
+    memory this file's save staged at once (one storage). ``write_s`` / ``digest_s``: time spent
+    in the write calls, and waiting for the digest (inline: all of it; helper: what it did not
+    hide).
     """
 
     BIG = 1 << 20  # hashing on the helper pays off above this
     CHUNK = 16 << 20  # writeback is started after every chunk
 
-    def __init__(self, f, midway: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, f, midway: Optional[Callable[[], None]] = None,
+                 algo: Optional[str] = None, helper: Optional[bool] = None) -> None:
         super().__init__()
         self._f, self._midway = f, midway
         self._fd = f.fileno()
-        self._sha = hashlib.sha256()
-        self._todo: Optional[memoryview] = None
-        self._go = threading.Semaphore(0)
-        self._done = threading.Semaphore(0)
-        self._hasher = threading.Thread(target=self._hash_loop, name="ckpt-sha256", daemon=True)
-        self._hasher.start()
+        self.algo = digest.default_algo() if algo is None else algo
+        self._hash = digest.new(self.algo)
         self.size = 0
         self.max_write = 0
+        self.write_s = 0.0
+        self.digest_s = 0.0
+        self._todo: Optional[memoryview] = None
+        self._hasher: Optional[threading.Thread] = None
+        if self.helper_pays(self.algo) if helper is None else helper:
+            self._go = threading.Semaphore(0)
+            self._done = threading.Semaphore(0)
+            self._hasher = threading.Thread(target=self._hash_loop, daemon=True,
+                                            name=f"ckpt-{self.algo}")
+            self._hasher.start()
+
+    @staticmethod
+    def helper_pays(algo: str) -> bool:
+        """Whether hashing on a helper thread beside the write is the faster design for
+        `algo` here (measured: docs/checkpoint-writer.md, "Digest and overlap")."""
+        return algo != digest.XXH3_128 and _cores() > 1
 
     def _hash_loop(self) -> None:
         while True:
@@ -182,7 +217,7 @@ class HashingWriter(io.RawIOBase):
             if buf is None:
                 return
             try:
-                self._sha.update(buf)  # releases the GIL for large buffers
+                self._hash.update(buf)  # releases the GIL for large buffers
             finally:
                 self._done.release()
 
@@ -193,19 +228,26 @@ class HashingWriter(io.RawIOBase):
         mv = memoryview(b).cast("B")
         n = mv.nbytes
         self.max_write = max(self.max_write, n)
+        t0 = time.perf_counter()
         if n < self.BIG:
             self._f.write(mv)
-            self._sha.update(mv)
+            t1 = time.perf_counter()
+            self._hash.update(mv)
+        elif self._hasher is None:
+            self._write_big(mv, n)
+            t1 = time.perf_counter()
+            self._hash.update(mv)
         else:
             self._todo = mv
             self._go.release()
             try:
-                self._f.flush()
-                for off in range(0, n, self.CHUNK):
-                    self._f.write(mv[off:off + self.CHUNK])
-                    _START_WRITEBACK(self._fd, self.size + off, min(self.CHUNK, n - off))
+                self._write_big(mv, n)
             finally:
+                t1 = time.perf_counter()
                 self._done.acquire()  # the helper is done with the buffer before we return
+        t2 = time.perf_counter()
+        self.write_s += t1 - t0
+        self.digest_s += t2 - t1
         self.size += n
         if self._midway is not None:
             self._f.flush()
@@ -213,14 +255,28 @@ class HashingWriter(io.RawIOBase):
             midway()
         return n
 
+    def _write_big(self, mv: memoryview, n: int) -> None:
+        self._f.flush()
+        for off in range(0, n, self.CHUNK):
+            self._f.write(mv[off:off + self.CHUNK])
+            _START_WRITEBACK(self._fd, self.size + off, min(self.CHUNK, n - off))
+
     def hexdigest(self) -> str:
-        """The sha256 of everything written (all hashing finished inside ``write``)."""
+        """The digest of everything written (all hashing finished inside ``write``)."""
         self.abandon()
-        return self._sha.hexdigest()
+        return self._hash.hexdigest()
 
     def abandon(self) -> None:
         """Stop the helper thread (its current buffer, if any, was already waited for)."""
-        if self._hasher.is_alive():
+        if self._hasher is not None and self._hasher.is_alive():
             self._todo = None
             self._go.release()
             self._hasher.join(5.0)
+
+
+def _cores() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

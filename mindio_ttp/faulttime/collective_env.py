@@ -7,6 +7,11 @@ library does when that collective times out decides whether a dying checkpoint c
   communicator (PyTorch's ProcessGroupNCCL docs). 2 aborts the communicator and leaves the
   process alive: the hung collective then raises in the training thread, which the TTP decorator
   turns into "wait for the verdict", and the hung kernel no longer blocks device work.
+* ``NCCL_ASYNC_ERROR_HANDLING``: the same setting under its old name, the only one torch 2.1
+  reads (the ``TORCH_NCCL_`` names came with 2.2, PR #114077, which read the ``TORCH_`` name
+  first and the old one after it). torch's elastic agent writes the old name into every worker's
+  environment, as 1 (abort, then kill the process) unless the launcher's own environment sets
+  it: so ttprun sets both names, or on torch 2.1 the survivors die in the dying save.
 * ``HCCL_ASYNC_ERROR_HANDLING``: torch_npu's default 1 (torch >= 2.1) terminates the process on
   an ERROR CQE, the error a dead peer's link gives (Ascend's torch_npu environment docs); 0 keeps
   the process, and the TTP heartbeat detects the fault instead.
@@ -31,6 +36,9 @@ log = logging.getLogger("mindio_ttp.launch.agent")
 WORKER_DEFAULTS: Tuple[Tuple[str, str, str], ...] = (
     ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2",
      "abort the hung communicator, keep the survivor alive for the dying checkpoint"),
+    ("NCCL_ASYNC_ERROR_HANDLING", "2",
+     "the same under the old name, the one torch 2.1 reads (torch's elastic agent sets it to 1 "
+     "otherwise: abort, then kill the survivor)"),
     ("HCCL_ASYNC_ERROR_HANDLING", "0",
      "a dead peer's ERROR CQE must not terminate the survivors before they save"),
 )
@@ -41,6 +49,12 @@ FATAL_VALUES = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": {
         "1": "aborts the communicator and then kills the process",
         "3": "kills the process without aborting the communicator",
+    },
+    "NCCL_ASYNC_ERROR_HANDLING": {
+        "1": "(the name torch 2.1 reads; later torch reads it when TORCH_NCCL_ASYNC_ERROR_HANDLING "
+             "is unset) aborts the communicator and then kills the process",
+        "3": "(the name torch 2.1 reads; later torch reads it when TORCH_NCCL_ASYNC_ERROR_HANDLING "
+             "is unset) kills the process without aborting the communicator",
     },
     "HCCL_ASYNC_ERROR_HANDLING": {
         "1": "terminates the process on the dead peer's ERROR CQE",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, List, Optional
@@ -70,6 +71,35 @@ def capture() -> DeviceBinding:
         except Exception as exc:  # a broken driver must not stop training from registering
             log.warning("cannot read the current %s device (%s): handlers bind none", kind, exc)
     return NO_DEVICE
+
+
+def health_check(binding: DeviceBinding, timeout_s: float) -> str:
+    """"" when the device finishes everything queued on it, twice, within `timeout_s`; else
+    what went wrong. NVRx's CudaHealthCheck before it re-initialises: a bounded synchronize,
+    then a second one to surface a sticky error the first returned before. Run in a thread of
+    its own (a device that never finishes keeps it forever: it is left behind)."""
+    module = _module(binding.kind)
+    if module is None or not hasattr(module, "synchronize"):
+        return ""
+    box: List[str] = []
+
+    def run() -> None:
+        try:
+            binding.bind()
+            module.synchronize()
+            module.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - the answer
+            box.append(f"{type(exc).__name__}: {exc}"[:300])
+        else:
+            box.append("")
+
+    thread = threading.Thread(target=run, name="ttp-device-health", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return (f"{binding.describe()} did not finish its queued work within {timeout_s:g} s "
+                "(a kernel still hangs)")
+    return box[0] if box else "the health check ended without an answer"
 
 
 # external CUDA stream handles: created once per device, never destroyed (torch does not own

@@ -53,8 +53,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
@@ -137,24 +139,41 @@ MARK = ReadyMark()
 def _work_failed(work: Any) -> bool:
     """True when a collective's result says it ended in error (a watchdog abort: its kernel
     then ended early, so the copies behind it ran on torn data and the event after them still
-    completed). ``get_future_result`` is the non-deprecated status (NCCL); backends without it
-    leave the event as the whole answer."""
+    completed). ``get_future_result`` (torch 2.6 on, PR #137799) is the non-deprecated status;
+    where it is missing, ``exception()``, which the watchdog sets on the same error (every
+    torch binds it on Work). A backend that can answer neither leaves the event as the answer."""
     get = getattr(work, "get_future_result", None)
-    if get is None:
+    if get is not None:
+        try:
+            future = get()
+            return bool(future.done() and int(future.value()) != 0)  # WorkResult.SUCCESS == 0
+        except Exception:  # noqa: BLE001 - not supported by this backend (gloo)
+            return False
+    exception = getattr(work, "exception", None)
+    if exception is None:
         return False
     try:
-        future = get()
-        return bool(future.done() and int(future.value()) != 0)  # WorkResult.SUCCESS == 0
-    except Exception:  # noqa: BLE001 - not supported by this backend (gloo)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch marks it deprecated, in favour of the above
+            return exception() is not None
+    except Exception:  # noqa: BLE001 - a backend that cannot say
         return False
 
 
 class GatherMark:
-    """The device event recorded after the param all-gather of a step and its copies into the
-    live params (module doc, step 1): did the params of step t reach the model?"""
+    """The device event recorded after some device work of a step: `GATHERED`, the param
+    all-gather and its copies into the live params (module doc, step 1: did the params of step
+    t reach the model?); `OFFERED`, the collectives of the update `hooks.offer_update` offers.
+
+    `latch` freezes the answer just before the fault's abort (`FaultStop`): the abort ends a
+    hung collective early, the work queued behind it then runs on torn data and the event
+    completes, so from then on `done_at` answers what the device had finished before the abort,
+    for that step only, however often it is asked (a kept saver's second save attempt, a
+    standby's re-run of the flow: D2)."""
 
     def __init__(self, mark: ReadyMark) -> None:
         self._mark = mark  # its device module: the same device, armed at the same time
+        self._latched: Optional[Tuple[Optional[int], bool]] = None
         self.step: Optional[int] = None
         self.event: Optional[Any] = None
         self.works: Tuple[Any, ...] = ()
@@ -178,8 +197,27 @@ class GatherMark:
                 self.event, self._exact = None, False
         self.step = step
 
+    def latch(self) -> Tuple[Optional[int], bool]:
+        """Freeze (step recorded, its work done now) for every later `done_at`; the first call
+        decides (class doc)."""
+        if self._latched is None:
+            step = self.step
+            self._latched = (step, step is not None and self._done_now(step))
+        return self._latched
+
+    @property
+    def latched(self) -> bool:
+        return self._latched is not None
+
     def done_at(self, step: int) -> bool:
-        """Whether the live params hold step `step` on the device, now (never waits)."""
+        """Whether the work of step `step` is done on the device, as of now or, once latched,
+        as of the latch (never waits)."""
+        latched = self._latched
+        if latched is not None:
+            return latched[1] and latched[0] == step
+        return self._done_now(step)
+
+    def _done_now(self, step: int) -> bool:
         if self.step != step or not self._exact:
             return False
         if self.event is None:
@@ -196,6 +234,7 @@ class GatherMark:
 
 
 GATHERED = GatherMark(MARK)
+OFFERED = GatherMark(MARK)
 
 
 @dataclass(frozen=True)
@@ -206,16 +245,97 @@ class FaultRead:
     abort: abort.AbortReport
 
 
+class FallbackUnsafe(DeviceNotReady):
+    """The abort did not stop the device's work and a read could wait behind the hung kernel
+    for good (one hardware queue): this rank refuses to save rather than hang."""
+
+
+class FaultStop:
+    """This process's stop of its device work for one fault, done once: note what the device
+    finished (`GATHERED` and `OFFERED` latched), then abort every communicator (`abort_all`).
+
+    Every survivor runs it, not only the savers (a rank whose communicators stay alive can hold
+    up its node's aborts: nccl #863), and off the main thread, which may be stuck in the very
+    collective the abort ends: the processor's `ttp-fault-stop` thread at the controller's lock
+    or recover order, or `prepare` in a save handler, whichever comes first. A second caller
+    gets the first one's report (waiting for it, bounded): the latch is taken once, before the
+    only abort, so no later call can read "done" from an event the abort completed (D2)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._started = False
+        self.report: Optional[abort.AbortReport] = None
+        self.started_at: Optional[float] = None  # time.monotonic() of the abort's start
+
+    @property
+    def ran(self) -> bool:
+        """The stop has started (its report may still be pending)."""
+        return self._started
+
+    def run(self, timeout_s: float = config.ABORT_TIMEOUT_S,
+            binding: Optional[DeviceBinding] = None,
+            before_abort: Callable[[], None] = lambda: None) -> abort.AbortReport:
+        """Latch, call `before_abort` (the hooks' fence), abort; or wait for the call that
+        did. Never raises for a backend; bounded by `timeout_s` (and as much again for a
+        caller that waits for another's)."""
+        with self._lock:
+            first, self._started = not self._started, True
+        if not first:
+            if self._done.wait(2 * timeout_s + 1.0) and self.report is not None:
+                return self.report
+            return abort.AbortReport((abort.GroupAbort(
+                "*", "?", abort.TIMED_OUT, "the fault's first abort did not return"),), "",
+                False, 2 * timeout_s)
+        try:
+            GATHERED.latch()
+            OFFERED.latch()
+            before_abort()
+            self.started_at = time.monotonic()
+            self.report = abort.abort_all(timeout_s, binding=binding or MARK.binding)
+        finally:
+            self._done.set()
+        return self.report
+
+    def reset(self) -> None:
+        """A new world (a recovery destroyed the aborted groups): the next fault stops anew."""
+        with self._lock:
+            self.__init__()
+        GATHERED.reset()
+        OFFERED.reset()
+
+
+STOP = FaultStop()
+
+
+def one_work_queue() -> bool:
+    """Every stream of this process shares one hardware queue: CUDA with
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron requires it; NVIDIA documents the variable only
+    as the number of work queues, and nothing promises that a copy on another stream passes a
+    kernel hung at the head of the one queue)."""
+    return MARK.binding.kind == "cuda" and \
+        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+
+
 def prepare(step: int, ready_timeout_s: float = config.DEVICE_READY_TIMEOUT_S,
             abort_timeout_s: float = config.ABORT_TIMEOUT_S) -> FaultRead:
     """Steps 1 and 2 of the module doc, in that order: wait (bounded) for the update of `step`
-    on the device, note whether its params reached the model, then abort every communicator.
-    Raises DeviceNotReady when the update never finishes; an abort that fails or times out is
-    logged and the read goes on, on the private stream (step 3)."""
-    MARK.wait_done(ready_timeout_s)
-    gathered = GATHERED.done_at(step)
-    report = abort.abort_all(abort_timeout_s, binding=MARK.binding)
-    return FaultRead(gathered, report)
+    on the device, note whether its params reached the model, then abort every communicator
+    (`STOP`: done already when the processor stopped this rank at the fault's lock; the note
+    is the one latched then). Raises DeviceNotReady when the update never finishes, and
+    FallbackUnsafe when the abort failed while one work queue is in force; an abort that fails
+    or times out otherwise is logged and the read goes on, on the private stream (step 3),
+    bounded by its probe (`DeviceReader.wait_ready`)."""
+    if not STOP.ran:
+        MARK.wait_done(ready_timeout_s)  # refuse before aborting anything
+    report = STOP.run(abort_timeout_s, MARK.binding)
+    MARK.wait_done(ready_timeout_s)  # the update's own kernels: finite once nothing hangs
+    if not report.ok and MARK.module is not None and one_work_queue():
+        raise FallbackUnsafe(
+            f"{report.describe()}; with CUDA_DEVICE_MAX_CONNECTIONS=1 every stream shares one "
+            "hardware queue and a read could wait behind the hung kernel for good: not saving "
+            "on this rank (the controller saves from another holder, or fails the save)")
+    return FaultRead(GATHERED.done_at(step), report)
 
 
 def _pinned(nbytes: int) -> Any:
@@ -256,6 +376,24 @@ class DeviceReader:
             self.stream().wait_event(self._mark.event)
         if gather is not None and gather.event is not None:
             self.stream().wait_event(gather.event)
+        self._passes("reach the state to read", config.FALLBACK_PROBE_S)
+
+    def _passes(self, what: str, timeout_s: float) -> None:
+        """Record an event on the private stream and poll it (bounded): DeviceNotReady when the
+        stream cannot get past what is queued ahead of it, such as a kernel hung at the head of
+        the one hardware queue when the abort failed (D5). Polling, never a blocking wait."""
+        probe = self._module.Event()
+        probe.record(self.stream())
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0005
+        while not probe.query():
+            if time.monotonic() >= deadline:
+                raise DeviceNotReady(
+                    f"the private read stream of {self._mark.binding.describe()} did not "
+                    f"{what} within {timeout_s:g} s: something queued ahead of it on the "
+                    "device hangs (an abort that failed); not reading")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     @contextlib.contextmanager
     def reading(self, gather: Optional[GatherMark] = None) -> Iterator[Any]:
@@ -266,8 +404,8 @@ class DeviceReader:
         with self._module.stream(stream):
             try:
                 yield stream
-            finally:
-                stream.synchronize()  # every copy issued inside is complete on leaving
+            finally:  # every copy issued inside is complete on leaving (bounded)
+                self._passes("finish its copies", self._timeout_s)
 
     def to_host(self, tensor: Any) -> Any:
         """A host tensor equal to `tensor`, valid until the next call (it lives in the reused

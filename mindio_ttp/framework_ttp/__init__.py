@@ -200,8 +200,10 @@ def ttp_start_controller(ip: str, port: int) -> None:
         ctl = ControllerProcess(TTPConfig.from_env(world_size=world_size), world_size, replica,
                                 rank)
         claims = _claim.registered_directory()
-        ctl.start(ip, port, claims=None if claims is None else claims.parent,
-                  capable=_RECOVERY.capability())
+        capable = _RECOVERY.capability()
+        log.warning("recovery mode: %s", f"in memory where the fault allows ({capable[1]})"
+                    if capable[0] else f"dying checkpoint, not in memory: {capable[1]}")
+        ctl.start(ip, port, claims=None if claims is None else claims.parent, capable=capable)
         _controller = ctl
     log.info("controller process (pid %s) for %d rank(s) listening on %s:%d", _controller.pid,
              world_size, ip, port)
@@ -229,6 +231,10 @@ def ttp_init_processor(rank: int, dp_ranks: Sequence[int], dp_size: int, world_s
     replica = _int("replica", replica, 1, len(ranks),
                    f" (shards per DP group; for DP={len(ranks)} pass len(dp_ranks)//2; DP 1 has "
                    "no replica to save from, use DP >= 2)")
+    if len(ranks) % replica:
+        raise ValueError(f"replica={replica} shards do not divide the DP group of {len(ranks)} "
+                         "ranks (position i holds shard i % replica, so every shard needs as "
+                         "many holders): pass len(dp_ranks)//2")
     _check_shards("ttp_init_processor", replica)
     _bool("enable_local_copy", enable_local_copy)
     if _optimizer_order is not None and sorted(_optimizer_order) == sorted(ranks):
@@ -252,9 +258,11 @@ def _rejoined() -> bool:
     return _RECOVERY.order is not None
 
 
-def start_processor_at(ip: str, port: int) -> None:
+def start_processor_at(ip: str, port: int, deadline_s: Optional[float] = None) -> None:
     """ttp_start_processor at exactly ip:port (a replacement reaches the acting controller,
-    which may be a standby on a port of its own, whatever TTP_CONTROLLER_PORT says)."""
+    which may be a standby on a port of its own, whatever TTP_CONTROLLER_PORT says);
+    `deadline_s`: how long to keep trying to register (a replacement: its order's deadline;
+    default TTP_CONNECT_TIMEOUT, see Processor.start)."""
     global _processor
     if _processor_args is None:
         raise TTPError("call ttp_init_processor(rank, dp_ranks, dp_size, world_size, replica, "
@@ -266,7 +274,7 @@ def start_processor_at(ip: str, port: int) -> None:
         _setup_logging(rank)
         proc = Processor(TTPConfig.from_env(world_size=world_size), rank, ranks, world_size,
                          replica)
-        proc.start(ip, port)
+        proc.start(ip, port, deadline_s)
         _processor = proc
         _mark_started(proc.cfg.run_dir, rank)
         _hooks.RUNTIME = _RUNTIME
@@ -390,9 +398,9 @@ class _Runtime:
     def ot(self) -> float:
         return _processor.ot if _processor is not None else 0.0
 
-    def report_exception(self, exc: BaseException) -> None:
+    def report_exception(self, exc: BaseException, kind: str = "") -> None:
         if _processor is not None:
-            _processor.report_exception(exc)
+            _processor.report_exception(exc, kind)
 
     @property
     def recovery_ordered(self) -> bool:

@@ -228,12 +228,11 @@ class TTPElasticAgent(LocalElasticAgent):
         restart = spec.max_restarts - self._remaining_restarts
         if restart == 0:
             return  # the first attempt uses torch's store
-        from torch.distributed import TCPStore
-
         key = f"ttprun/attempt{restart}/store_port"
         if worker_group.group_rank == 0:
-            fresh = TCPStore(host_name=worker_group.master_addr, port=0, is_master=True,
-                             wait_for_workers=False, multi_tenant=True)
+            self._attempt_store = None  # closes the previous attempt's: its port may be reused
+            fresh = _restart_store(worker_group.master_addr,
+                                   config.value(os.environ, config.ENV_RESTART_STORE_PORTS))
             worker_group.store.set(key, str(fresh.port))
             self._attempt_store = fresh  # the previous attempt's store closes with its object
         port = int(worker_group.store.get(key).decode())
@@ -467,6 +466,25 @@ class TTPElasticAgent(LocalElasticAgent):
         return False
 
 
+def _restart_store(host: str, ports: Optional[Tuple[int, int]]):
+    """A restarted attempt's store: on an ephemeral port, or on the first free port of
+    TTP_RESTART_STORE_PORTS (a firewall that opens only known ports); none free: say which."""
+    from torch.distributed import TCPStore
+
+    candidates = [0] if ports is None else list(range(ports[0], ports[1] + 1))
+    errors = []
+    for port in candidates:
+        try:
+            # never multi-tenant on a fixed port: it would share a store left in this process
+            return TCPStore(host_name=host, port=port, is_master=True, wait_for_workers=False,
+                            multi_tenant=port == 0)
+        except (RuntimeError, OSError) as exc:  # DistNetworkError: the port is taken
+            errors.append(f"{port}: {exc}".splitlines()[0][:120])
+    raise RuntimeError(f"ttprun: no port of {config.ENV_RESTART_STORE_PORTS}="
+                       f"{ports[0]}-{ports[1]} is free for the restarted attempt's store "
+                       f"({'; '.join(errors[:3])}): widen the range")
+
+
 class _OffLoopQuery:
     """A store query run in a thread of its own, at most one at a time.
 
@@ -696,6 +714,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if note:
         print(f"ttprun: {note}", file=sys.stderr)
     extra = {gloo_iface.NAME: ifname} if ifname else {}
+    said, forced = preflight.recovery_mode(os.environ)
+    print(f"ttprun: {said}", file=sys.stderr)
+    if forced:
+        extra[config.ENV_RECOVERY] = forced
     with ttp_environment(extra) as run_dir, _agent_installed():
         logger.info("ttprun: TTP_RUN_DIR=%s", run_dir)
         try:

@@ -8,8 +8,9 @@ defeat the dying checkpoint, misspelt names) go to stderr and the launch goes on
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
-from typing import List, Mapping, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from mindio_ttp import config
 from mindio_ttp.config import ENV_AUTH_KEY, ENV_AUTH_KEY_FILE, ExitCode
@@ -41,6 +42,45 @@ def check(env: Mapping[str, str], multi_node: bool, script_args: Sequence[str] =
     if timeout:
         warnings.append(timeout)
     return problems, warnings
+
+
+def _stack() -> Tuple[str, Any, str]:
+    """(backend, its ProcessGroup class or None, what was seen) of this machine's collective
+    stack, as the workers will find it: torch_npu's HCCL, NCCL where CUDA is, else gloo."""
+    if importlib.util.find_spec("torch_npu") is not None:
+        try:
+            import torch_npu  # noqa: F401 - what the workers import; registers torch.npu
+            from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        except Exception as exc:  # noqa: BLE001 - said, and the ranks decide
+            return "hccl", None, f"torch_npu (not importable here: {str(exc)[:120]})"
+        return "hccl", ProcessGroupHCCL, "torch_npu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "nccl", getattr(torch.distributed, "ProcessGroupNCCL", None), "CUDA"
+    return "gloo", None, "no GPU or NPU here"
+
+
+def recovery_mode(env: Mapping[str, str]) -> Tuple[str, Optional[str]]:
+    """What ttprun says at start about the recovery mode, and the TTP_RECOVERY its workers
+    get (None: as set). In-memory recovery needs a stack that can abort a collective another
+    thread waits in and build new groups after the abort (compat/features.recovery_support);
+    where this one cannot, the dying checkpoint, and why (docs/stack.md has the table). Rank 0
+    checks its real default group again when it starts the controller."""
+    mode = config.value(env, config.ENV_RECOVERY)
+    if mode != config.RECOVERY_MODES[0]:
+        return f"recovery mode: dying checkpoint ({config.ENV_RECOVERY}={mode})", None
+    from mindio_ttp.compat import features
+
+    kind, backend, seen = _stack()
+    if kind == "hccl" and backend is None:
+        return (f"recovery mode: in memory if rank 0 finds the stack can ({seen}); else the "
+                "dying checkpoint"), None
+    ok, why = features.recovery_support(kind, backend)
+    if ok:
+        return f"recovery mode: in memory ({seen}: {why})", None
+    return (f"recovery mode: dying checkpoint, not in memory ({seen}: {why}; docs/stack.md)",
+            config.RECOVERY_MODES[1])
 
 
 def refusal(problems: Sequence[str]) -> str:

@@ -65,10 +65,16 @@ def __getattr__(name: str) -> Any:
 def _check_startup() -> None:
     from megatron import get_args
 
-    from mindio_ttp.megatron_ttp.args_check import check_args
+    from mindio_ttp.compat import features
+    from mindio_ttp.megatron_ttp.args_check import check_args, empty_cache_warning
 
     args = get_args()
     check_args(args)
+    warning = empty_cache_warning(args, features.empty_cache_releases_gil)
+    if warning:
+        import logging
+
+        logging.getLogger("mindio_ttp").warning("%s", warning)
     if args.save:  # faults are claimed beside the checkpoints: at most one save per fault
         from mindio_ttp.framework_ttp import ttp_set_checkpoint_dir
 

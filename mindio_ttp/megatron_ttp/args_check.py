@@ -8,7 +8,7 @@ flow would otherwise report it as a failed save (exit 84).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 NEEDS_REPLICATED = (
     "mindio_ttp: the dying checkpoint needs Megatron's --use-distributed-optimizer (the patched "
@@ -28,3 +28,18 @@ def check_args(args: Any) -> None:
         raise RuntimeError(NEEDS_REPLICATED.format(kind=kind))
     if getattr(args, "data_parallel_random_init", False):
         raise RuntimeError(NO_RANDOM_INIT)
+
+
+def empty_cache_warning(args: Any, releases_gil: Callable[[], Optional[bool]]) -> Optional[str]:
+    """A warning when Megatron will call ``torch.cuda.empty_cache()`` every step
+    (``--empty-unused-memory-level`` 1 or 2, training.py:421-422, 459-460) and this torch's
+    empty_cache holds the GIL while it waits for the device (`releases_gil()` False, measured by
+    compat.features.empty_cache_releases_gil): behind a collective hung on a dead peer it would
+    stop this rank's TTP heartbeats, and the rank would be taken for dead (D10)."""
+    if getattr(args, "empty_unused_memory_level", 0) < 1 or releases_gil() is not False:
+        return None
+    return ("mindio_ttp: this torch's torch.cuda.empty_cache() holds the GIL while it waits for "
+            "the device, and --empty-unused-memory-level "
+            f"{args.empty_unused_memory_level} calls it every step: behind a collective hung on "
+            "a dead peer it stops this rank's TTP heartbeats and the rank is taken for dead. "
+            "Drop the flag (or use a torch whose empty_cache releases the GIL)")

@@ -4,8 +4,10 @@ layout, without importing Megatron (so the rules are unit-testable).
 Layout of step t under the save directory:
 `iter_{t:07d}/mp_rank_TT[_PPP]/model_rng.pt` (one per model-parallel rank) and
 `iter_{t:07d}/mp_rank_TT[_PPP]_DDD/optim.pt` (one per DP rank). A TTP checkpoint also carries
-`ttp_manifest.json`: the sha256 and size of every file, so a half-written or corrupted dying
-checkpoint is refused at load instead of crashing (or silently exiting 0) inside Megatron, and
+`ttp_manifest.json`: the digest and size of every file (the digest named per file:
+xxh3_128, or blake3 when the manifest is signed, or sha256 in manifests written before the
+choice; `mindio_ttp.faulttime.digest`), so a half-written or corrupted dying checkpoint is
+refused at load instead of crashing (or silently exiting 0) inside Megatron, and
 the marker `ttp_checkpoint`, so a TTP checkpoint whose manifest was deleted is refused instead of
 being taken for a stock one.
 
@@ -13,9 +15,11 @@ Everything read from the checkpoint directory is hostile until checked: the trac
 manifest are read with a size cap, the manifest must match one exact schema, its file names
 must be exactly the layout's (so nothing outside the iteration directory is ever opened), and a
 listed file must be a regular file, not a symlink. With `TTP_CHECKPOINT_KEY` set, the manifest
-also carries an HMAC-SHA256, so a shard altered and re-hashed by someone without the key is
-refused as well. `verify` returns a reason instead of raising, so every rank reaches the
-agreement collective in `load.choose_checkpoint` whatever it found.
+also carries an HMAC-SHA256 over the file digests, so a shard altered and re-hashed by someone
+without the key is refused as well; the file digests must then be cryptographic (blake3 or
+sha256), so that nobody can make a second file with a signed digest. `verify` returns a reason
+instead of raising, so every rank reaches the agreement collective in `load.choose_checkpoint`
+whatever it found.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from mindio_ttp.faulttime import checkpoint_writer
+from mindio_ttp.faulttime import checkpoint_writer, digest
 
 MANIFEST = "ttp_manifest.json"
 PART_PREFIX = "ttp_manifest.rank"
@@ -39,7 +43,6 @@ MARKER = "ttp_checkpoint"
 CHECKPOINT_KEY_ENV = "TTP_CHECKPOINT_KEY"
 MAX_MANIFEST_BYTES = 64 << 20  # ~400k files; a real manifest is ~150 bytes per file
 MAX_TRACKER_BYTES = 64
-_SHA256_HEX = frozenset("0123456789abcdef")
 
 
 class TrackerError(RuntimeError):
@@ -83,16 +86,6 @@ def tmp_root(save_dir: str, step: int, tag: str = "") -> Path:
     """Where the chosen ranks write step `step` before the rename makes it visible: one
     directory per save order (`tag`), so no flow writes into or deletes another's."""
     return Path(save_dir) / f".ttp_tmp_{iter_dir_name(step)}{'.' + tag if tag else ''}"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                return digest.hexdigest()
-            digest.update(block)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -197,11 +190,26 @@ def parse_manifest(data: bytes, step: int, parallel: ParallelLayout,
     if missing:
         raise ValueError(f"is incomplete: it lacks {', '.join(missing)}")
     for rel, entry in files.items():
-        if (not isinstance(entry, dict) or set(entry) != {"sha256", "size"}
-                or not _is_count(entry["size"]) or not isinstance(entry["sha256"], str)
-                or len(entry["sha256"]) != 64 or not set(entry["sha256"]) <= _SHA256_HEX):
-            raise ValueError(f"entry for {rel} is not {{'sha256': 64 hex digits, 'size': int}}")
+        algo = entry_algo(entry)
+        if algo is None:
+            raise ValueError(f"entry for {rel} is not {{<digest>: hex digits, 'size': int}} "
+                             f"with <digest> one of {sorted(digest.ALGOS)}")
+        if key is not None and algo not in digest.CRYPTOGRAPHIC:
+            raise ValueError(f"entry for {rel} has a {algo} digest, which is not cryptographic: "
+                             f"with {CHECKPOINT_KEY_ENV} set only {sorted(digest.CRYPTOGRAPHIC)} "
+                             "are accepted")
     return files
+
+
+def entry_algo(entry: Any) -> Optional[str]:
+    """The digest a manifest entry names (``{algo: hex, "size": n}``), None when it is not
+    exactly such an entry."""
+    if not isinstance(entry, dict) or len(entry) != 2 or not _is_count(entry.get("size")):
+        return None
+    algo = next(k for k in entry if k != "size")
+    if algo not in digest.ALGOS or not digest.is_hex(entry[algo], algo):
+        return None
+    return algo
 
 
 def verify(iter_dir: Path, parallel: ParallelLayout,
@@ -243,8 +251,13 @@ def _verify(iter_dir: Path, parallel: ParallelLayout,
         path = iter_dir / rel
         if not _regular(path):
             return f"{path} is missing or not a regular file"
-        if path.stat().st_size != files[rel]["size"] or sha256_file(path) != files[rel]["sha256"]:
-            return f"{path} fails its checksum"
+        entry = files[rel]
+        algo = entry_algo(entry)
+        try:
+            if path.stat().st_size != entry["size"] or digest.of_file(path, algo) != entry[algo]:
+                return f"{path} fails its checksum"
+        except LookupError as exc:  # a digest whose package this environment lacks
+            return f"{path} cannot be checked: {exc}"
     return None
 
 

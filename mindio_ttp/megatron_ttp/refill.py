@@ -41,13 +41,13 @@ from megatron.optimizer.distrib_optimizer import DistributedOptimizer
 from mindio_ttp.control import hooks
 from mindio_ttp.megatron_ttp import rejoin, transfer
 from mindio_ttp.recovery.machine import RecoveryState as S
-from mindio_ttp.recovery.rank import RECOVERY
+from mindio_ttp.recovery.rank import RECOVERY, RecoveryRefused
 from mindio_ttp.recovery.verify import check_digests
 
 log = logging.getLogger("mindio_ttp.recovery")
 
 
-class RecoveryMismatch(RuntimeError):
+class RecoveryMismatch(RecoveryRefused):
     """Two copies that must be equal after the refill are not."""
 
 
@@ -82,7 +82,7 @@ def load_in_memory(model, optimizer, scheduler) -> int:
     RECOVERY.report_ready(True, "", digest)
     ok, why = RECOVERY.wait_commit(order.deadline_s + 30.0)
     if not ok:
-        raise RuntimeError(f"recovery {order.recovery_id} not committed: {why}")
+        raise RecoveryRefused(f"recovery {order.recovery_id} not committed: {why}")
     hooks.STATE.resume(step, (step, model, optimizer, scheduler))
     rejoin.finished()
     if args.save and args.save_interval and step % args.save_interval == 0:

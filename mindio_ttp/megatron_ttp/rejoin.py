@@ -38,7 +38,14 @@ from mindio_ttp.control.hooks import TTPRecovering
 from mindio_ttp.faulttime import device_copy
 from mindio_ttp.recovery.coordinator import parse_address
 from mindio_ttp.recovery.machine import RecoveryState as S
-from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, SURVIVOR, RecoveryOrder, join_order
+from mindio_ttp.recovery.rank import (
+    RECOVERY,
+    REPLACEMENT,
+    SURVIVOR,
+    RecoveryOrder,
+    RecoveryRefused,
+    join_order,
+)
 
 log = logging.getLogger("mindio_ttp.recovery")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -113,7 +120,28 @@ def capability() -> Tuple[bool, str]:
                        "--load, is where a recovery refills the state)")
     if not args.use_distributed_optimizer:
         return False, "the replicated optimizer needs --use-distributed-optimizer"
-    return True, ""
+    return stack_capability()
+
+
+def stack_capability() -> Tuple[bool, str]:
+    """Whether the default group's backends can be stopped and re-initialised in process
+    (`features.recovery_support`: abort a collective another thread waits in, build new groups
+    after it); where not, the job uses the dying checkpoint (docs/stack.md)."""
+    import torch.distributed as dist
+
+    from mindio_ttp.compat import features
+    from mindio_ttp.faulttime import abort
+
+    if not dist.is_initialized():
+        return False, "torch.distributed is not initialised yet"
+    default = dist.distributed_c10d._get_default_group()
+    said = []
+    for name, backend in abort._backends(default):
+        ok, why = features.recovery_support(name, backend)
+        if not ok:
+            return False, why
+        said.append(why)
+    return True, "; ".join(said)
 
 
 # -- @mega.in_memory_recovery on pretrain ---------------------------------------------------------
@@ -180,13 +208,15 @@ def _survivor_leaves_the_world() -> None:
 
 def _register_replacement(order: RecoveryOrder, rank: int) -> None:
     """A replacement joins the control plane first, at the acting controller (maybe a standby
-    on a port of its own): the new world's rendezvous is reached through that connection."""
+    on a port of its own): the new world's rendezvous is reached through that connection. It
+    keeps trying until its order's deadline (a listener full of an outsider's connections
+    makes room, control/admission.py; giving up would end the recovery)."""
     from mindio_ttp import framework_ttp as ttp
 
     world_size = int(os.environ["WORLD_SIZE"])
     dp = list(order.dp_ranks)
     ttp.ttp_init_processor(rank, dp, len(dp), world_size, len(dp) // 2, False)
-    ttp.start_processor_at(*parse_address(order.controller))
+    ttp.start_processor_at(*parse_address(order.controller), deadline_s=order.deadline_s)
 
 
 def process_group_store() -> Any:
@@ -202,32 +232,42 @@ def process_group_store() -> Any:
 
 
 def _destroy_groups(rejoin: Rejoin) -> None:
-    """Abort the communicators (NCCL/HCCL; gloo has none to abort), destroy every group, and
-    drop every reference to them: on gloo, the last one closes the group's sockets, which fails
-    a survivor's collective still waiting for this rank (it then leaves its step too). The
-    model holds some (ParallelTransformer.fp8_group): detached here, re-attached to the new
-    groups when get_model hands the model back."""
+    """Stop the device's work (the fault's stop, usually done by the processor at the lock:
+    faulttime/device_copy.STOP), destroy every group, bounded, check the device (bounded), and
+    drop every reference to the groups: on gloo, the last one closes the group's sockets, which
+    fails a survivor's collective still waiting for this rank (it then leaves its step too).
+    The model holds some (ParallelTransformer.fp8_group): detached here, re-attached to the new
+    groups when get_model hands the model back. Raises (the caller fails the recovery at once,
+    and the controller falls back to the dying checkpoint) when the abort did not work, the
+    destroy does not return, or the device does not drain: re-initialising beside a hung
+    kernel or a stuck abort thread leaks the communicator and can hang the next destroy."""
     import torch.distributed as dist
     from megatron.core import mpu
 
-    try:
-        from mindio_ttp.faulttime.abort import abort_all  # the device path (faulttime/abort.py)
-    except ImportError:
-        abort_all = None
+    from mindio_ttp import config
+    from mindio_ttp.faulttime import abort
+    from mindio_ttp.faulttime.device import health_check
+
+    binding = device_copy.MARK.binding
+    report = device_copy.STOP.run(config.ABORT_TIMEOUT_S, binding)
+    log.warning("recovery: %s", report.describe())
+    if not report.ok:
+        raise RuntimeError(f"the communicators were not all aborted ({report.describe()})")
     rejoin.model_groups = _detach_model_groups(rejoin.model)
     alive = [(weakref.ref(pg), name) for pg, name in
              dict(getattr(dist.distributed_c10d._world, "pg_names", {})).items()]
-    if abort_all is not None:
-        report = abort_all(destroy=True)
-        log.warning("recovery: %s", report.describe())
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_initialized() and not abort.destroy_groups(config.ABORT_TIMEOUT_S, binding):
+        raise RuntimeError(f"destroy_process_group did not return within "
+                           f"{config.ABORT_TIMEOUT_S:g} s")
     mpu.destroy_model_parallel()
     rejoin.optimizer.pair_group = None
-    # the last param all-gather's work handles hold the old groups (on gloo, their sockets: a
-    # peer still waiting on them hangs); without them, a fallback save rebuilds the model
-    # file from the main params, which it may always do
-    device_copy.GATHERED.reset()
+    # a new world: the last param all-gather's work handles hold the old groups (on gloo,
+    # their sockets: a peer still waiting on them hangs); without them, a fallback save
+    # rebuilds the model file from the main params, which it may always do
+    device_copy.STOP.reset()
+    sick = health_check(binding, config.ABORT_TIMEOUT_S)
+    if sick:
+        raise RuntimeError(f"the device is not healthy after the abort: {sick}")
     _release_default_arguments(dist.ProcessGroup)
     gc.collect()
     held = [(ref(), name) for ref, name in alive if ref() is not None]
@@ -348,6 +388,10 @@ def _hold_for_verdict(exc: BaseException) -> bool:
     on the exit order). True when the verdict is another in-memory recovery instead (a fault
     right after a recovery, while Megatron rebuilds its data loaders, say)."""
     rt = hooks.RUNTIME
+    if isinstance(exc, hooks.TTPReleased):  # raised into the decorator's own handler: it has
+        hooks.TRAINING.leave()  # left the failed step all the same (control/release.py)
+        if rt is not None and rt.running and RECOVERY.pending:
+            return True
     if rt is None or not rt.running or getattr(exc, "_ttp_waited", False):
         return False
     if RECOVERY.active:
@@ -367,11 +411,18 @@ def _hold_for_verdict(exc: BaseException) -> bool:
 
 def _fail_and_wait(exc: BaseException) -> None:
     """A step of the recovery failed here: say so (the controller falls back to the dying
-    checkpoint), then wait for the exit order like after any fault."""
+    checkpoint), then wait for the exit order like after any fault. This rank's own exception
+    (not a collective that lost its peer, not a verdict every rank shares) is reported as a
+    fault first, on the same connection: the fallback must not pick this rank to save (a
+    device error may be behind it), and the controller learns it before the READY."""
     log.error("in-memory recovery failed on this rank: %r", exc)
+    rt = hooks.RUNTIME
+    own = not RECOVERY.abandoned and not isinstance(exc, RecoveryRefused) \
+        and hooks.fault_kind(exc, False) == "exception"
+    if own and rt is not None and rt.running:
+        hooks._shielded(rt.report_exception, exc, "exception")
     RECOVERY.report_ready(False, f"{type(exc).__name__}: {exc}")
     RECOVERY.abandon(f"failed here: {exc!r}"[:300])
-    rt = hooks.RUNTIME
     if rt is not None and rt.running:
         try:
             hooks._wait_for_verdict(rt)

@@ -21,7 +21,9 @@ the store the save order names (exchange.py). Optimizer state never moves.
 from __future__ import annotations
 
 import copy
+import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -33,6 +35,8 @@ from mindio_ttp.faulttime import checkpoint_writer, device_copy, save_session
 from mindio_ttp.megatron_ttp import exchange, manifest
 from mindio_ttp.megatron_ttp.rejoin import megatron_args as get_args
 from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer
+
+log = logging.getLogger("mindio_ttp.checkpoint")
 
 
 def parallel_layout() -> manifest.ParallelLayout:
@@ -64,6 +68,7 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     place = optimizer.place  # not mpu / torch.distributed: see ReplicatedOptimizer.place
     me = place.rank
 
+    started = time.perf_counter()
     root = manifest.tmp_root(args.save, step, _order_tag(step))
     # this order's own directory: nothing to clear, and another flow's is never touched.
     # Before any device read: what the device finished (noted first), then stop its work.
@@ -71,17 +76,21 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     # The model file of this DP group needs every weight of `step`: its writer's live params
     # when their all-gather finished on the device, else the fp32 main params of the chosen
     # ranks, gathered to the writer alone. The writer decides, the others follow.
+    prepared = time.perf_counter()
     full = _main_params_if_needed(optimizer, save_ranks, tag, writes_model, ready.gathered)
+    exchanged = time.perf_counter()
 
     par = place.layout
     iter_dir = root / manifest.iter_dir_name(step)
     iter_dir.mkdir(parents=True, exist_ok=True)
     tp_rank, pp_rank = place.tp_rank, place.pp_rank
     written: Dict[str, Dict[str, object]] = {}
+    files: List[checkpoint_writer.Written] = []
     if writes_model:
         state = _model_state(step, model, optimizer, full, meta, args)
         rel = par.model_file(tp_rank, pp_rank)
-        written[rel] = _save(iter_dir, rel, state, live_params=full is None)
+        files.append(_save(iter_dir, rel, state, live_params=full is None))
+        written[rel] = files[-1].entry()
     sched = dict(scheduler.state_dict())
     sched["num_steps"] = meta["scheduler_num_steps"]  # the live one may be one step ahead
     lr, wd = _hyperparams_at(scheduler, meta["scheduler_num_steps"])
@@ -89,24 +98,43 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
         state = {"optimizer": _with_hyperparams(optimizer.stripe_state_dict(position), lr, wd),
                  "opt_param_scheduler": sched}
         rel = par.optim_file(tp_rank, pp_rank, position)
-        written[rel] = _save(iter_dir, rel, state)
+        files.append(_save(iter_dir, rel, state))
+        written[rel] = files[-1].entry()
+    parted = time.perf_counter()
     manifest.write_part(iter_dir, me, written)
+    done = time.perf_counter()
+    phases = {k: sum(f.phases.get(k, 0.0) for f in files)
+              for k in ("serialize", "write", "digest", "fsync", "rename")}
+    log.info("dying save of step %d on rank %d: %d file(s), %d bytes in %.3f s: device ready "
+             "%.3f, exchange %.3f, serialize %.3f, write %.3f, digest %.3f (%s), fsync %.3f, "
+             "rename %.3f, part manifest %.3f, other %.3f", step, me, len(files),
+             sum(f.size for f in files), done - started, prepared - started,
+             exchanged - prepared, phases["serialize"], phases["write"], phases["digest"],
+             "/".join(sorted({f.algo for f in files})) or "-", phases["fsync"],
+             phases["rename"], done - parted,
+             parted - exchanged - sum(f.seconds for f in files))
 
 
 def rename_save_result(step: int, ckpt_args: tuple) -> None:
     """Make step `step` visible: merge the manifest, move the directory, then the tracker."""
     args = get_args()
+    started = time.perf_counter()
     save_dir = Path(args.save)
     root = manifest.tmp_root(args.save, step, _order_tag(step))
     staged = root / manifest.iter_dir_name(step)
     manifest.merge_parts(staged, step, ckpt_args[2].place.layout)
+    merged = time.perf_counter()
     final = save_dir / manifest.iter_dir_name(step)
     if final.exists():  # another flow's checkpoint, or a periodic save: never replaced
         raise RuntimeError(f"{final} already exists: not replacing it with the dying "
                            f"checkpoint (left in {root}); the tracker is unchanged")
     staged.rename(final)  # a race with another renamer fails here: rename(2) onto a non-empty
     # directory is refused
+    renamed = time.perf_counter()
     manifest.write_tracker(save_dir, step)
+    log.info("dying checkpoint of step %d marked latest: merge manifest %.3f s, rename %.3f s, "
+             "tracker %.3f s", step, merged - started, renamed - merged,
+             time.perf_counter() - renamed)
     shutil.rmtree(root, ignore_errors=True)
     # earlier attempts of this save (a failed saver was replaced: each attempt stages in its
     # own directory), never visible to a loader, now only debris
@@ -260,7 +288,8 @@ def _replace_tensors(tree, rebuilt):
     return tree
 
 
-def _save(iter_dir: Path, rel: str, state, live_params: bool = False) -> Dict[str, object]:
-    """Stream `state` into `iter_dir/rel` (checkpoint_writer: hashed while written, no copy of
-    the file in memory, device tensors read on a private stream); its manifest entry."""
-    return checkpoint_writer.write_torch(iter_dir / rel, state, live_params=live_params).entry()
+def _save(iter_dir: Path, rel: str, state,
+          live_params: bool = False) -> checkpoint_writer.Written:
+    """Stream `state` into `iter_dir/rel` (checkpoint_writer: digested while written, no copy
+    of the file in memory, device tensors read on a private stream)."""
+    return checkpoint_writer.write_torch(iter_dir / rel, state, live_params=live_params)

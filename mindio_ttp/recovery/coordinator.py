@@ -65,19 +65,36 @@ class RecoveryCoordinator:
         log.info("%s: replacement for rank %d registered", self.name, rank)
         self.timeline.setdefault(f"registered-{rank}", time.monotonic())
 
-    def ready(self, msg: P.RecoverReady, rank: int) -> None:
+    def ready(self, msg: P.RecoverReady, rank: int, peer: str = "") -> None:
+        """Rank `rank` (the sender, from `peer`) says it is ready, or why not."""
         if self._plan is None or msg.recovery_id != self.recovery_id:
+            return
+        if msg.rank != rank:
+            log.warning("%s: refused RecoverReady for rank %d from rank %d (%s): a rank "
+                        "speaks for itself only", self.name, msg.rank, rank, peer)
             return
         self._ready[rank] = msg
         if not msg.ok and not self._failed:
             self._failed = f"rank {rank} failed the recovery: {msg.detail}"
         self._cond.notify_all()
 
-    def replace_status(self, msg: P.ReplaceStatus) -> None:
-        if self._plan is None or msg.recovery_id != self.recovery_id:
+    def replace_status(self, msg: P.ReplaceStatus, sender: int, peer: str = "") -> None:
+        """What the launcher did with the request for `msg.rank`, as relayed by `sender` (from
+        `peer`). Only the relay the plan chose for a lost rank speaks for its replacement: a
+        key holder that is not used to abandon the recovery in another launcher's name (a
+        `failed` for rank 1 from rank 3, and the log blamed rank 1's launcher)."""
+        plan = self._plan
+        if plan is None or msg.recovery_id != self.recovery_id:
             return
-        log.info("%s: replacement of rank %d: %s (pid %d) %s", self.name, msg.rank, msg.state,
-                 msg.pid, msg.detail)
+        if msg.rank not in plan.lost or plan.relays.get(msg.rank) != sender:
+            why = (f"rank {msg.rank} is not replaced in recovery {msg.recovery_id}"
+                   if msg.rank not in plan.lost else
+                   f"its relay is rank {plan.relays[msg.rank]}")
+            log.warning("%s: refused ReplaceStatus %s for rank %d from rank %d (%s): %s",
+                        self.name, msg.state, msg.rank, sender, peer, why)
+            return
+        log.info("%s: replacement of rank %d: %s (pid %d) %s (relayed by rank %d, %s)",
+                 self.name, msg.rank, msg.state, msg.pid, msg.detail, sender, peer)
         if msg.state == "started":
             self.timeline.setdefault(f"started-{msg.rank}", time.monotonic())
         elif not self._failed:

@@ -68,6 +68,12 @@ class RecoveryOrder:
         return order, rank
 
 
+class RecoveryRefused(RuntimeError):
+    """A verdict every rank of the recovery reaches alike (copies that differ after the refill,
+    a recovery abandoned or never committed): not this rank's own fault, so its state still
+    serves the fallback's save."""
+
+
 Capability = Callable[[], Tuple[bool, str]]
 NO_HOOKS = (False, "this process has no in-memory recovery hooks (the training code is not "
                    "patched for it: `ttp-patch apply` adds them)")

@@ -34,6 +34,9 @@ class State(str, Enum):
     APPLIED = "applied"
     MISSING = "missing"
     DRIFTED = "drifted"
+    # in place, but changed by hand since apply inside what apply inserted: revert refuses it
+    # (status reads the record, not the edit itself, to say so)
+    MODIFIED = "modified"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mindio_ttp.demo.rehearsal.data import TinyDataset
 from mindio_ttp.demo.rehearsal.launch import (
@@ -23,11 +23,39 @@ from mindio_ttp.demo.rehearsal.launch import (
     tiny_gpt_args,
 )
 from mindio_ttp.megatron_ttp import manifest
-from testkit.hooks import FAULT_HOOK_DIR, pythonpath
+from testkit.hooks import GLOO, NCCL_LIKE, backend_setup  # noqa: F401 - the tests take them here
 
 TTP_OT_S = 40  # seconds ttprun keeps survivors alive after a fault
 N_ITERS = 10
 FAR_AWAY = 10_000  # periodic save interval that never fires
+DYING = "+dying"  # a case suffix: the same fault with TTP_RECOVERY=dying-checkpoint
+
+
+def cases(ci: Sequence[str] = (), extended: Sequence[str] = ()) -> List[object]:
+    """Parameters of a test over backends (and modes): `ci` run in every CI run, `extended`
+    only with ``pytest --extended`` (the rest of the fault matrix: tests/conftest.py)."""
+    import pytest
+
+    return [*ci, *(pytest.param(c, marks=pytest.mark.extended) for c in extended)]
+
+
+def split_case(case: str) -> Tuple[str, bool]:
+    """("nccl-like@2.1", dying?) of a case such as "nccl-like@2.1+dying"."""
+    return case.removesuffix(DYING), case.endswith(DYING)
+
+
+def assert_saved_bit_exact(result: PretrainResult, ckpt: Path, ref_ckpt: Path, step: int,
+                           layout: manifest.ParallelLayout) -> None:
+    """A failed job whose dying checkpoint of `step` is latest, complete, and bit-identical to
+    Megatron's own save of `step` in `ref_ckpt`."""
+    from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
+
+    assert result.returncode != 0, result.tail(8000)
+    assert tracker_step(ckpt) == step, result.tail(8000)
+    assert manifest.verify(ckpt / manifest.iter_dir_name(step), layout) is None
+    assert not list(ckpt.glob(".ttp_tmp_*"))
+    comparison = compare_checkpoints(ckpt, ref_ckpt, step)
+    assert comparison.bit_exact, comparison.summary()
 
 
 def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int = N_ITERS,
@@ -35,9 +63,10 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
             launcher: Launcher = Launcher.TTPRUN, inject_adaptor: bool = False,
             distributed_optimizer: bool = True, nproc: int = 4, extra: Sequence[str] = (),
             env_extra: Optional[Dict[str, str]] = None, timeout_s: float = 240,
-            launcher_args: Sequence[str] = ()) -> PretrainResult:
+            launcher_args: Sequence[str] = (), backend: str = GLOO) -> PretrainResult:
+    backend_env, backend_args = backend_setup(backend)
     env: Dict[str, str] = {
-        "PYTHONPATH": pythonpath(FAULT_HOOK_DIR),
+        **backend_env,
         "TTP_OT": str(TTP_OT_S),
         "TTP_CONTROLLER_PORT": str(pick_free_port()),
         **(env_extra or {}),
@@ -48,7 +77,8 @@ def run_job(tree: Path, data: TinyDataset, log: Path, ckpt: Path, *, iters: int 
         env.update({"TTP_FAULT_PLAN": plan, "TTP_FAULT_RECORD_DIR": str(record)})
     args = tiny_gpt_args(data, train_iters=iters, tensor_parallel=tp,
                          distributed_optimizer=distributed_optimizer, save=ckpt,
-                         load=ckpt if load else None, save_interval=save_interval, extra=extra)
+                         load=ckpt if load else None, save_interval=save_interval,
+                         extra=[*extra, *backend_args])
     with PretrainJob(tree, args, nproc=nproc, log_path=log, launcher=launcher,
                      inject_adaptor=inject_adaptor, env=env, launcher_args=launcher_args) as job:
         result = job.wait(timeout_s)

@@ -1,19 +1,25 @@
 """Checkpoint names, manifest merge and verification (mindio_ttp.megatron_ttp.manifest), on
 files written here: no Megatron needed. These are the rules mega.load_checkpoint uses to refuse
-a half-written or damaged dying checkpoint."""
+a half-written or damaged dying checkpoint. Every test that writes a manifest runs with each
+digest a manifest may name (xxh3_128, blake3, and sha256 as older manifests have it)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
+from mindio_ttp.faulttime import digest
 from mindio_ttp.megatron_ttp import manifest
 from mindio_ttp.megatron_ttp.manifest import ParallelLayout
 
 TP2_DP2 = ParallelLayout(tp=2, pp=1, dp=2)
+
+
+@pytest.fixture(params=sorted(digest.ALGOS))
+def algo(request) -> str:
+    return request.param
 
 
 @pytest.fixture
@@ -24,14 +30,14 @@ def it7(tmp_path: Path) -> Path:
     return path
 
 
-def write_checkpoint(iter_dir: Path, par: ParallelLayout, ranks: int = 2) -> None:
+def write_checkpoint(iter_dir: Path, par: ParallelLayout, algo: str, ranks: int = 2) -> None:
     """Files for every expected name, listed round-robin in `ranks` part manifests."""
     parts: dict = {}
     for i, rel in enumerate(par.expected_files()):
         data = f"payload {rel}".encode()
         (iter_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         (iter_dir / rel).write_bytes(data)
-        parts.setdefault(i % ranks, {})[rel] = {"sha256": hashlib.sha256(data).hexdigest(),
+        parts.setdefault(i % ranks, {})[rel] = {algo: digest.of_bytes(algo, data),
                                                 "size": len(data)}
     for rank, entries in parts.items():
         manifest.write_part(iter_dir, rank, entries)
@@ -45,16 +51,16 @@ def test_names_follow_megatron_distributed_optimizer_layout():
     assert manifest.iter_dir_name(42) == "iter_0000042"
 
 
-def test_merged_checkpoint_verifies_and_parts_are_gone(it7):
-    write_checkpoint(it7, TP2_DP2)
+def test_merged_checkpoint_verifies_and_parts_are_gone(it7, algo):
+    write_checkpoint(it7, TP2_DP2, algo)
     merged = manifest.merge_parts(it7, 7, TP2_DP2)
     assert merged["step"] == 7 and len(merged["files"]) == 6
     assert not list(it7.glob(f"{manifest.PART_PREFIX}*"))
     assert manifest.verify(it7, TP2_DP2) is None
 
 
-def test_merge_refuses_when_a_shard_file_was_never_written(it7):
-    write_checkpoint(it7, TP2_DP2)
+def test_merge_refuses_when_a_shard_file_was_never_written(it7, algo):
+    write_checkpoint(it7, TP2_DP2, algo)
     part = it7 / f"{manifest.PART_PREFIX}1.json"
     entries = json.loads(part.read_text())
     entries.pop("mp_rank_01_001/optim.pt", None) or entries.pop("mp_rank_00_001/optim.pt")
@@ -63,8 +69,8 @@ def test_merge_refuses_when_a_shard_file_was_never_written(it7):
         manifest.merge_parts(it7, 7, TP2_DP2)
 
 
-def test_flipped_byte_fails_the_checksum(it7):
-    write_checkpoint(it7, TP2_DP2)
+def test_flipped_byte_fails_the_checksum(it7, algo):
+    write_checkpoint(it7, TP2_DP2, algo)
     manifest.merge_parts(it7, 7, TP2_DP2)
     victim = it7 / "mp_rank_01_000/optim.pt"
     data = bytearray(victim.read_bytes())
@@ -78,8 +84,8 @@ def test_flipped_byte_fails_the_checksum(it7):
     assert "missing" in manifest.verify(it7, TP2_DP2, hash_files=["mp_rank_01_000/optim.pt"])
 
 
-def test_unfinished_and_mismatched_checkpoints_are_refused(it7):
-    write_checkpoint(it7, TP2_DP2)
+def test_unfinished_and_mismatched_checkpoints_are_refused(it7, algo):
+    write_checkpoint(it7, TP2_DP2, algo)
     assert "unfinished TTP checkpoint" in manifest.verify(it7, TP2_DP2)
     manifest.merge_parts(it7, 7, TP2_DP2)
     assert "written for layout" in manifest.verify(it7, ParallelLayout(1, 1, 4))
@@ -105,3 +111,19 @@ def test_tracker_and_fallback_candidates(tmp_path):
     assert manifest.candidate_steps(tmp_path, 8) == [8, 3]
     (tmp_path / manifest.TRACKER).write_text("release")
     assert manifest.read_tracker(tmp_path) == (None, f"{tmp_path / manifest.TRACKER} says release")
+
+
+def test_merged_manifest_names_each_files_digest(it7, algo):
+    write_checkpoint(it7, TP2_DP2, algo)
+    merged = manifest.merge_parts(it7, 7, TP2_DP2)
+    assert {manifest.entry_algo(e) for e in merged["files"].values()} == {algo}
+
+
+def test_a_digest_this_environment_cannot_compute_is_a_refusal_naming_the_package(
+        it7, monkeypatch):
+    """A manifest written where xxhash was installed, read where it is not."""
+    write_checkpoint(it7, TP2_DP2, digest.XXH3_128)
+    manifest.merge_parts(it7, 7, TP2_DP2)
+    monkeypatch.setitem(__import__("sys").modules, "xxhash", None)  # import fails
+    assert not digest.available(digest.XXH3_128)
+    assert "pip install xxhash" in manifest.verify(it7, TP2_DP2)

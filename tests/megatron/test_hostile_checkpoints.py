@@ -1,11 +1,12 @@
 """Hostile or broken checkpoint directories (mindio_ttp.megatron_ttp.manifest), on small files
 written here: every defect is a refusal with a reason, never an exception (a rank that raised
 would leave the others waiting in the load's agreement collective), nothing outside the
-iteration directory is opened, and a bad tracker is an error instead of Megatron's exit 0."""
+iteration directory is opened, and a bad tracker is an error instead of Megatron's exit 0.
+The manifest tests run with each digest a manifest may name (xxh3_128, blake3, sha256); with
+`TTP_CHECKPOINT_KEY` set only the cryptographic ones are accepted."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -15,10 +16,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mindio_ttp.faulttime import digest
 from mindio_ttp.megatron_ttp import manifest
 from mindio_ttp.megatron_ttp.manifest import ParallelLayout
 
 DP2 = ParallelLayout(tp=1, pp=1, dp=2)
+
+
+@pytest.fixture(params=sorted(digest.ALGOS), autouse=True)
+def algo(request, monkeypatch) -> str:
+    """The digest `written` lists files with (every test here runs with each)."""
+    monkeypatch.setattr(f"{__name__}._ALGO", request.param)
+    return request.param
+
+
+_ALGO = digest.SHA256
+
+
+def entry(data: bytes, algo: str = "") -> dict:
+    algo = algo or _ALGO
+    return {algo: digest.of_bytes(algo, data), "size": len(data)}
 
 
 def written(tmp_path: Path, step: int = 5) -> Path:
@@ -29,7 +46,7 @@ def written(tmp_path: Path, step: int = 5) -> Path:
         data = f"payload {rel}".encode()
         (iter_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         (iter_dir / rel).write_bytes(data)
-        entries[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        entries[rel] = entry(data)
     manifest.write_part(iter_dir, 0, entries)
     manifest.merge_parts(iter_dir, step, DP2)
     assert manifest.verify(iter_dir, DP2) is None
@@ -92,14 +109,29 @@ def test_manifest_that_is_not_an_object_is_refused(tmp_path, text, reason):
     assert reason in verify_within(iter_dir)
 
 
+def _without(entry: dict, key: str) -> dict:
+    return {k: v for k, v in entry.items() if k != key}
+
+
 @pytest.mark.parametrize("edit,reason", [
     (lambda m: {**m, "files": list(m["files"])}, "'files' is not an object"),
-    (lambda m: {**m, "files": {k: {"sha256": v["sha256"]} for k, v in m["files"].items()}},
-     "is not {'sha256'"),
+    (lambda m: {**m, "files": {k: _without(v, "size") for k, v in m["files"].items()}},
+     "is not {<digest>"),
     (lambda m: {**m, "files": {k: {**v, "size": "12"} for k, v in m["files"].items()}},
-     "is not {'sha256'"),
+     "is not {<digest>"),
     (lambda m: {**m, "files": {k: {**v, "size": True} for k, v in m["files"].items()}},
-     "is not {'sha256'"),
+     "is not {<digest>"),
+    # a digest nobody computes, two digests, a digest of the wrong length or case
+    (lambda m: {**m, "files": {k: {"md5": "0" * 32, "size": v["size"]}
+                               for k, v in m["files"].items()}}, "is not {<digest>"),
+    (lambda m: {**m, "files": {k: {**v, "sha256": "0" * 64, "blake3": "0" * 64}
+                               for k, v in m["files"].items()}}, "is not {<digest>"),
+    (lambda m: {**m, "files": {k: {a: (h if a == "size" else h + "0")
+                                   for a, h in v.items()} for k, v in m["files"].items()}},
+     "is not {<digest>"),
+    (lambda m: {**m, "files": {k: {a: (h if a == "size" else h.upper())
+                                   for a, h in v.items()} for k, v in m["files"].items()}},
+     "is not {<digest>"),
     (lambda m: {**m, "step": 4}, "names step 4"),
     (lambda m: {**m, "extra": 1}, "unexpected keys"),
     (lambda m: {**m, "format": "other/9"}, "unknown format"),
@@ -122,8 +154,8 @@ def test_manifest_entries_outside_the_iteration_are_refused_unopened(tmp_path, n
     iter_dir = written(tmp_path)
     fifo = tmp_path / "outside"
     os.mkfifo(fifo)  # opening it for reading would block verify forever
-    entry = {"sha256": "0" * 64, "size": 0}
-    rewrite_manifest(iter_dir, lambda m: {**m, "files": {**m["files"], name: entry}})
+    bogus = entry(b"")
+    rewrite_manifest(iter_dir, lambda m: {**m, "files": {**m["files"], name: bogus}})
     assert "lists files this layout does not have" in verify_within(iter_dir)
 
 
@@ -146,7 +178,9 @@ def test_ttp_checkpoint_without_its_manifest_is_refused_not_taken_for_stock(tmp_
 
 
 # -- TTP_CHECKPOINT_KEY -------------------------------------------------------------------------
-def test_keyed_manifest_refuses_a_rehashed_tampered_shard(tmp_path, monkeypatch):
+def test_keyed_manifest_refuses_a_rehashed_tampered_shard(tmp_path, monkeypatch, algo):
+    if algo not in digest.CRYPTOGRAPHIC:
+        pytest.skip("a keyed manifest lists only cryptographic digests (next test)")
     monkeypatch.setenv(manifest.CHECKPOINT_KEY_ENV, "s3cret")
     iter_dir = written(tmp_path)
     assert "mac" in json.loads((iter_dir / manifest.MANIFEST).read_text())
@@ -155,7 +189,7 @@ def test_keyed_manifest_refuses_a_rehashed_tampered_shard(tmp_path, monkeypatch)
     (iter_dir / victim).write_bytes(forged)
 
     def rehash(m):
-        m["files"][victim] = {"sha256": hashlib.sha256(forged).hexdigest(), "size": len(forged)}
+        m["files"][victim] = entry(forged)
         return m
 
     rewrite_manifest(iter_dir, rehash)
@@ -163,6 +197,24 @@ def test_keyed_manifest_refuses_a_rehashed_tampered_shard(tmp_path, monkeypatch)
     other = written(tmp_path / "b")  # intact, MACed with s3cret
     monkeypatch.setenv(manifest.CHECKPOINT_KEY_ENV, "another key")
     assert "MAC does not match" in verify_within(other)
+
+
+def test_keyed_manifest_refuses_a_non_cryptographic_digest_even_with_a_valid_mac(
+        tmp_path, monkeypatch):
+    """Whoever can write the directory could make a second file with the same xxh3_128, so a
+    signed manifest must not vouch for one, even MACed by the key's holder."""
+    monkeypatch.setattr(f"{__name__}._ALGO", digest.XXH3_128)
+    iter_dir = tmp_path / manifest.iter_dir_name(5)
+    entries = {}
+    for rel in DP2.expected_files():
+        (iter_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (iter_dir / rel).write_bytes(rel.encode())
+        entries[rel] = entry(rel.encode())
+    manifest.write_part(iter_dir, 0, entries)
+    monkeypatch.setenv(manifest.CHECKPOINT_KEY_ENV, "s3cret")
+    merged = manifest.merge_parts(iter_dir, 5, DP2)
+    assert merged["mac"] == manifest.manifest_mac(merged, b"s3cret")
+    assert "xxh3_128 digest, which is not cryptographic" in verify_within(iter_dir)
 
 
 def test_key_set_refuses_unkeyed_manifests_and_stock_checkpoints(tmp_path, monkeypatch):

@@ -24,14 +24,23 @@ from pathlib import Path
 from typing import Dict, Iterator, List
 
 import pytest
-from megatron_e2e import FAR_AWAY, FAULT_HOOK_DIR, N_ITERS, copy_checkpoints, loss_table, run_job
+from megatron_e2e import (
+    FAR_AWAY,
+    GLOO,
+    N_ITERS,
+    NCCL_LIKE,
+    backend_setup,
+    cases,
+    copy_checkpoints,
+    loss_table,
+    run_job,
+)
 
 from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
 from mindio_ttp.demo.rehearsal.data import TinyDataset
 from mindio_ttp.demo.rehearsal.launch import parse_losses, tiny_gpt_args, worker_env
 from mindio_ttp.megatron_ttp import manifest
 from mindio_ttp.megatron_ttp.manifest import ParallelLayout
-from testkit.hooks import pythonpath
 from testkit.netns import Node, TwoNodes, namespaces_unavailable, two_nodes
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
@@ -56,20 +65,22 @@ class MegatronNodes(TwoNodes):
     """The tiny GPT on the two namespaced nodes, 2 ranks each, one shared --save directory."""
 
     def start(self, tree: Path, data: TinyDataset, *, iters: int, plan: str = "",
-              rdzv: str = "static") -> None:
+              rdzv: str = "static", backend: str = GLOO) -> None:
         self.faults = self.work / "faults"
         self.faults.mkdir(parents=True, exist_ok=True)
         self.ckpt.mkdir(parents=True, exist_ok=True)
+        backend_env, backend_args = backend_setup(backend)
         env = worker_env({
             **ENV,
-            "PYTHONPATH": pythonpath(FAULT_HOOK_DIR),
+            **backend_env,
             "TTP_AUTH_KEY": secrets.token_hex(32),  # multi-node: the user's key, on both
             "TTP_CONTROLLER_PORT": str(20000 + secrets.randbelow(20000)),  # fresh namespaces
             "TTP_FAULT_PLAN": plan,
             "TTP_FAULT_RECORD_DIR": str(self.faults),
         })
         port = 40000 + secrets.randbelow(20000)
-        args = tiny_gpt_args(data, train_iters=iters, save=self.ckpt, save_interval=FAR_AWAY)
+        args = tiny_gpt_args(data, train_iters=iters, save=self.ckpt, save_interval=FAR_AWAY,
+                             extra=backend_args)
         for n in self.nodes:
             cmd = [sys.executable, "-m", "mindio_ttp.launch.agent",
                    *self.ttprun_args(n, nproc=2, port=port, rdzv=rdzv),
@@ -113,12 +124,12 @@ def reference(patched_megatron_tree: Path, tiny_dataset: TinyDataset, work: Path
 
 
 def lose_node(nodes: MegatronNodes, tree: Path, data: TinyDataset, lost: int,
-              rdzv: str = "static", silent: bool = False) -> Node:
+              rdzv: str = "static", silent: bool = False, backend: str = GLOO) -> Node:
     """Pin the moment with a rank of node `lost`, kill the node (after taking the link down
     when `silent`: no FIN or RST reaches the survivor); the survivor's node."""
     stopper = 3 if lost == 1 else 0  # node 1: rank 3 (the logging rank); node 0: rank 0
     nodes.start(tree, data, iters=N_ITERS, plan=f"{stopper}:{LAST_SAVED + 1}:sigstop:before",
-                rdzv=rdzv)
+                rdzv=rdzv, backend=backend)
     nodes.wait_for_fault(stopper)
     if silent:
         nodes.cut()
@@ -201,13 +212,16 @@ def test_losing_node_0_node_1_saves_the_same_checkpoint(
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("backend", cases(ci=[GLOO], extended=[NCCL_LIKE]))
 def test_silent_loss_of_node_0_is_detected_within_the_heartbeat_timeout(
-        nodes: MegatronNodes, node1_lost, patched_megatron_tree: Path,
+        backend: str, nodes: MegatronNodes, node1_lost, patched_megatron_tree: Path,
         tiny_dataset: TinyDataset) -> None:
     """Node 0 vanishes without a word (link down, then killed): node 1's ranks sit in
     iteration 5's all-reduce with no error; missing heartbeats end it, and the save does not
-    wait on anything node 0 hosted (it would hang to TTP_SAVE_TIME_LIMIT, 60 s here)."""
-    survivor = lose_node(nodes, patched_megatron_tree, tiny_dataset, lost=0, silent=True)
+    wait on anything node 0 hosted (it would hang to TTP_SAVE_TIME_LIMIT, 60 s here). On the
+    NCCL-like backend their collectives spin until the savers abort them."""
+    survivor = lose_node(nodes, patched_megatron_tree, tiny_dataset, lost=0, silent=True,
+                         backend=backend)
     flow = check_dying_checkpoint(nodes, survivor, [2, 3])
     assert nodes.cut_at is not None
     took = flow["time"] - nodes.cut_at

@@ -12,7 +12,8 @@ the parameter all-gather of k, which needs every rank to have finished updating 
 newest consistent step is at least the last printed one; and no rank can start updating k+2
 before every rank reduced k+1's gradients, so it is at most one more. The checkpoint must be
 that step, and equal, tensor for tensor, to an uninterrupted run's periodic save of it.
-`TTP_RANDOM_KILLS` (default 3) sets the number of kills, `TTP_CHAOS_SEED` the seed.
+`TTP_RANDOM_KILLS` (default 3) sets the number of kills, `TTP_CHAOS_SEED` the seed. On gloo and
+on the NCCL-like backend (testkit/nccl_like: a dead peer's collective spins until aborted).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from megatron_e2e import run_job, tracker_step
+from megatron_e2e import NCCL_LIKE, cases, run_job, tracker_step
 
 from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
 from mindio_ttp.megatron_ttp import manifest
@@ -39,19 +40,21 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("random_instant")
 
 
+@pytest.mark.parametrize("backend", cases(ci=["gloo"], extended=[NCCL_LIKE]))
 def test_single_kills_at_random_instants_are_all_saved_bit_exact(
-        patched_megatron_tree, tiny_dataset, work, saved_every_iteration) -> None:
+        backend, patched_megatron_tree, tiny_dataset, work, saved_every_iteration) -> None:
     seed = int(os.environ.get("TTP_CHAOS_SEED", time.time_ns() % 1_000_000))
     kills = int(os.environ.get("TTP_RANDOM_KILLS", "3"))
     rng = random.Random(seed)
     outcomes = []
     for i in range(kills):
         rank, step = rng.randrange(4), rng.randint(3, 7)
-        what = f"seed {seed}, kill {i}: rank {rank} at a random instant of iteration {step}"
-        ckpt = work / f"kill{i}_ckpt"
-        result = run_job(patched_megatron_tree, tiny_dataset, work / f"kill{i}.log", ckpt,
-                         plan=f"{rank}:{step}:sigkill:anytime",
-                         env_extra={"TTP_FAULT_SEED": f"{seed}-{i}"})
+        what = (f"{backend}, seed {seed}, kill {i}: rank {rank} at a random instant of "
+                f"iteration {step}")
+        ckpt = work / f"kill{i}_{backend}_ckpt"
+        result = run_job(patched_megatron_tree, tiny_dataset, work / f"kill{i}_{backend}.log",
+                         ckpt, plan=f"{rank}:{step}:sigkill:anytime",
+                         env_extra={"TTP_FAULT_SEED": f"{seed}-{i}"}, backend=backend)
         assert "FAULT: SIGKILL rank" in result.log, f"{what}: no kill\n{result.tail()}"
         assert result.returncode != 0, what
         saved = tracker_step(ckpt)

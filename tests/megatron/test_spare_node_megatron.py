@@ -27,12 +27,11 @@ from typing import Iterator
 
 import psutil
 import pytest
-from megatron_e2e import FAULT_HOOK_DIR, N_ITERS, loss_table, run_job
+from megatron_e2e import GLOO, N_ITERS, NCCL_LIKE, backend_setup, cases, loss_table, run_job
 
 from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
 from mindio_ttp.demo.rehearsal.data import TinyDataset
 from mindio_ttp.demo.rehearsal.launch import parse_losses, tiny_gpt_args, worker_env
-from testkit.hooks import pythonpath
 from testkit.netns import Node, Nodes, ip, made_nodes, namespaces_unavailable
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
@@ -70,18 +69,19 @@ class MegatronSpareNodes(Nodes):
         self.controller_port = 20000 + secrets.randbelow(20000)
 
     def start(self, index: int, *, plan: str = "", spares: int = 0,
-              launcher: tuple = ()) -> Node:
+              launcher: tuple = (), backend: str = GLOO) -> Node:
         n = self.nodes[index]
+        backend_env, backend_args = backend_setup(backend)
         env = worker_env({
             **ENV,
-            "PYTHONPATH": pythonpath(FAULT_HOOK_DIR),
+            **backend_env,
             "TTP_AUTH_KEY": self.key,  # multi-node: the user's key, on every node
             "TTP_CONTROLLER_PORT": str(self.controller_port),
             "TTP_FAULT_PLAN": plan,
             "TTP_FAULT_RECORD_DIR": str(self.faults),
         })
         args = tiny_gpt_args(self.data, train_iters=N_ITERS, save=self.ckpt, load=self.ckpt,
-                             save_interval=N_ITERS)
+                             save_interval=N_ITERS, extra=backend_args)
         cmd = [sys.executable, "-m", "mindio_ttp.launch.agent",
                *self.ttprun_args(n, nproc=2, port=self.port, rdzv="c10d", nnodes=2,
                                  rdzv_conf=RDZV_CONF),
@@ -153,13 +153,15 @@ def _check_final_state(nodes: MegatronSpareNodes, reference, label: str) -> None
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("backend", cases(ci=[GLOO], extended=[NCCL_LIKE]))
 def test_a_spare_node_takes_over_a_lost_node_and_training_goes_on_bit_exact(
-        nodes: MegatronSpareNodes, reference) -> None:
+        backend: str, nodes: MegatronSpareNodes, reference) -> None:
     """All three launchers start at once: the first two in the rendezvous form the job, the
-    third waits as the spare (with 2 warm spares). The node running ranks 2 and 3 is lost."""
+    third waits as the spare (with 2 warm spares). The node running ranks 2 and 3 is lost. On
+    the NCCL-like backend the survivors' collectives with the lost node spin until aborted."""
     plan = f"{STOPPER}:{LAST_DONE + 1}:sigstop:before"
     for i in range(3):
-        nodes.start(i, plan=plan, spares=2)
+        nodes.start(i, plan=plan, spares=2, backend=backend)
     nodes.wait_until(lambda: any(n.printed("this node is a spare") for n in nodes.nodes),
                      "a spare node", START_TIMEOUT)
     spare = next(n for n in nodes.nodes if n.printed("this node is a spare"))

@@ -103,9 +103,9 @@ def test_file_modes_are_kept(repo: FixtureRepo, capsys) -> None:
     assert stat.S_IMODE(target.stat().st_mode) == 0o640
 
 
-def _status(capsys, repo: FixtureRepo, *extra: str):
-    code, out, _ = ttp(capsys, "status", str(repo.root), "--json", *extra)
-    assert code == 0
+def _status(capsys, repo: FixtureRepo, *extra: str, code: int = 0):
+    got, out, _ = ttp(capsys, "status", str(repo.root), "--json", *extra)
+    assert got == code
     return json.loads(out)
 
 
@@ -134,11 +134,46 @@ def test_status_states_and_verify_exit_codes(repo: FixtureRepo, capsys) -> None:
         b"ttp.ttp_start_updating_os(-1)", b"ttp.ttp_start_updating_os(-2)"
     )
     repo.write("megatron/training.py", text)  # drifted
-    doc = _status(capsys, repo)
+    doc = _status(capsys, repo, code=1)
     assert doc["overall"] == "drifted"
     drifted = [e for e in doc["edits"] if e["state"] == "drifted"]
     assert [e["id"] for e in drifted] == ["training/start-updating-os"]
     assert ttp(capsys, "verify", str(repo.root))[0] == 1
+
+
+def test_status_lists_the_edits_in_the_order_of_their_numbers(repo: FixtureRepo,
+                                                              capsys) -> None:
+    edits = _status(capsys, repo)["edits"]
+    numbers = [tuple(int(p) for p in e["number"].split(".")) for e in edits]
+    assert numbers == sorted(numbers) and (5,) in numbers  # the script (5) before 6.x
+
+
+def test_a_hand_edit_inside_an_edit_is_modified_for_status_verify_and_revert(
+        repo: FixtureRepo, capsys) -> None:
+    """The controller port inside edit 2.7, changed by hand after apply: the edit is still
+    there (the AST check alone reads it applied), but revert refuses it, so status and verify
+    must not call the tree applied either."""
+    ttp(capsys, "apply", str(repo.root))
+    text = repo.read("megatron/training.py")
+    assert text.count(b"port = 8000") == 1
+    repo.write("megatron/training.py", text.replace(b"port = 8000", b"port = 8100"))
+    doc = _status(capsys, repo, code=1)
+    assert doc["overall"] == "modified"
+    modified = [e for e in doc["edits"] if e["state"] != "applied"]
+    assert [(e["id"], e["state"]) for e in modified] == [("training/start-ttp", "modified")]
+    assert "revert refuses it" in modified[0]["detail"]
+    code, out, _ = ttp(capsys, "status", str(repo.root))
+    assert code == 1 and "overall: modified" in out
+    code, out, _ = ttp(capsys, "verify", str(repo.root))
+    assert code == 1 and "training/start-ttp" in out and "modified" in out
+    code, _, err = ttp(capsys, "revert", str(repo.root))
+    assert code == 1 and "training/start-ttp" in err  # the same edit, the same verdict
+    # a change outside every edit is the user's own: applied, and revert keeps it
+    repo.write("megatron/training.py", text.replace(b'"""Training utilities."""',
+                                                    b'"""Training utilities (mine)."""'))
+    doc = _status(capsys, repo)
+    assert doc["overall"] == "applied" and any("outside" in n for n in doc["notes"])
+    assert ttp(capsys, "verify", str(repo.root))[0] == 0
 
 
 def test_status_recognises_edits_made_by_hand(repo: FixtureRepo, capsys) -> None:

@@ -131,7 +131,34 @@ def _filled(tmp_path, **over: str) -> dict:
     vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
     vocab.write_text("{}")
     merges.write_text("#version: 0.2\n")
-    return {**FILLED, "VOCAB_FILE": str(vocab), "MERGE_FILE": str(merges), **over}
+    data = _dataset(tmp_path, "x_text_document")
+    return {**FILLED, "DATA_PATH": data, "VOCAB_FILE": str(vocab), "MERGE_FILE": str(merges),
+            **over}
+
+
+def _dataset(tmp_path, name: str) -> str:
+    """A data prefix whose .bin and .idx exist (the script checks for both)."""
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"{name}{suffix}").write_bytes(b"")
+    return str(tmp_path / name)
+
+
+def test_data_path_is_checked_as_settings_md_says(repo: FixtureRepo, capsys,
+                                                  tmp_path) -> None:
+    """docs/settings.md said the script checks DATA_PATH exists; it only checked it was no
+    placeholder, so a wrong prefix failed inside Megatron on every rank of every node."""
+    assert main(["apply", str(repo.root), "--device", "cuda"]) == 0
+    good = _dataset(tmp_path, "a_text_document")
+    other = _dataset(tmp_path, "b_text_document")
+    assert _run_script(repo, tmp_path, **_filled(tmp_path, DATA_PATH=good)).returncode == 0
+    blend = f"0.3 {good} 0.7 {other}"  # Megatron's blend: weights and prefixes
+    res = _run_script(repo, tmp_path, **_filled(tmp_path, DATA_PATH=blend))
+    assert res.returncode == 0, res.stderr
+    for wrong in (f"{tmp_path}/nope_text_document", f"{good}.bin", f"0.5 {good} 0.5 {tmp_path}/c"):
+        res = _run_script(repo, tmp_path, **_filled(tmp_path, DATA_PATH=wrong))
+        assert _missing(res) == ["DATA_PATH"], (wrong, res.stderr)
+        named = wrong.split()[-1]
+        assert f"DATA_PATH: no {named}.bin and {named}.idx" in res.stderr, res.stderr
 
 
 def _missing(res: subprocess.CompletedProcess) -> list:

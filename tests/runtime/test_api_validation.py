@@ -31,6 +31,7 @@ def test_init_controller_rejects(args, match):
     ((0, [0, 9], 2, 4, 1, False), r"dp_ranks\[\]=9 is out of range"),
     ((0, [0], 1, 4, 0, False), r"replica=0 .*DP >= 2"),
     ((0, [0, 1], 2, 4, 3, False), r"replica=3 is out of range"),
+    ((0, [0, 1, 2], 3, 4, 2, False), r"replica=2 shards do not divide the DP group of 3"),
     ((0, "01", 2, 4, 1, False), r"dp_ranks must be a list"),
     ((0, [0, 1], 2, 4, 1, True), r"enable_local_copy=True"),
 ])

@@ -77,12 +77,35 @@ def test_unauthenticated_large_frames_are_refused_before_buffering(ctl):
             s.close()
 
 
+def connect_from(addr, source: str) -> socket.socket:
+    """A connection from loopback address `source` (127.0.0.2, ...): another host."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.IPPROTO_IP, 24, 1)  # IP_BIND_ADDRESS_NO_PORT
+    s.bind((source, 0))
+    s.settimeout(5)
+    s.connect(addr)
+    return s
+
+
 def test_connections_that_never_register_are_capped(ctl):
-    """Beyond world_size + 64 waiting connections the listener closes new ones at once."""
-    cap = 4 + 64
-    socks = [socket.create_connection(ctl.address, timeout=5) for _ in range(cap + 20)]
+    """At most 64 connections wait from one address and world_size + 64 in all. The newest
+    connection past a cap used to be refused (issue 24: during a recovery, the replacement);
+    now the oldest that have had their chance give way to it."""
+    per_source, cap = 64, 4 + 64
+    socks = [socket.create_connection(ctl.address, timeout=5) for _ in range(per_source + 20)]
     try:
-        assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in socks[cap:]) == 20)
+        # one address: each connection past 64 displaces that address's oldest
+        assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in socks[:20]) == 20)
+        assert not any(closed_by_peer(s, 0.05) for s in socks[20:])
+        assert len(ctl._pending) == per_source
+        # another address fills the remaining slots, then some: once the oldest have had
+        # their chance (a second with nothing sent), they make room, never more than the cap
+        others = [connect_from(ctl.address, "127.0.0.2") for _ in range(10)]
+        socks += others
+        assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in socks[20:26]) == 6)
+        assert wait_for(lambda: len(ctl._pending) == cap)
+        assert not any(closed_by_peer(s, 0.05) for s in socks[26:])
+        assert ctl.faults == []
     finally:
         for s in socks:
             s.close()
@@ -326,11 +349,12 @@ def test_a_standby_listener_has_the_same_pre_authentication_limits(ctl):
             assert standby.rejected_frames >= 10
             growth = psutil.Process().memory_info().rss - rss_before
             assert growth < 32 * 1024 * 1024, f"the standby buffered {growth / 2**20:.0f} MiB"
-            cap = 4 + 64
+            per_source = 64  # then each new one displaces the oldest (the test above)
             waiting = [socket.create_connection(standby.address, timeout=5)
-                       for _ in range(cap + 10)]
+                       for _ in range(per_source + 10)]
             socks += waiting
-            assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in waiting[cap:]) == 10)
+            assert wait_for(lambda: sum(closed_by_peer(s, 0.05) for s in waiting[:10]) == 10)
+            assert not any(closed_by_peer(s, 0.05) for s in waiting[10:])
             assert standby.sm.state.name == "STANDBY" and standby.faults == []
             assert ctl.faults == []
         finally:
@@ -381,8 +405,12 @@ from mindio_ttp.control import protocol as P
 port, n, length = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 frame = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, length) + b"\0" * length
 socks = []
-for _ in range(n):
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+for i in range(n):  # 64 from each address (a listener admits no more from one: issue 24)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.IPPROTO_IP, 24, 1)  # IP_BIND_ADDRESS_NO_PORT
+    s.bind((f"127.0.{i // 64 // 250}.{2 + i // 64 % 250}", 0))
+    s.settimeout(30)
+    s.connect(("127.0.0.1", port))
     socks.append(s)
     try:
         s.sendall(frame)  # a frame one byte under the cap, never finished (no MAC)
@@ -395,9 +423,10 @@ sys.stdin.read()  # hold every connection until the test is done
 
 @pytest.mark.slow
 def test_a_flood_of_unregistered_connections_is_bounded_in_rss_and_delays_no_heartbeat():
-    """World 8192: 8256 connections (every waiting slot) each send a frame one byte under the
-    pre-authentication cap. The controller's count stayed at 64 MiB while its RSS grew by
-    537-623 MiB, and the I/O loop stalled past a 3 s heartbeat timeout. Now what it reads is
+    """World 8192: 8256 connections (every waiting slot), 64 from each of 129 addresses, each
+    send a frame one byte under the pre-authentication cap. The controller's count stayed at
+    64 MiB while its RSS grew by 537-623 MiB, and the I/O loop stalled past a 3 s heartbeat
+    timeout. Now what it reads is
     bounded (the frame being sent, the budget), dropped connections free their buffers at once,
     and the flood is served after the registered ranks on every loop turn."""
     import subprocess

@@ -215,3 +215,49 @@ def test_a_rank_reporting_a_step_beyond_the_agreed_one_is_faulty_and_sets_no_lim
     finally:
         for f in fakes:
             f.close()
+
+
+# -- issue 24 item 4: rank blocks, and DP groups the members do not confirm ---------------------
+@pytest.mark.parametrize("blocks, said", [
+    ([[3, -1, 4, 0, 1]], "Register.dp_ranks: bad value"),  # inverted: [3, 2, 1, 0]
+    ([[0, 1, 4, 0, 1], [2, 1, 1, 0, 1]], "a rank named twice"),  # overlapping blocks
+    ([[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]], "a rank named twice"),  # the same block twice
+    ([[0, 1, 2, 1, 2]], "Register.dp_ranks: bad value"),  # a block overlapping itself
+    ([[1, 1, 3, 0, 1]], "cannot hold 2 shard(s)"),  # 3 ranks, replica 2
+])
+def test_a_register_with_inverted_overlapping_or_misfit_rank_blocks_is_refused(ctl, caplog,
+                                                                             blocks, said):
+    """Any block in range was accepted: one inverted block registered rank 3's group as
+    [3, 2, 1, 0]; overlapping or repeated blocks named a rank twice; a group of 3 with 2 shards
+    has no equal holders. Refused by the decoder, with the peer; that connection only."""
+    fake = FakeRank(ctl.address, 0, 4, DP, 2)
+    try:
+        assert wait_for(lambda: ctl.registered == [0])
+        answer = signed_register(ctl.address, rank=3 if said != "cannot hold 2 shard(s)" else 1,
+                                 dp_ranks=blocks)
+        assert answer == b"" and said in caplog.text and "127.0.0.1:" in caplog.text
+        assert ctl.registered == [0] and ctl.faults == [] and ctl._thread.is_alive()
+    finally:
+        fake.close()
+
+
+def test_a_rank_whose_dp_group_its_members_do_not_confirm_is_faulty_and_the_save_goes_on(
+        ctl, caplog):
+    """Rank 3 registers its group as [3, 2, 1, 0] (valid blocks, a different order: shards
+    swapped); the layout was built from every claim: `inconsistent DP layout`, outcome
+    no_consistent_step (exit 84), nothing saved, though every shard had an honest clean holder.
+    Now the group ranks 0-2 agree on is the layout, rank 3's claim is dropped (its state is not
+    used, like a lying step report's), and step 3 is saved from ranks 0 and 1."""
+    fakes = [FakeRank(ctl.address, r, 4, [3, 2, 1, 0] if r == 3 else DP, 2) for r in range(4)]
+    try:
+        assert wait_for(lambda: len(ctl.registered) == 4)
+        fakes[2].close()  # the fault: rank 2 dies, so shard 0 is rank 0's alone
+        assert ctl.decided.wait(10), ctl.faults
+        d = ctl.decision
+        assert d.outcome is Outcome.SAVED and d.step == 3 and d.ranks == [0, 1], d
+        assert "rank 3 registered DP group [3, 2, 1, 0], which its members do not confirm" in \
+            caplog.text
+        assert fakes[3].got_exit.wait(3) and fakes[3].exit.exit_code == Outcome.SAVED.exit_code
+    finally:
+        for f in fakes:
+            f.close()

@@ -307,7 +307,8 @@ def test_plain_failure_keeps_torchs_table_and_says_no_flow_ran(
 
 ENV_PROBE = (
     "import json, os, pathlib, sys\n"
-    "names = ('TORCH_NCCL_ASYNC_ERROR_HANDLING', 'HCCL_ASYNC_ERROR_HANDLING')\n"
+    "names = ('TORCH_NCCL_ASYNC_ERROR_HANDLING', 'NCCL_ASYNC_ERROR_HANDLING',\n"
+    "         'HCCL_ASYNC_ERROR_HANDLING')\n"
     "pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(\n"
     "    json.dumps({n: os.environ.get(n) for n in names}))\n"
 )
@@ -318,7 +319,7 @@ def _probe_env(tmp_path: Path, port: int, script_args: tuple = (), **env_extra: 
     script.write_text(ENV_PROBE)
     env = {k: v for k, v in os.environ.items()
            if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                        "HCCL_ASYNC_ERROR_HANDLING")}
+                        "NCCL_ASYNC_ERROR_HANDLING", "HCCL_ASYNC_ERROR_HANDLING")}
     env.update(OUT=str(tmp_path), **env_extra)
     cmd = [
         sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", "--nproc-per-node=2",
@@ -334,16 +335,22 @@ def test_workers_get_the_collective_settings_a_dying_checkpoint_needs(
     tmp_path: Path, free_port: int
 ) -> None:
     """torch's NCCL default (3) kills survivors of a hung collective; torch_npu's HCCL default
-    (1) terminates them on a dead peer's error: ttprun's workers get 2 and 0."""
+    (1) terminates them on a dead peer's error: ttprun's workers get 2 and 0, under both of
+    NCCL's names (torch 2.1 reads only the old one, which torch's agent sets to 1: D4)."""
     seen, err = _probe_env(tmp_path, free_port)
-    assert seen == [{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "HCCL_ASYNC_ERROR_HANDLING": "0"}] * 2
+    assert seen == [{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_ASYNC_ERROR_HANDLING": "2",
+                     "HCCL_ASYNC_ERROR_HANDLING": "0"}] * 2
     assert "warning" not in err
+    assert "ttprun: recovery mode: in memory (no GPU or NPU here: gloo" in err, err
 
 
 def test_a_users_collective_setting_wins(tmp_path: Path, free_port: int) -> None:
-    seen, _ = _probe_env(tmp_path, free_port, TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    seen, err = _probe_env(tmp_path, free_port, TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+                           NCCL_ASYNC_ERROR_HANDLING="3")
     assert {s["TORCH_NCCL_ASYNC_ERROR_HANDLING"] for s in seen} == {"1"}
+    assert {s["NCCL_ASYNC_ERROR_HANDLING"] for s in seen} == {"3"}
     assert {s["HCCL_ASYNC_ERROR_HANDLING"] for s in seen} == {"0"}
+    assert "warning: your NCCL_ASYNC_ERROR_HANDLING=3 (the name torch 2.1 reads" in err, err
 
 
 def test_megatron_timeout_shorter_than_the_grace_is_warned(tmp_path: Path, free_port: int) -> None:
@@ -364,6 +371,7 @@ GLOO_WORKER = textwrap.dedent(
 
     out = pathlib.Path(sys.argv[1])
     rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    (out / f"port-attempt{attempt}-rank{rank}").write_text(os.environ["MASTER_PORT"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -378,13 +386,23 @@ GLOO_WORKER = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_each_restart_attempt_gets_its_own_store(tmp_path: Path, free_port: int) -> None:
+@pytest.mark.parametrize("store_ports", ["", "one"])
+def test_each_restart_attempt_gets_its_own_store(tmp_path: Path, free_port: int,
+                                                 store_ports: str) -> None:
     """torch 2.13's static rendezvous keeps one store for every attempt, so a restarted attempt
-    read attempt 0's addresses ("Gloo connectFullMesh failed"); ttprun gives each its own."""
+    read attempt 0's addresses ("Gloo connectFullMesh failed"); ttprun gives each its own.
+    TTP_RESTART_STORE_PORTS of one port (a strict firewall): every restart's store is there,
+    a fresh one each time (the previous attempt's is closed first)."""
     script = tmp_path / "gloo_worker.py"
     script.write_text(GLOO_WORKER)
     env = {k: v for k, v in os.environ.items() if k not in ("TTP_RUN_DIR", "TTP_AUTH_KEY")}
     env.update(FAIL_ATTEMPTS="2", TTP_OT="30")
+    fixed = None
+    if store_ports:
+        from mindio_ttp.demo.rehearsal.launch import pick_free_port
+
+        fixed = pick_free_port()
+        env["TTP_RESTART_STORE_PORTS"] = str(fixed)
     cmd = [
         sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", "--nproc-per-node=3",
         "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port}",
@@ -397,6 +415,12 @@ def test_each_restart_attempt_gets_its_own_store(tmp_path: Path, free_port: int)
     for attempt in range(3):
         assert [(tmp_path / f"attempt{attempt}-rank{r}").read_text() for r in range(3)] == \
             ["3.0"] * 3, (attempt, done.stderr[-4000:])
+        ports = {(tmp_path / f"port-attempt{attempt}-rank{r}").read_text() for r in range(3)}
+        assert len(ports) == 1, ports
+        if attempt == 0:
+            assert ports == {str(free_port)}
+        elif fixed is not None:
+            assert ports == {str(fixed)}, (attempt, ports)
     # no TTP runtime ran in these workers, so no attempt was held for TTP_OT
     assert done.stderr.count("no TTP runtime started") == 2, done.stderr[-4000:]
     assert "keeping survivors up to" not in done.stderr

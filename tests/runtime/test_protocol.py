@@ -26,8 +26,9 @@ SECONDS = st.floats(0, P.MAX_SECONDS, allow_nan=False)
 # what each field may hold, by name (every message class uses these names); by type otherwise
 VALID = {
     "rank": RANK, "controller_rank": RANK, "world_size": st.integers(1, P.MAX_RANKS),
-    "replica": st.integers(1, P.MAX_RANKS), "dp_ranks": st.lists(RANK, max_size=20),
-    "save_ranks": st.lists(RANK, max_size=20), "ranks": st.lists(RANK, max_size=20),
+    "replica": st.integers(1, P.MAX_RANKS), "dp_ranks": st.lists(RANK, max_size=20, unique=True),
+    "save_ranks": st.lists(RANK, max_size=20, unique=True),
+    "ranks": st.lists(RANK, max_size=20, unique=True),
     "host": IP, "standby_port": st.integers(0, 65535), "pid": st.integers(0, 2**31 - 1),
     "step": st.none() | NONNEG, "challenge": HEX, "nonce": HEX,
     "role": st.sampled_from(["primary", "standby"]),
@@ -39,7 +40,7 @@ VALID = {
     "tag": HEX, "outcome": st.sampled_from([o.value for o in P.Outcome]),
     "req": st.integers(1, 2**63 - 1), "timeout": SECONDS, ("step", "int"): NONNEG,
     # the in-memory recovery's messages
-    "recovery_id": st.integers(1, 2**62), "lost": st.lists(RANK, max_size=20),
+    "recovery_id": st.integers(1, 2**62), "lost": st.lists(RANK, max_size=20, unique=True),
     "deadline": SECONDS, "state": st.sampled_from(P.REPLACE_STATES),
     "digest": st.just("") | st.binary(min_size=32, max_size=32).map(bytes.hex),
     "rendezvous": st.from_regex(r"[a-z0-9][a-z0-9/._-]{0,20}", fullmatch=True),
@@ -63,9 +64,22 @@ def store_request(draw):
                           draw(INT), draw(SECONDS))
 
 
+@st.composite
+def register(draw):
+    """A DP group (no rank twice) and a replica count that divides it."""
+    reg = draw(st.builds(P.Register, **{f.name: _strategy(f.name, f.type)
+                                        for f in fields(P.Register)}))
+    reg.dp_ranks = draw(st.lists(RANK, min_size=1, max_size=20, unique=True))
+    n = len(reg.dp_ranks)
+    reg.replica = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+    return reg
+
+
 def message_of(cls):
     if cls is P.StoreRequest:
         return store_request()
+    if cls is P.Register:
+        return register()
     if cls is P.StoreReply:
         return st.builds(cls, req=VALID["req"], ok=st.booleans(),
                          values=st.lists(st.binary(max_size=64).map(P.b64encode), max_size=1),

@@ -14,7 +14,16 @@ from mindio_ttp.control.selection import Layout, RankState, savers_for
 @settings(max_examples=500, deadline=None)
 @given(st.lists(st.integers(0, 300), max_size=60))
 def test_any_list_round_trips_in_order(ranks):
-    assert R.decode(R.encode(ranks)) == ranks
+    blocks = R.encode(ranks)
+    assert R.valid_wire(blocks)  # every block increasing, whatever the list does
+    assert R.decode(blocks) == ranks
+
+
+def test_a_descending_list_is_several_increasing_blocks():
+    """Pairs placed across hosts can order a DP group with a descending stretch; the blocks
+    that carry it are increasing (an inverted block is refused: issue 24)."""
+    assert R.encode([0, 1, 3, 2]) == [[0, 1, 2, 0, 1], [3, 1, 1, 0, 1], [2, 1, 1, 0, 1]]
+    assert R.encode([3, 2, 1, 0]) == [[r, 1, 1, 0, 1] for r in (3, 2, 1, 0)]
 
 
 def megatron_dp_groups(world: int, tp: int, pp: int):
@@ -50,6 +59,10 @@ def test_consecutive_groups_are_one_periodic_block():
     [[0, 1, 1, 0, 0]],  # no repeat
     [[-1, 1, 1, 0, 1]],  # negative rank
     [[5, -1, 7, 0, 1]],  # runs below zero
+    [[3, -1, 4, 0, 1]],  # inverted: [3, 2, 1, 0] (issue 24)
+    [[0, 0, 2, 0, 1]],  # a repeat within a run
+    [[4, 1, 2, -4, 2]],  # periods going back: [4, 5, 0, 1]
+    [[0, 1, 2, 1, 2]],  # periods overlapping: [0, 1, 1, 2]
     [[0, 1, R.MAX_RANKS + 1, 0, 1]],  # too many
     [[0, 1, 1000, 1, 1000]],  # too many through the repeat
     [[R.MAX_RANKS - 1, 1, 2, 0, 1]],  # past the largest rank

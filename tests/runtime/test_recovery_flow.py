@@ -32,12 +32,21 @@ class RecoveringRanks(ScriptedRanks):
     ranks in `silent`; `fault_during` reports a fault once the order went out."""
 
     def __init__(self, *args, replace_state: str = "started", fail: Set[int] = frozenset(),
-                 silent: Set[int] = frozenset(), fault_during: Optional[tuple] = None,
-                 **kwargs) -> None:
+                 silent: Set[int] = frozenset(), fault_during=None,
+                 die_on_relock: Set[int] = frozenset(), **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.replace_state, self.fail, self.silent = replace_state, fail, silent
-        self.fault_during = fault_during
+        self.fault_during = fault_during  # (desc, fault kwargs), or fn(self) run holding cond
+        self.die_on_relock = die_on_relock  # die as the lock after the recovery goes out
         self.order: Optional[P.RecoverOrder] = None
+
+    def broadcast(self, msg: P.Message, exclude: Optional[int] = None) -> None:
+        if isinstance(msg, P.Lock) and self.order is not None:
+            with self.cond:  # the I/O thread sees their deaths only now
+                for r in sorted(self.die_on_relock):
+                    if self.roster.set_status(self.roster[r], "dead", "dead (killed)"):
+                        self.flow.left(r)
+        super().broadcast(msg, exclude)
 
     def send_many(self, ranks: List[int], msg: P.Message) -> None:
         if not isinstance(msg, (P.RecoverOrder, P.RecoverCommit)):
@@ -57,8 +66,10 @@ class RecoveringRanks(ScriptedRanks):
                 self.roster.register(RankInfo(msg.rank, tuple(DP), "127.0.0.1", 0, None,
                                               time.monotonic()))
             rec.replace_status(P.ReplaceStatus(msg.recovery_id, msg.rank, self.replace_state,
-                                               4242, "by the test"))
-            if self.fault_during is not None:
+                                               4242, "by the test"), rank)  # from the relay
+            if callable(self.fault_during):
+                self.fault_during(self)
+            elif self.fault_during is not None:
                 self.flow.fault(*self.fault_during[:1], **self.fault_during[1])
             for r in range(4):
                 if r not in self.silent:
@@ -157,6 +168,65 @@ def test_abandoned_recovery_falls_back_to_the_dying_checkpoint(case, kwargs, rea
     abandoned(flow, out)
     assert any("falling back to the dying checkpoint of step 4" in r.message and reason in
                r.message for r in caplog.records), case
+
+
+def _dies(out) -> None:
+    if out.roster.set_status(out.roster[1], "dead", "dead (connection closed)"):
+        out.flow.left(1)
+    out.flow.fault("rank 1 dead (connection closed)")
+
+
+def _hangs(out) -> None:
+    if out.roster.set_status(out.roster[1], "hung", "hung (no heartbeat for 0.9 s)"):
+        out.flow.left(1)
+    out.flow.fault("rank 1 hung (no heartbeat for 0.9 s)")
+
+
+def _raises(out) -> None:  # its process lives on: it answers every lock and order
+    out.flow.fault("rank 1 reported exception: InjectedFault", rank=1, kind="exception")
+
+
+def _hangs_unseen(out) -> None:  # not yet declared hung: it just stops answering
+    del out.steps[1]
+    out.flow.fault("rank 0 reported exception: RuntimeError: gloo/transport: timed out",
+                   rank=0, kind="collective")
+    out.fail = {0}
+
+
+def _dies_unseen(out) -> None:  # a casualty's READY abandons it before the death is seen
+    out.fail = {0}
+    out.die_on_relock = {1}
+
+
+@pytest.mark.parametrize("case, during, silent", [
+    ("kill", _dies, {1}), ("hang", _hangs, {1}), ("exception", _raises, {1}),
+    ("a hang not yet seen", _hangs_unseen, {1}),
+    ("a death seen after the abandonment", _dies_unseen, {1}),
+])
+def test_a_survivor_that_faults_during_the_recovery_is_never_a_saver(case, during, silent):
+    """Issue 23: rank 2 lost; during its recovery, survivor rank 1 (DP position 1, the holder
+    savers_for picks for shard 1) dies, hangs or raises. The states collected before the
+    recovery still say rank 1 is clean at 4: the fallback must save from ranks 0 and 3 (rank
+    1's partner), in one order and within seconds, not after a dead saver's save limit."""
+    flow, out = make_flow({2}, fault_during=during, silent=silent, TTP_OT="120",
+                          TTP_SAVE_TIME_LIMIT="60")
+    t0 = time.monotonic()
+    fault_and_wait(flow, out, "rank 2 dead")
+    assert flow.decided.wait(15), (case, flow.sm.history)
+    d = flow.decision
+    assert d.outcome is Outcome.SAVED and d.step == 4 and d.ranks == [0, 3], (case, d)
+    saves = [to for how, to, m in out.sent if isinstance(m, P.SaveOrder)]
+    assert saves == [[0, 3]], (case, saves)
+    assert time.monotonic() - t0 < 10, case
+
+
+def test_a_refusal_every_rank_shares_keeps_every_survivor_a_holder():
+    """Copies that differ after the refill: every rank refuses alike (READY not ok), none of
+    them faulted: the survivors' state still serves, savers as savers_for picks them."""
+    flow, out = make_flow({2}, fail={0, 1, 2, 3})
+    fault_and_wait(flow, out, "rank 2 dead")
+    assert flow.decided.wait(15), flow.sm.history
+    assert flow.decision.outcome is Outcome.SAVED and flow.decision.ranks == [0, 1]
 
 
 def test_a_casualtys_collective_report_does_not_abandon_the_recovery():

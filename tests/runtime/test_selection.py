@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mindio_ttp.control.selection import (
     Layout,
     RankState,
+    agreed_layout,
     choose_step,
     replacement_savers,
     savers_for,
@@ -193,3 +194,60 @@ def test_replacements_cover_every_shard_with_a_holder_that_can_still_save(job, d
             assert r in alive or r not in failed
             assert r not in failed or r in savers  # a failed rank only saves its own shard again
             assert r in savers or states[r].clean_at() == step
+
+
+# -- issue 24: the layout from the DP groups the members agree on --------------------------------
+def claims_of(groups: Dict[int, tuple]) -> list:
+    """rank -> the group it registered, as Roster.claims gives them."""
+    by: Dict[tuple, list] = {}
+    for r, g in groups.items():
+        by.setdefault(tuple(g), []).append(r)
+    return list(by.items())
+
+
+def test_one_liar_is_outvoted_by_its_group():
+    honest = (0, 1, 2, 3)
+    layout, dropped = agreed_layout(claims_of({0: honest, 1: honest, 2: honest,
+                                               3: (3, 2, 1, 0)}), 2)
+    assert layout.groups == (honest,) and list(dropped) == [3]
+    assert "registered DP group [3, 2, 1, 0], which its members do not confirm" in dropped[3]
+
+
+def test_orders_that_give_every_rank_the_same_shard_are_one_group():
+    """[2, 3, 0, 1] puts every rank on the shard [0, 1, 2, 3] does: not a lie."""
+    layout, dropped = agreed_layout(claims_of({0: (0, 1, 2, 3), 1: (0, 1, 2, 3),
+                                               2: (2, 3, 0, 1), 3: (2, 3, 0, 1)}), 2)
+    assert dropped == {} and layout.groups == ((0, 1, 2, 3),)
+    # in a pair with one shard, the order never matters
+    layout, dropped = agreed_layout(claims_of({0: (0, 1), 1: (1, 0)}), 1)
+    assert dropped == {} and len(layout.groups) == 1
+
+
+def test_a_liar_in_a_pair_who_moves_into_another_group_is_refuted_by_it():
+    """DP groups of two: rank 1 claims [1, 5]; rank 5's group [4, 5] is confirmed by both its
+    members, so rank 1's claim goes, and rank 0's [0, 1] (rank 1 is faulty, nobody contradicts
+    rank 0) stays: the layout is the honest one."""
+    groups = {0: (0, 1), 1: (1, 5), 2: (2, 3), 3: (2, 3), 4: (4, 5), 5: (4, 5)}
+    layout, dropped = agreed_layout(claims_of(groups), 1)
+    assert list(dropped) == [1]
+    assert layout.groups == ((0, 1), (2, 3), (4, 5))
+
+
+def test_a_liar_claiming_a_smaller_group_loses_the_tie():
+    layout, dropped = agreed_layout(claims_of({0: (0, 1), 1: (1,)}), 1)
+    assert list(dropped) == [1] and layout.groups == ((0, 1),)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_honest_claims_give_the_layout_and_no_rank_is_dropped(data):
+    """Megatron-like layouts, any subset of ranks registered: no honest rank is ever faulty."""
+    tp = data.draw(st.sampled_from([1, 2, 4]))
+    dp = data.draw(st.sampled_from([2, 4, 8]))
+    world = tp * dp
+    groups = [tuple(range(j, world, tp)) for j in range(tp)]
+    present = data.draw(st.sets(st.integers(0, world - 1), min_size=1))
+    layout, dropped = agreed_layout(claims_of({r: next(g for g in groups if r in g)
+                                               for r in present}), dp // 2)
+    assert dropped == {}
+    assert set(layout.groups) == {g for g in groups if present & set(g)}

@@ -76,7 +76,29 @@ def test_ttp_ot_that_cannot_be_a_grace_period_is_refused(value: str) -> None:
 def test_keys_of_the_wrong_size_or_alphabet_are_refused(key: str, why: str) -> None:
     assert config.problems({"TTP_AUTH_KEY": key}) == [f"TTP_AUTH_KEY {why}" + (
         " (e.g. from `python -c \"import secrets; print(secrets.token_hex(32))\"`)"
-        if why == "must be hex" else " (32 hex chars)" if "least" in why else "")]
+        if why == "must be hex" else " (32 hex chars, e.g. from `python -c \"import secrets; "
+        "print(secrets.token_hex(32))\"`)" if "least" in why else "")]
+
+
+@pytest.mark.parametrize("name,what", [
+    ("TTP_0T", "'0' (digit zero) where the setting has 'O'"),
+    ("ttp_ot", "'t' (latin small letter t) where the setting has 'T'"),
+    ("TTP_L0G_LEVEL", "'0' (digit zero)"),
+    ("TTP_\u041eT", "'\u041e' (cyrillic capital letter o)"),
+    ("TTP-OT", "'-' (hyphen-minus) where the setting has '_'"),
+])
+def test_look_alike_names_are_caught(name: str, what: str) -> None:
+    """TTP_0T (a zero for the O) is two letters' worth of difference for difflib, so only
+    the one-letter-off check let it pass in silence."""
+    warnings = config.unknown_names({name: "1", "TTP_OT": "30", "PATH": "/bin"})
+    meant = "TTP_LOG_LEVEL" if "L0G" in name else "TTP_OT"
+    assert len(warnings) == 1 and f"it looks like {meant} but has {what}" in warnings[0], warnings
+    assert "(ignored)" in warnings[0]
+
+
+def test_help_names_the_values_of_the_recovery_mode() -> None:
+    text = "\n".join(config.help_lines(width=200))
+    assert "TTP_RECOVERY (mode, default in-memory; in-memory or dying-checkpoint)" in text
 
 
 def test_save_limit_follows_ttp_ot_unless_set() -> None:
@@ -161,3 +183,21 @@ def test_standby_listeners_stay_inside_ttp_listen_ports() -> None:
     finally:
         for c in made:
             c.stop()
+
+
+def test_both_names_of_nccls_error_handling_are_set_and_a_legacy_value_is_warned() -> None:
+    """D4: torch 2.1 reads only NCCL_ASYNC_ERROR_HANDLING, which torch's elastic agent sets to 1
+    (abort, then kill) unless the launcher's environment has it: the survivors died in the
+    dying save. Both names get 2; a user's legacy 1 or 3 is kept and warned about."""
+    from mindio_ttp.faulttime import collective_env
+
+    env: dict = {}
+    collective_env.apply_defaults(env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == env["NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert collective_env.user_value_warnings(env) == []
+    mine = {"NCCL_ASYNC_ERROR_HANDLING": "1"}
+    collective_env.apply_defaults(mine)
+    assert mine["NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the user's value stays
+    (warning,) = collective_env.user_value_warnings(mine)
+    assert warning.startswith("your NCCL_ASYNC_ERROR_HANDLING=1 (the name torch 2.1 reads")
+    assert "kills the process" in warning

@@ -1,10 +1,13 @@
 """faulttime/abort.py on CPU: every communicator aborted in parallel and within the bound
-(doubles of NCCL/HCCL backends whose aborts wait for each other, hang or raise), torch_npu's
-device stop and restart on the bound NPU, gloo left alone, and real gloo processes that abort,
-destroy their groups and build working new ones (what the recovery needs)."""
+(doubles of NCCL/HCCL backends whose aborts wait for each other, hang or raise), the abort found
+by feature on each torch's binding and inside the bounded thread (D1), HCCL's own abort (D11),
+the device bound in every aborting thread (D13), NCCL's group abort where the binding has it,
+torch_npu's device stop and restart on the bound NPU, gloo left alone, and real gloo processes
+that abort, destroy their groups and build working new ones (what the recovery needs)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import textwrap
@@ -12,7 +15,7 @@ import threading
 import time
 import types
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -25,22 +28,31 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeBackend:
-    """A process group whose only backend is `kind`, with an abort() the test scripts."""
+    """A process group whose only backend is `kind`, bound with the abort methods `names` (the
+    names one torch release binds; `abort` by default), each recorded when called."""
 
-    def __init__(self, name: str, kind: str = "nccl", on_abort=None) -> None:
+    def __init__(self, name: str, kind: str = "nccl", on_abort=None,
+                 names: Tuple[str, ...] = ("abort",), group_calls: bool = False,
+                 log: Optional[List[str]] = None) -> None:
         self.group_name, self.kind, self.on_abort = name, kind, on_abort
         self.calls: List[str] = []
+        self.log = log if log is not None else []
+        for method in names + (("_group_start", "_group_end") if group_calls else ()):
+            setattr(self, method, functools.partial(self._called, method))
 
     def name(self) -> str:
         return self.kind
 
-    def abort(self) -> None:
-        self.calls.append("abort")
-        if self.on_abort is not None:
+    def _called(self, method: str, *args) -> None:
+        self.calls.append(method)
+        self.log.append(f"{method} {self.group_name} in {threading.current_thread().name}")
+        if self.on_abort is not None and not method.startswith("_group"):
             self.on_abort()
 
-    def _shutdown(self) -> None:
-        self.calls.append("_shutdown")
+
+# the abort names each torch binds on ProcessGroupNCCL (device_review_2.md, D1)
+BINDINGS = {"2.1": ("_abort",), "2.2-2.4": ("_shutdown",), "2.5-2.6": ("abort", "_shutdown"),
+            "2.7+": ("abort",)}
 
 
 @pytest.fixture
@@ -84,11 +96,95 @@ def test_a_failing_abort_is_reported_not_raised() -> None:
     assert only.outcome == abort.FAILED and "unhandled system error" in only.detail
 
 
-def test_torch_before_2_6_shuts_nccl_down_as_nvrx_does(monkeypatch) -> None:
-    monkeypatch.setattr(torch, "__version__", "2.5.1+cu124")
-    group = FakeBackend("dp")
+@pytest.mark.parametrize("torch_binding", sorted(BINDINGS))
+def test_the_abort_is_found_by_feature_on_every_torch_binding(torch_binding) -> None:
+    """D1: torch 2.1 binds only ``_abort``; asking it for ``abort`` raised AttributeError out of
+    abort_all, so every dying save and every recovery failed there."""
+    names = BINDINGS[torch_binding]
+    group = FakeBackend("dp", names=names)
+    report = abort.abort_all(timeout_s=2.0, groups=[group])
+    assert report.ok, report.describe()
+    assert group.calls == [names[0]]  # abort, else _shutdown, else _abort
+
+
+def test_the_version_string_decides_nothing(monkeypatch) -> None:
+    """An NGC nightly reads as 2.6 but may bind 2.4's name: the binding decides (D1)."""
+    monkeypatch.setattr(torch, "__version__", "2.6.0a0+ecf3bae40a.nv24.10")
+    group = FakeBackend("dp", names=("_shutdown",))
     assert abort.abort_all(timeout_s=2.0, groups=[group]).ok
     assert group.calls == ["_shutdown"]
+
+
+def test_a_backend_without_any_abort_is_reported_failed_within_the_bound() -> None:
+    report = abort.abort_all(timeout_s=2.0, groups=[FakeBackend("dp", names=())])
+    (only,) = report.groups
+    assert only.outcome == abort.FAILED and "none of abort, _shutdown, _abort" in only.detail
+
+
+def test_the_abort_is_looked_up_inside_the_bounded_call(release) -> None:
+    """Reading the attribute can itself fail or block (a binding that raises, a lock inside a
+    property): abort_all still returns within its bound and says which group (D1)."""
+
+    class Raising(FakeBackend):
+        @property
+        def abort(self):
+            raise RuntimeError("ProcessGroupNCCL is being destroyed")
+
+    class Blocking(FakeBackend):
+        @property
+        def abort(self):
+            release.wait()
+
+    t0 = time.monotonic()
+    report = abort.abort_all(timeout_s=0.5, groups=[Raising("a", names=()),
+                                                    Blocking("b", names=())])
+    assert time.monotonic() - t0 < 2.0
+    outcomes = {g.group: (g.outcome, g.detail) for g in report.groups}
+    assert outcomes["a"][0] == abort.FAILED and "being destroyed" in outcomes["a"][1]
+    assert outcomes["b"][0] == abort.TIMED_OUT
+
+
+def test_hccl_is_aborted_with_its_own_call_never_the_base_class_no_op() -> None:
+    """D11: torch_npu binds ``abort_hccl_comm``; from torch 2.7 ``Backend.abort`` exists and
+    does nothing for HCCL, so calling it reported "aborted" while nothing was."""
+    group = FakeBackend("dp", kind="hccl", names=("abort", "abort_hccl_comm"))
+    report = abort.abort_all(timeout_s=2.0, groups=[group])
+    assert report.ok and report.aborted == ["dp"]
+    assert group.calls == ["abort_hccl_comm"]
+    assert group.log == ["abort_hccl_comm dp in ttp-abort-dp"]
+
+
+def test_every_aborting_thread_binds_the_device_first(monkeypatch) -> None:
+    """D13: a new thread's current CUDA device is 0; an abort there can make a context on
+    another rank's GPU. Each thread binds this rank's device before it aborts."""
+    log: List[str] = []
+    monkeypatch.setattr(torch, "cuda", types.SimpleNamespace(
+        set_device=lambda i: log.append(f"set_device({i}) in {threading.current_thread().name}")))
+    groups = [FakeBackend("tp", log=log), FakeBackend("dp", log=log)]
+    report = abort.abort_all(timeout_s=2.0, binding=DeviceBinding("cuda", 5), groups=groups)
+    assert report.ok, report.describe()
+    for name in ("tp", "dp"):
+        mine = [line for line in log if line.endswith(f"ttp-abort-{name}")]
+        assert mine == [f"set_device(5) in ttp-abort-{name}",
+                        f"abort {name} in ttp-abort-{name}"], log
+
+
+def test_where_the_binding_has_group_calls_every_nccl_group_aborts_inside_one() -> None:
+    """torch's own _abort_process_group: _group_start, every abort, _group_end, one thread
+    (NCCL then aborts the hung communicators together, pytorch #119797)."""
+    log: List[str] = []
+
+    def boom() -> None:
+        if threading.current_thread().name == "ttp-abort-nccl" and len(log) == 3:
+            raise RuntimeError("ncclCommAbort: unhandled system error")
+
+    groups = [FakeBackend(n, group_calls=True, log=log, on_abort=boom) for n in ("tp", "pp", "dp")]
+    report = abort.abort_all(timeout_s=2.0, groups=groups)
+    assert [line.split(" in ")[0] for line in log] == [
+        "_group_start tp", "abort tp", "abort pp", "abort dp", "_group_end tp"]
+    assert {line.split(" in ")[1] for line in log} == {"ttp-abort-nccl"}
+    outcomes = {g.group: g.outcome for g in report.groups}
+    assert outcomes == {"tp": abort.ABORTED, "pp": abort.FAILED, "dp": abort.ABORTED}
 
 
 def test_gloo_and_unknown_backends_are_left_alone() -> None:

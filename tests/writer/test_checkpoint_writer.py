@@ -10,10 +10,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
+import xxhash
 
-from mindio_ttp.faulttime import checkpoint_writer
+from mindio_ttp.faulttime import checkpoint_writer, digest
 from mindio_ttp.megatron_ttp import manifest
 
 
@@ -21,18 +23,28 @@ class Boom(RuntimeError):
     pass
 
 
-def test_digest_is_the_sha256_of_the_file_and_torch_load_reads_it(tmp_path: Path) -> None:
-    """Large storages take the parallel-hash path in chunks, small records the inline one:
-    either way the digest is that of the bytes on disk, in order."""
+@pytest.mark.parametrize("algo", sorted(digest.ALGOS))
+@pytest.mark.parametrize("helper", [False, True], ids=["inline", "helper"])
+def test_digest_is_that_of_the_file_and_torch_load_reads_it(tmp_path: Path, algo: str,
+                                                            helper: bool) -> None:
+    """Large storages are written in chunks and hashed inline or on the helper thread, small
+    records inline: either way the digest is that of the bytes on disk, in order (checked
+    against the reference implementation: hashlib, or the package itself on a re-read)."""
     big = torch.arange(9 * 2**20, dtype=torch.float32)  # 36 MiB: three chunks of the big path
     state = {"big": big, "small": torch.ones(10), "mid": torch.randn(300_000),
              "nested": {"step": 7, "half": torch.randn(1000).half()}}
     path = tmp_path / "sub" / "x.pt"
-    written = checkpoint_writer.write_torch(path, state)
+    written = checkpoint_writer.write_torch(path, state, algo=algo, helper=helper)
     data = path.read_bytes()
     assert written.size == len(data)
-    assert written.sha256 == hashlib.sha256(data).hexdigest()
-    assert written.entry() == {"sha256": written.sha256, "size": len(data)}
+    assert written.algo == algo
+    reference = {"sha256": lambda b: hashlib.sha256(b).hexdigest(),
+                 "xxh3_128": lambda b: xxhash.xxh3_128(b).hexdigest(),
+                 "blake3": lambda b: blake3.blake3(b).hexdigest()}[algo]
+    assert written.digest == reference(data) == digest.of_file(path, algo)
+    assert written.entry() == {algo: written.digest, "size": len(data)}
+    assert set(written.phases) == {"serialize", "write", "digest", "fsync", "rename"}
+    assert sum(written.phases.values()) <= written.seconds + 1e-6
     loaded = torch.load(path, weights_only=True)
     assert torch.equal(loaded["big"], big) and torch.equal(loaded["mid"], state["mid"])
     assert loaded["nested"]["step"] == 7
@@ -139,3 +151,27 @@ def test_peak_host_memory_of_a_save_is_not_a_copy_of_the_file(tmp_path: Path) ->
     size = result["writer"]["size"]
     assert result["writer"]["extra"] < 0.15 * size, result
     assert result["bytesio"]["extra"] > 0.9 * size, result
+
+
+def test_the_digest_follows_the_manifests_mode(tmp_path: Path, monkeypatch) -> None:
+    """Unkeyed: xxh3_128, computed inline; TTP_CHECKPOINT_KEY set: blake3 (cryptographic), on
+    the helper thread where there is more than one core."""
+    monkeypatch.delenv("TTP_CHECKPOINT_KEY", raising=False)
+    assert checkpoint_writer.write_torch(tmp_path / "a.pt", {"x": torch.ones(3)}).algo == \
+        "xxh3_128"
+    assert not checkpoint_writer.HashingWriter.helper_pays("xxh3_128")
+    monkeypatch.setenv("TTP_CHECKPOINT_KEY", "k")
+    assert checkpoint_writer.write_torch(tmp_path / "b.pt", {"x": torch.ones(3)}).algo == \
+        "blake3"
+
+
+def test_a_missing_package_falls_back_to_sha256_saying_so_once(monkeypatch, caplog) -> None:
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # import fails
+    monkeypatch.setattr(digest, "_said", set())
+    with caplog.at_level("WARNING", logger="mindio_ttp.checkpoint"):
+        assert digest.for_mode(keyed=False) == "sha256"
+        assert digest.for_mode(keyed=False) == "sha256"
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "pip install xxhash" in said[0]
+    with pytest.raises(LookupError, match="pip install xxhash"):
+        digest.new("xxh3_128")

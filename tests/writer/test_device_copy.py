@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Iterator, List
@@ -14,6 +15,7 @@ from typing import Iterator, List
 import pytest
 import torch
 
+from mindio_ttp import config
 from mindio_ttp.control import hooks
 from mindio_ttp.faulttime import abort, checkpoint_writer, device, device_copy
 from mindio_ttp.faulttime.device import NO_DEVICE, DeviceBinding
@@ -23,7 +25,10 @@ class FakeEvent:
     def __init__(self, log: List[str], ready_after: int) -> None:
         self.log, self.ready_after, self.queries = log, ready_after, 0
 
-    def record(self) -> None:
+    def record(self, stream: FakeStream = None) -> None:
+        if stream is not None:  # the read's probe, on the private stream
+            self.log.append("private.record")
+            return
         self.log.append(f"record(step published={hooks.STATE.step})")
 
     def query(self) -> bool:
@@ -38,7 +43,7 @@ class FakeStream:
     def wait_event(self, event: FakeEvent) -> None:
         self.log.append("private.wait_event")
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # never called: a blocking wait could hang for good
         self.log.append("private.synchronize")
 
 
@@ -70,15 +75,24 @@ class FakeDeviceModule:
             self.log.append("exit private")
 
 
+def _fresh_marks() -> None:
+    """A new fault: the stop not run, GATHERED and OFFERED empty (the code before the stop
+    existed had GATHERED alone: these tests also run against it, to show they fail there)."""
+    stop = getattr(device_copy, "STOP", None)
+    (stop.reset if stop is not None else device_copy.GATHERED.reset)()
+
+
 @pytest.fixture
 def fake() -> Iterator[FakeDeviceModule]:
     module = FakeDeviceModule()
     device_copy.MARK.install(DeviceBinding("cuda", 3), module=module)
     hooks.STATE.reset()
+    _fresh_marks()
     try:
         yield module
     finally:
         device_copy.MARK.reset()
+        _fresh_marks()
         device_copy._READERS.__dict__.clear()
         hooks.STATE.reset()
 
@@ -112,8 +126,8 @@ def test_a_write_runs_on_the_private_stream_after_waiting_for_the_event(fake,
                                   midway=lambda: seen.append(fake.current))
     assert seen == ["private"]  # torch.save wrote (and would have staged) inside
     assert fake.log == ["record(step published=None)", "Stream(device=3)",
-                        "private.wait_event", "enter private", "private.synchronize",
-                        "exit private"]
+                        "private.wait_event", "private.record", "enter private",
+                        "private.record", "exit private"]  # polled probes, never a blocking wait
     assert fake.events[0].queries == fake.ready_after + 1  # polled until the update finished
 
 
@@ -137,7 +151,8 @@ def test_to_host_copies_inside_the_private_stream_into_one_reused_buffer(fake) -
     out = reader.to_host(torch.randn(2000))
     assert sizes == [4000, 8000]
     assert fake.log.count("Stream(device=3)") == 1  # one private stream for the reader
-    per_copy = ["private.wait_event", "enter private", "private.synchronize", "exit private"]
+    per_copy = ["private.wait_event", "private.record", "enter private", "private.record",
+                "exit private"]
     assert fake.log[2:] == per_copy * 3
 
 
@@ -199,11 +214,11 @@ class FakeWork:
 
 @pytest.fixture
 def gathered() -> Iterator[device_copy.GatherMark]:
-    device_copy.GATHERED.reset()
+    _fresh_marks()
     try:
         yield device_copy.GATHERED
     finally:
-        device_copy.GATHERED.reset()
+        _fresh_marks()
 
 
 def test_without_a_device_the_params_of_the_last_gathered_step_count(gathered) -> None:
@@ -247,7 +262,101 @@ def test_prepare_notes_what_the_device_finished_before_it_aborts(fake, gathered,
     ready = device_copy.prepare(5, ready_timeout_s=2.0)
     assert seen and seen[0][1] == DeviceBinding("cuda", 3) and seen[0][2] >= 1
     assert ready.gathered is False  # noted before the abort, never after
-    assert gathered.done_at(5)  # what a check after the abort would (wrongly) have said
+    assert gathered.event.query()  # what a check after the abort would (wrongly) have read
+    assert not gathered.done_at(5)  # latched: every later question gets the note
+
+
+def test_a_second_save_attempt_reads_the_note_not_the_event_the_abort_completed(
+        fake, gathered, monkeypatch) -> None:
+    """D2: a kept saver ordered again (a second saver died mid-save), or a standby's re-run of
+    the flow, calls prepare() again in the same process. The first attempt's abort ended the
+    hung all-gather; the copies behind it ran on half-received buffers and the event completed.
+    Trusting it wrote gradient values as weights, with a valid sha256."""
+    hooks.end_updating_os(5)
+    gathered.record(5)
+    gathered.event.ready_after = 10**9
+    calls = []
+
+    def abort_all(timeout_s, binding):
+        calls.append("abort")
+        gathered.event.ready_after = 0
+        return abort.AbortReport((), "", False, 0.0)
+
+    monkeypatch.setattr(abort, "abort_all", abort_all)
+    first = device_copy.prepare(5, ready_timeout_s=2.0)
+    second = device_copy.prepare(5, ready_timeout_s=2.0)
+    assert first.gathered is False and second.gathered is False
+    assert calls == ["abort"]  # one abort per fault: the second attempt gets its report
+
+
+class LegacyWork:
+    """A Work of torch < 2.6: no get_future_result; the watchdog sets exception()."""
+
+    def __init__(self, error: Exception = None) -> None:
+        self.error = error
+
+    def exception(self):
+        return self.error
+
+
+def test_without_get_future_result_a_works_exception_says_the_gather_failed(
+        fake, gathered) -> None:
+    """D9: before torch 2.6 there is no get_future_result; a watchdog abort of the all-gather
+    (an NCCL async error) went unseen and the torn live params were saved."""
+    gathered.record(6, [LegacyWork(), LegacyWork(RuntimeError("NCCL error: remote process "
+                                                              "exited"))])
+    gathered.event.ready_after = 0
+    assert not gathered.done_at(6)
+    gathered.record(7, [LegacyWork(), LegacyWork()])
+    assert gathered.done_at(7)
+
+
+def test_a_failed_abort_with_one_work_queue_refuses_the_read_at_once(fake, monkeypatch) -> None:
+    """D5: with CUDA_DEVICE_MAX_CONNECTIONS=1 a read after a failed abort queues behind the
+    hung kernel, with no bound short of the save's time limit: refuse at once instead."""
+    hooks.end_updating_os(5)
+    failed = abort.AbortReport((abort.GroupAbort("dp", "nccl", abort.TIMED_OUT, "after 10 s"),),
+                               "", False, 10.0)
+    monkeypatch.setattr(abort, "abort_all", lambda timeout_s, binding: failed)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(device_copy.FallbackUnsafe, match="one hardware queue"):
+        device_copy.prepare(5, ready_timeout_s=1.0)
+    _fresh_marks()
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # several queues: the read goes on
+    assert device_copy.prepare(5, ready_timeout_s=1.0).abort is failed
+
+
+def test_a_read_stuck_behind_a_hung_kernel_is_given_up_within_its_bound(
+        fake, monkeypatch, tmp_path: Path) -> None:
+    """D5: the private stream cannot pass a kernel the abort did not end; the read gives up
+    after FALLBACK_PROBE_S instead of blocking (the stream's synchronize would never return)."""
+    hooks.end_updating_os(5)
+    hung = threading.Event()  # never set: the stream never drains
+    monkeypatch.setattr(FakeStream, "synchronize", lambda self: hung.wait())
+    real_event = fake.Event
+
+    def stuck_event():
+        event = real_event()
+        event.ready_after = 10**9 if len(fake.events) > 1 else event.ready_after
+        return event
+
+    monkeypatch.setattr(fake, "Event", stuck_event)
+    monkeypatch.setattr(config, "FALLBACK_PROBE_S", 0.3)
+    box = {}
+
+    def write() -> None:
+        try:
+            checkpoint_writer.write_torch(tmp_path / "x.pt", {"a": torch.ones(4)})
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            box["error"] = exc
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    thread.join(5.0)
+    hung.set()
+    assert not thread.is_alive(), "the read blocked past its bound"
+    assert isinstance(box.get("error"), device_copy.DeviceNotReady), box
+    assert "did not reach the state to read within 0.3 s" in str(box["error"])
 
 
 def test_prepare_refuses_an_update_that_never_finishes_before_aborting(fake, monkeypatch) -> None:

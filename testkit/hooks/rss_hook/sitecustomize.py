@@ -60,22 +60,24 @@ def _patch_save(module) -> None:
 
     import torch
 
+    from mindio_ttp.faulttime import checkpoint_writer
     from mindio_ttp.megatron_ttp import manifest
 
     inner = module._save
 
-    def counted(iter_dir, rel, state):
+    def counted(iter_dir, rel, state, **kwargs):
         if os.environ.get("TTP_BENCH_WRITER") == "bytesio":
             buffer = io.BytesIO()
             torch.save(state, buffer)
             data = buffer.getvalue()
             (iter_dir / rel).parent.mkdir(parents=True, exist_ok=True)
             manifest.write_atomic(iter_dir / rel, data)
-            entry = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            written = checkpoint_writer.Written("sha256", hashlib.sha256(data).hexdigest(),
+                                                len(data), 0.0)
         else:
-            entry = inner(iter_dir, rel, state)
-        _WRITTEN.append(int(entry["size"]))
-        return entry
+            written = inner(iter_dir, rel, state, **kwargs)
+        _WRITTEN.append(int(written.size))
+        return written
 
     module._save = counted
     module.ttp_save_checkpoint = _measured("dying", module.ttp_save_checkpoint, _WRITTEN)
