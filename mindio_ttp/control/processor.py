@@ -202,9 +202,15 @@ class Processor:
         there is none or it does not take us within TTP_CONNECT_TIMEOUT (the caller then
         connects to the controller itself)."""
         link = agent_client.AgentLink(self.cfg.auth_key, self.rank)
-        path = agent_client.find_or_start(link.hop_key, ip, port, self.world_size)
+        path, started = agent_client.find_or_start(link.hop_key, ip, port, self.world_size)
         if path is None:
             return False
+        bad = agent_client.probe(self.cfg.auth_key, ip, port, self.cfg.handshake_timeout) \
+            if started else ""
+        if bad:
+            started.kill()  # type: ignore[union-attr]
+            raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: no valid TTP "
+                           f"handshake ({bad}): {NOT_OUR_CONTROLLER}")
         local_ip = agent_client.local_ip_towards(ip, port)
         self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
                                   standby=True)

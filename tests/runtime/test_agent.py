@@ -265,3 +265,47 @@ def _closed(s: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+@pytest.mark.parametrize("behaviour,detail", [
+    (None, "no challenge within 1 s (TTP_HANDSHAKE_TIMEOUT)"),
+    (b"HTTP/1.0 400 Bad Request\r\n\r\n", "bad magic"),
+    (P.encode(P.Challenge("00" * 16), b"another job's key 0123456789"), "bad HMAC"),
+])
+def test_through_an_agent_a_busy_controller_port_still_fails_fast_and_says_so(behaviour, detail,
+                                                                              monkeypatch):
+    """The rank that starts its node's agent checks the controller's port once with the job
+    key (an agent could not tell another job's controller from ours): a port held by something
+    else ends it at once, with the same words as a rank without an agent, and the agent it
+    started is gone."""
+    import psutil
+
+    from mindio_ttp.control import hooks
+    from mindio_ttp.control.hooks import TTPError
+    from mindio_ttp.control.processor import Processor
+
+    from .test_handshake import FakeListener
+
+    monkeypatch.delenv("TTP_AGENT_SOCKET", raising=False)
+    env = {"TTP_AUTH_KEY": KEY.hex(), "TTP_HANDSHAKE_TIMEOUT": "1", "TTP_CONNECT_TIMEOUT": "30",
+           "TTP_LOG_LEVEL": "WARNING"}
+    other = FakeListener(behaviour)
+    hooks.STATE.reset()
+    p = Processor(TTPConfig.from_env(env), 1, [0, 1, 2, 3], 4, 2)
+    p.exit_fn = lambda code: None
+    before = {c.pid for c in psutil.Process().children()}
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TTPError) as err:
+            p.start("127.0.0.1", other.port)
+        took = time.monotonic() - t0
+    finally:
+        if p.standby is not None:
+            p.standby.stop()
+        other.close()
+        hooks.STATE.reset()
+    msg = str(err.value)
+    assert took < 10, took  # the agent's start (an interpreter) plus one handshake's time
+    assert f"127.0.0.1:{other.port}" in msg and detail in msg and "free the port" in msg
+    assert not [c for c in psutil.Process().children() if c.pid not in before and c.is_running()
+                and c.status() != psutil.STATUS_ZOMBIE]

@@ -15,13 +15,16 @@ import os
 import socket
 import tempfile
 import time
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from mindio_ttp.config import ENV_AGENT_SOCKET
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import ConnClosed, recv_messages
 from mindio_ttp.control.wire import tier as T
+
+if TYPE_CHECKING:
+    from mindio_ttp.control.agent.process import AgentProcess
 
 log = logging.getLogger("mindio_ttp.agent")
 
@@ -69,22 +72,22 @@ def _answers(path: str) -> bool:
 
 
 def find_or_start(hop_key: bytes, host: str, port: int, world_size: int,
-                  start: bool = True) -> Optional[str]:
-    """The socket of this node's agent for this job: TTP_AGENT_SOCKET (ttprun's), or the one a
-    rank of this node started, or (`start`) one this rank starts now. None: no agent (the rank
-    connects to the controller itself)."""
+                  start: bool = True) -> Tuple[Optional[str], Optional[AgentProcess]]:
+    """(the socket of this node's agent for this job, the agent if this rank started it):
+    TTP_AGENT_SOCKET (ttprun's), or the one a rank of this node started, or (`start`) one this
+    rank starts now. None: no agent (the rank connects to the controller itself)."""
     given = os.environ.get(ENV_AGENT_SOCKET)
     if given:
-        return given
+        return given, None
     if not start:
-        return None
+        return None, None
     try:
         path = socket_path(hop_key, host, port, world_size)
     except OSError as exc:
         log.warning("no node agent: %s", exc)
-        return None
+        return None, None
     if _answers(path):
-        return path
+        return path, None
     from mindio_ttp.control.agent.process import AgentProcess
 
     deadline = time.monotonic() + START_LOCK_S
@@ -95,20 +98,43 @@ def find_or_start(hop_key: bytes, host: str, port: int, world_size: int,
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    return path if _answers(path) else None
+                    return (path if _answers(path) else None), None
                 time.sleep(0.05)
         try:
             if _answers(path):
-                return path
+                return path, None
+            agent = AgentProcess(hop_key, path, world_size)
             try:
-                AgentProcess(hop_key, path, world_size).start()
+                agent.start()
             except OSError as exc:
                 log.warning("cannot start a node agent (%s): this rank connects to the "
                             "controller itself", exc)
-                return None
-            return path
+                return None, None
+            return path, agent
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def probe(job_key: bytes, host: str, port: int, timeout: float) -> str:
+    """What is wrong with the listener at host:port ('' when it sends this job's challenge, or
+    does not take connections yet): the rank that starts its node's agent checks this once, so a
+    port held by another program or another job's controller ends the ranks at once and says
+    so (an agent holds no key to tell another job's controller from ours)."""
+    try:
+        sock = socket.create_connection((host, port), timeout=min(2.0, timeout))
+    except OSError:
+        return ""  # not listening yet: the agent keeps trying, as a rank would
+    try:
+        recv_messages(sock, RankHandshake(job_key).dec, timeout)
+        return ""
+    except TimeoutError:
+        return f"no challenge within {timeout:g} s (TTP_HANDSHAKE_TIMEOUT)"
+    except P.ProtocolError as exc:
+        return str(exc)
+    except (OSError, ConnClosed):
+        return ""  # closed without a word: a busy listener making room (admission.py)
+    finally:
+        sock.close()
 
 
 def connect(path: str, hop_key: bytes, reg: P.Register, upstream: T.Upstream,

@@ -91,6 +91,12 @@ class AgentProcess:
         log.info("started the node agent (pid %d) at %s", self.proc.pid, self.path)
         return self.path
 
+    def kill(self) -> None:
+        """It will serve no rank (the controller's port is not this job's): end it now."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
 
 def serve(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
