@@ -535,9 +535,9 @@ def _real_rank_main(conn: Any, env: Dict[str, str], rank: int, dp: List[int], wo
     from mindio_ttp.control import hooks
     from mindio_ttp.control.handlers import HANDLERS
     from mindio_ttp.control.processor import Processor
-    from mindio_ttp.framework_ttp import _setup_logging
+    from mindio_ttp.log import setup_logging
 
-    _setup_logging(rank)  # its own handler on its own stderr (a forked parent's may be gone)
+    setup_logging(rank)  # its own handler on its own stderr (a forked parent's may be gone)
 
     hooks.STATE.reset()
     hooks.start_updating_os(-1)

@@ -22,8 +22,6 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
-    ENV_LOG_LEVEL,
-    ENV_LOG_PATH,
     MAX_WORLD,
     RUNTIME_STARTED_DIR,
     ExitCode,
@@ -31,7 +29,6 @@ from mindio_ttp.config import (
     TTPConfig,
     _port_env,
 )
-from mindio_ttp.config import value as _config_value
 from mindio_ttp.control import hooks as _hooks
 from mindio_ttp.control.hooks import TTPError, TTPForceStop
 from mindio_ttp.control.host import ControllerProcess
@@ -41,6 +38,7 @@ from mindio_ttp.faulttime import device as _device
 from mindio_ttp.faulttime import device_copy as _device_copy
 from mindio_ttp.faulttime.save_session import SaveSession
 from mindio_ttp.faulttime.save_session import current as _current_session
+from mindio_ttp.log import setup_logging
 from mindio_ttp.recovery.rank import RECOVERY as _RECOVERY
 
 __all__ = [
@@ -119,23 +117,7 @@ def _handler(name: str, fn: Any, nargs: int, shape: str) -> Callable[..., Any]:
     return fn
 
 
-def _setup_logging(rank: int) -> None:
-    log.setLevel(_config_value(os.environ, ENV_LOG_LEVEL))  # the settings table's check
-    for h in list(log.handlers):
-        if getattr(h, "_ttp", False):
-            log.removeHandler(h)
-            h.close()
-    path = os.environ.get(ENV_LOG_PATH)
-    if path:
-        os.makedirs(path, exist_ok=True)
-        handler: logging.Handler = logging.FileHandler(os.path.join(path, f"ttp-rank{rank}.log"))
-    else:
-        handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s [ttp rank {rank}] %(levelname)s %(name)s: %(message)s"))
-    handler._ttp = True  # type: ignore[attr-defined]
-    log.addHandler(handler)
-    log.propagate = False
+_setup_logging = setup_logging  # where it lived (tests and tools import it here)
 
 
 # -- controller -----------------------------------------------------------------------------------

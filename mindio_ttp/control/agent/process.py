@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from mindio_ttp.config import ENV_AUTH_KEY, ENV_AUTH_KEY_FILE, ENV_LOG_LEVEL
+from mindio_ttp.config import ENV_AUTH_KEY, ENV_AUTH_KEY_FILE
 from mindio_ttp.control.agent.node import AgentSettings, NodeAgent
+from mindio_ttp.log import setup_logging
 
 log = logging.getLogger("mindio_ttp.agent")
 
@@ -109,7 +110,7 @@ def serve(fd: int) -> int:
             return 2
         raw += chunk
     p = json.loads(raw)
-    _logging()
+    setup_logging(0, label="node agent")
     try:
         settings = settings_from_env(int(p["world_size"]))
     except ValueError as exc:  # a bad setting: every rank refuses it too, with its name
@@ -141,14 +142,3 @@ def run(agent: NodeAgent, s: AgentSettings) -> int:
             break
     agent.stop()
     return 0
-
-
-def _logging() -> None:
-    level = os.environ.get(ENV_LOG_LEVEL, "INFO").upper()
-    root = logging.getLogger("mindio_ttp")
-    root.setLevel(level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")
-    h = logging.StreamHandler()
-    h.setFormatter(logging.Formatter("%(asctime)s [ttp node agent] %(levelname)s %(name)s: "
-                                     "%(message)s"))
-    root.addHandler(h)
-    root.propagate = False
