@@ -115,7 +115,8 @@ class Routes:
         ctl._authenticated(conn)
         child = self.children.add(conn, reg)
         conn.queue(T.NodeAck("standby" if ctl.standby else "primary", ctl.host_rank,
-                             list(ctl._backups), ctl.fault_id or "", self.incarnation.hex()))
+                             list(ctl._backups), ctl.fault_id or "", self.incarnation.hex(),
+                             ctl.cfg.heartbeat_interval))
         ctl._flush(conn)
         if reg.failover or reg.children:
             log.info("%s: node agent %s registered (failover=%s, %d agent(s) below it)",

@@ -179,6 +179,7 @@ class NodeAgent:
         self._seq = 0
         self._progress = 0
         self._next_beat = 0.0
+        self._up_interval = settings.heartbeat_interval  # the parent's, once it said
         self.started_at = time.monotonic()
         self.last_member_at: Optional[float] = None  # a rank or child last left / was here
         self._exiting: Dict[int, Tuple[LocalRank, float, Optional[int]]] = {}  # EOF, pid runs
@@ -397,7 +398,8 @@ class NodeAgent:
             return self._refuse(conn, f"node agent of world_size {reg.world_size}")
         self.relay.accept(conn, reg)
         self.last_member_at = time.monotonic()
-        conn.queue(T.NodeAck("relay", 0, list(self.backups), "", self.incarnation or "0" * 32))
+        conn.queue(T.NodeAck("relay", 0, list(self.backups), "", self.incarnation or "0" * 32,
+                             self.s.heartbeat_interval))
         self._flush(conn)
         log.info("%s: serving node agent %s as its relay (%d agent(s) below)", self.name,
                  conn.peer, len(self.relay.children))
@@ -478,6 +480,8 @@ class NodeAgent:
                     f"{linked.target.host}:{linked.target.port}", clock=self._clock.now)
         self.parent, self.parent_target = conn, linked.target
         self.incarnation = ack.incarnation
+        self._up_interval = min(ack.interval or self.s.heartbeat_interval,
+                                self.s.heartbeat_interval)
         if ack.backups:
             self.backups = ack.backups
         self.lost_at = None
@@ -507,7 +511,7 @@ class NodeAgent:
         self._seq += 1
         alive = len(self.ranks) + self.relay.alive()
         self._to_parent(T.TierBeat(self._seq, self._progress + self.relay.progress(), alive))
-        self._next_beat = time.monotonic() + self.s.heartbeat_interval
+        self._next_beat = time.monotonic() + self._up_interval
 
     def _send_up(self) -> None:
         if self.parent is None:

@@ -57,16 +57,18 @@ class NodeRegister(P.Message):
 
 
 @P.message(61, registry=_OWN, role=P.one_of("primary", "standby", "relay"),
-           controller_rank=P.RANK, fault_id=P.FAULT_ID, incarnation=_INC)
+           controller_rank=P.RANK, fault_id=P.FAULT_ID, incarnation=_INC, interval=P.seconds)
 @dataclass
 class NodeAck(P.Message):
     """The parent took the agent. `backups`: the standby controllers, for the agent's own
-    failover; `incarnation`: the acting controller's (envelope.py)."""
+    failover; `incarnation`: the acting controller's (envelope.py); `interval`: how often the
+    parent wants a TierBeat (its TTP_HEARTBEAT_INTERVAL: the judge sets the pace)."""
     role: str
     controller_rank: int
     backups: List[List[Any]] = field(default_factory=list)
     fault_id: str = ""
     incarnation: str = "0" * 32
+    interval: float = 0.0
 
 
 @P.message(62, registry=_OWN, host=P.ip_address, port=P.ints(1, 65535))
