@@ -229,7 +229,10 @@ class HostFlag:
         mapped = getattr(runtime, "hostAllocMapped", 2)  # cudaHostAllocMapped
         self._host = runtime.hostAlloc(8, mapped)
         ctypes.memset(self._host, 0, 8)
-        device_ptr = runtime.hostGetDevicePointer(self._host, 0)
+        get_device_pointer = getattr(runtime, "hostGetDevicePointer", None)
+        # with unified addressing (every 64-bit Linux CUDA) the device pointer of mapped
+        # pinned memory is the host pointer itself
+        device_ptr = get_device_pointer(self._host, 0) if get_device_pointer else self._host
         memory = cupy.cuda.UnownedMemory(device_ptr, 8, self, 0)
         self.flag = cupy.ndarray((1,), dtype=cupy.int32,
                                  memptr=cupy.cuda.MemoryPointer(memory, 0))

@@ -113,6 +113,9 @@ FALLBACK_PROBE_S = 5.0
 # survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
 # rank holds anything a dying checkpoint could use.
 RUNTIME_STARTED_DIR = "runtime-started"
+# $TTP_RUN_DIR/job-complete.json: written by a rank once the job's final checkpoint is complete
+# on every rank (ttp_job_complete); a worker lost after it fails nothing (ttprun exits 0)
+JOB_COMPLETE_FILE = "job-complete.json"
 
 
 # Megatron-LM 285068c's process-group timeout, hard-coded at 10 minutes

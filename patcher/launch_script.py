@@ -337,6 +337,10 @@ def build(example: bytes, device: Device, port: int) -> bytes:
     out += [
         'DISTRIBUTED_ARGS="--nproc_per_node $GPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK'
         ' --master_addr $MASTER_ADDR --master_port $MASTER_PORT"',
+        "# ttprun's own options, e.g. TTPRUN_ARGS=--check (the pre-flight check, nothing starts)"
+        " or",
+        "# TTPRUN_ARGS='--drill kill:rank=13:iter=20' (a fire drill): docs/first-day.md",
+        'TTPRUN_ARGS="${TTPRUN_ARGS:-}"',
         "",
     ]
     if device is not Device.CPU:
@@ -345,8 +349,8 @@ def build(example: bytes, device: Device, port: int) -> bytes:
             "# passing --fp16 as an extra argument as well makes Megatron refuse both.",
         ]
     out += [
-        "# shellcheck disable=SC2086  # DISTRIBUTED_ARGS is a list of words",
-        "ttprun $DISTRIBUTED_ARGS \\",
+        "# shellcheck disable=SC2086  # DISTRIBUTED_ARGS and TTPRUN_ARGS are lists of words",
+        "ttprun $DISTRIBUTED_ARGS $TTPRUN_ARGS \\",
         '       "$MEGATRON_DIR/pretrain_gpt.py" \\',
     ]
     for flag, value in _megatron_args(args, device, micro is not None):

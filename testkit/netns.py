@@ -7,7 +7,8 @@ is added to the host's own namespace. A node runs one launcher (``ttprun``) star
 ``ip netns exec``. A node is *lost* by freezing and then killing every process in its namespace
 (``ip netns pids``: torch puts each worker in a session of its own, so one killpg would miss
 them); a *silent* loss takes its link down first (no FIN, no RST reaches the others); a
-*partition* takes links down and leaves every part running.
+*partition* takes links down and leaves every part running. ``block_port`` puts a firewall in
+front of a node's port.
 
 Everything made here (processes, namespaces, veth pairs, the bridge) is removed by
 :meth:`Nodes.close`, which :func:`made_nodes` (and :func:`two_nodes`) calls also when the test
@@ -252,6 +253,20 @@ class Nodes:
             ip("-n", n.ns, "link", "set", n.veth, "down")
             ip("-n", self.switch, "link", "set", "p" + n.veth, "down")
         self.cut_at = time.time()
+
+    def block_port(self, n: Node, port: int, high: Optional[int] = None) -> None:
+        """A firewall on node ``n`` dropping TCP to ``port`` (..``high``) that arrives over its
+        link: connections from other nodes time out, as behind an INPUT DROP rule. Made with a
+        policy-routing rule (kernel >= 4.17; no iptables needed): incoming packets meet it
+        before the local table, which therefore moves behind it. The node's own connections
+        (loopback) pass, as a firewall that admits ``lo`` lets them."""
+        ports = str(port) if high is None else f"{port}-{high}"
+        if not any(r for r in ip("-n", n.ns, "rule", "show", "pref", "100").stdout.split("\n")
+                   if "lookup local" in r):
+            ip("-n", n.ns, "rule", "add", "pref", "100", "lookup", "local")
+            ip("-n", n.ns, "rule", "del", "pref", "0")
+        ip("-n", n.ns, "rule", "add", "pref", "10", "iif", n.veth, "ipproto", "tcp", "dport",
+           ports, "blackhole")
 
     # -- results ------------------------------------------------------------------------------
     def flow(self, n: Node) -> Optional[dict]:

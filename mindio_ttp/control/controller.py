@@ -431,6 +431,21 @@ class Controller:
             conn.queue_raw(hs.challenge())
             self._flush(conn)
 
+    def _free_pre_auth(self, reader: Conn) -> int:
+        """The budget is spent and `reader` has more to send: connections that have had their
+        chance and hold partial frames give way (admission.py), so an outsider's stalled
+        frames cannot keep a rank's Register out; the budget left afterwards."""
+        room = self.pre_auth_budget - self._pre_auth_total
+        for victim in self._pending.give_way(time.monotonic(), self._idle, self._kept_slots()):
+            if room > 0:
+                break
+            if victim is reader or not self._pre_auth_held.get(victim):
+                continue
+            self.pre_auth_refused += 1
+            self._evict(victim, "the pre-authentication budget was spent")
+            room = self.pre_auth_budget - self._pre_auth_total
+        return room
+
     def _idle(self, conn: Conn) -> bool:
         """Nothing `conn` sent waits unread: if it is late, it is late on its own."""
         return not _unread(conn.sock)
@@ -532,6 +547,8 @@ class Controller:
             if conn in self._pending:
                 # read no further than this frame and the budget: memory is bounded, not counted
                 room = self.pre_auth_budget - self._pre_auth_total
+                if room <= 0:
+                    room = self._free_pre_auth(conn)
                 if room <= 0:
                     self._warn_pre_auth.warning(
                         "%s: unregistered connections hold %d bytes of partial frames, the "

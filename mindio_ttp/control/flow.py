@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
-from mindio_ttp.config import Outcome, TTPConfig
+from mindio_ttp.config import ENV_RECOVERY, Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control import ranksets
 from mindio_ttp.control.roster import Roster
@@ -138,7 +138,10 @@ class Flow:
             return
         if not self.sm.is_in(S.SERVING):
             return
-        log.error("%s: FAULT %s; starting the dying-checkpoint flow", self.name, desc)
+        log.warning("%s: FAULT %s; handling it: %s", self.name, desc,
+                    "in-memory recovery if it can work, else the dying checkpoint"
+                    if self.cfg.recovery == IN_MEMORY else
+                    f"the dying checkpoint ({ENV_RECOVERY}={self.cfg.recovery})")
         self._promoted = promoted
         self.fault_at = time.monotonic()
         self.timeline["fault"] = self.fault_at
@@ -476,8 +479,8 @@ class Flow:
                 log.warning("%s: cannot record the recovery in the claim: %s", self.name, exc)
             self._claim = None
         if not ok:
-            log.error("%s: falling back to the dying checkpoint of step %d: %s", self.name,
-                      plan.step, why)
+            log.error("%s: falling back to the dying checkpoint of iteration %d: %s",
+                      self.name, plan.step, why)
         return ok, set(plan.lost)
 
     def _claim_space(self) -> Optional[C.ClaimSpace]:

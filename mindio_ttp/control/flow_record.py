@@ -7,7 +7,10 @@ version, so the reader checks one exact schema and names the first field that is
 of printing a guess. The writer never validates: an exit path must not raise.
 
 ``checkpoint`` is where the saved checkpoint is (``None`` when nothing was saved, or the rename
-handler gives no ``checkpoint_location``); files written before it existed lack the key.
+handler gives no ``checkpoint_location``); ``latest`` the iteration the checkpoint directory's
+``latest`` names after the flow (the rename handler's optional ``latest_iteration()``): a dying
+checkpoint older than it is kept but not marked latest. Files written before either existed
+lack the key.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from mindio_ttp.config import Outcome
 
 MAX_FLOW_FILE_BYTES = 64 * 1024  # a real record is a few hundred bytes (reason <= 2000 chars)
 
-_FIELDS = ("outcome", "step", "ranks", "exit_code", "reason", "rank", "time", "checkpoint")
-_OPTIONAL = ("checkpoint",)
+_FIELDS = ("outcome", "step", "ranks", "exit_code", "reason", "rank", "time", "checkpoint",
+           "latest")
+_OPTIONAL = ("checkpoint", "latest")
 
 
 class FlowRecordError(ValueError):
@@ -42,6 +46,13 @@ class FlowRecord:
     rank: int
     time: float
     checkpoint: Optional[str] = None
+    latest: Optional[int] = None
+
+    @property
+    def marked_latest(self) -> bool:
+        """The saved checkpoint is the one a rerun loads (unknown counts as yes: older
+        runtimes and rename handlers without `latest_iteration` always marked it)."""
+        return self.latest is None or self.latest == self.step
 
     def to_dict(self) -> Dict[str, Any]:
         out = asdict(self)
@@ -82,8 +93,11 @@ class FlowRecord:
         checkpoint = obj.get("checkpoint")
         if checkpoint is not None and not _printable_path(checkpoint):
             raise FlowRecordError(f"checkpoint {checkpoint!r} is not a printable path")
+        latest = obj.get("latest")
+        if not (latest is None or _count(latest)):
+            raise FlowRecordError(f"latest {latest!r} is not null or a count")
         return cls(outcome, step, tuple(ranks), obj["exit_code"], obj["reason"], obj["rank"],
-                   float(when), checkpoint)
+                   float(when), checkpoint, latest)
 
 
 def _count(value: Any) -> bool:

@@ -218,6 +218,9 @@ def end_updating_os(step: int) -> None:
         st.state = (step, False)
         if st.locked:
             st.cond.notify_all()
+    drill = DRILL
+    if drill is not None:  # `ttprun --drill` armed this rank (mindio_ttp/drill.py)
+        drill.at(step)
 
 
 def set_ckpt_args(args: Tuple[Any, ...]) -> None:
@@ -280,9 +283,17 @@ CATCH_UP_POLL_S = 0.02
 SHIELD_RETRIES = 64
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Set by mindio_ttp.drill on the rank a `ttprun --drill` strikes: at(step) after each update.
+DRILL: Optional[Any] = None
+
 # Set by the package when the processor starts: object with report_exception(exc) and
 # wait_for_exit(timeout) -> bool (True: the exit order was carried out), shutdown(), ot.
 RUNTIME: Optional[Any] = None
+# Set by a caller that runs `train` inside work of its own that a fault must not lose
+# (Megatron's pretrain: the final evaluation and the final save come after train() returns):
+# train()'s normal return then leaves the runtime up, and that caller shuts it down
+# (megatron_ttp/rejoin.py, megatron_ttp/completion.py).
+HELD = False
 
 
 def _shielded(fn: Callable[..., Any], *args: Any) -> None:
@@ -341,6 +352,11 @@ def fault_kind(exc: BaseException, fault_seen: bool) -> str:
     return "exception"
 
 
+def _first_line(exc: BaseException, limit: int = 160) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else "")[:limit]
+
+
 def to_persist(func: F) -> F:
     """Wrap `train`: a normal return shuts the runtime down; an exception is reported to the
     controller at once, then the process waits for the exit order (the processor thread ends
@@ -371,6 +387,13 @@ def to_persist(func: F) -> F:
                           "update (nothing to persist): %r", exc)
                 rt.report_exception(exc)
                 raise
+            elif fault_kind(exc, rt.fault_seen) == "collective":
+                # a casualty of another rank's fault, not a fault of this rank's: said as such,
+                # in one line (gloo's message runs to several)
+                _shielded(log.warning, "a collective failed because another rank is gone or "
+                          "left (%s: %s); waiting up to %g s for the controller's verdict",
+                          type(exc).__name__, _first_line(exc), rt.ot)
+                _shielded(rt.report_exception, exc)
             else:
                 _shielded(log.error, "exception in train: %r; reporting it and waiting up to %g "
                           "s for the controller's verdict", exc, rt.ot)
@@ -384,8 +407,10 @@ def to_persist(func: F) -> F:
             raise
         TRAINING.leave()
         rt = RUNTIME
-        if rt is not None:
+        if rt is not None and not HELD:
             rt.shutdown()
+        elif HELD:  # the caller's own work after train() (Megatron's final evaluation and
+            TRAINING.enter()  # save) is protected too: the release may take it out of it
         return result
 
     return wrapper  # type: ignore[return-value]

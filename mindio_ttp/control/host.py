@@ -242,8 +242,9 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
             msgs = []
         if msgs is None:
             parent_gone = time.monotonic()
-            log.warning("%s: rank %d's process is gone; serving on until the flow's verdict",
-                        ctl.name, ctl.host_rank)
+            log.info("%s: rank %d, which started this controller process, has exited or been "
+                     "lost (the controller does not depend on it); serving on", ctl.name,
+                     ctl.host_rank)
             msgs = []
         for m in msgs:
             if "claims" in m and m["claims"]:

@@ -48,6 +48,7 @@ from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 from mindio_ttp.control.wire import tier as T
 from mindio_ttp.launch import replace as R
+from mindio_ttp.launch.outcome import write_recovered
 from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, RecoveryOrder
 
 log = logging.getLogger("mindio_ttp.processor")
@@ -549,7 +550,8 @@ class Processor:
             if kind == "fault":
                 self._note_fault()
                 STATE.lock()
-                log.error("rank %d: reporting %s: %s", self.rank, item[1], item[2])
+                (log.info if item[1] == "collective" else log.error)(
+                    "rank %d: reporting %s: %s", self.rank, item[1], item[2])
                 self._send(P.FaultReport(self.rank, item[1], item[2]))
             elif kind == "state":
                 self._advanced[item[1]] = (item[2], item[3])
@@ -676,7 +678,13 @@ class Processor:
         self._fault_time = None
         self.fault_seen = False
         self.stopper.reset()
-        log.warning("rank %d: recovery %d committed", self.rank, m.recovery_id)
+        order = RECOVERY.order
+        if order is not None and order.recovery_id == m.recovery_id:
+            log.warning("rank %d: in-memory recovery %d committed: every rank holds iteration "
+                        "%d, checked; training goes on", self.rank, m.recovery_id, order.step)
+            write_recovered(self.cfg.run_dir, m.recovery_id, order.step, order.lost)
+        else:
+            log.warning("rank %d: in-memory recovery %d committed", self.rank, m.recovery_id)
 
     def _report_ready(self, recovery_id: int, ok: bool, detail: str, digest: str,
                       seconds: float) -> None:
@@ -804,8 +812,9 @@ class Processor:
         code = outcome.exit_code if code is None else code
         if self.cfg.run_dir:
             where = checkpoint_location(step) if outcome is Outcome.SAVED else None
+            latest = latest_iteration() if outcome is Outcome.SAVED else None
             record = FlowRecord(outcome, step, tuple(ranks), code, reason, self.rank,
-                                time.time(), where)
+                                time.time(), where, latest)
             write_flow_file(self.cfg.run_dir, record.to_dict())
         (log.warning if outcome is Outcome.SAVED else log.error)(
             "rank %d: exiting with code %d (%s): %s", self.rank, code, outcome.value, reason)
@@ -833,6 +842,21 @@ def checkpoint_location(step: Optional[int]) -> Optional[str]:
         log.warning("checkpoint_location(%s) failed: %s", step, exc)
         return None
     return None if where is None else str(where)
+
+
+def latest_iteration() -> Optional[int]:
+    """The iteration `latest` names after the save, from the rename handler's optional
+    ``latest_iteration()``; None when it has none or fails (never raises: the way out)."""
+    ask = getattr(HANDLERS["rename"], "latest_iteration", None)
+    if ask is None:
+        return None
+    try:
+        named = ask()
+    except Exception as exc:  # noqa: BLE001 - as checkpoint_location
+        log.warning("latest_iteration() failed: %s", exc)
+        return None
+    return named if isinstance(named, int) and not isinstance(named, bool) and named >= 0 \
+        else None
 
 
 def write_flow_file(run_dir: str, payload: dict) -> None:

@@ -5,10 +5,12 @@ endian) + payload + HMAC-SHA256(key, header + payload). The payload is JSON, exc
 messages every rank sends or gets at a steady rate or in every flow (heartbeats and their acks,
 lock, advance, state reports): those are fixed binary structs, so the controller's cost per
 frame is one struct, one MAC and the system calls. Lists of ranks travel as arithmetic blocks
-(ranksets.py), so no order grows with the job. Every message type is a named dataclass. The key
-is the job key for the two handshake frames and a per-connection, per-direction session key
-afterwards (session.py); the sequence number counts the frames of one direction of one
-connection, so a replayed, reordered or dropped frame is refused too.
+(ranksets.py), so no order grows with the job; each block is increasing and a list names no
+rank twice (version 5: an inverted block used to let one key holder register any order).
+Every message type is a named dataclass. The key is the job key for the two handshake frames
+and a per-connection, per-direction session key afterwards (session.py); the sequence number
+counts the frames of one direction of one connection, so a replayed, reordered or dropped
+frame is refused too.
 A stream that produced one bad frame cannot be re-synchronised, so callers close it.
 
 This module is also the one validation layer. A valid MAC proves that a key holder made the
@@ -590,7 +592,9 @@ class ReplaceOrder(Message):
           pid=ints(0, 2**31 - 1))
 @dataclass
 class ReplaceStatus(Message):
-    """Relay → controller: what the launcher did with the request (started, exited, failed)."""
+    """Relay → controller: what the launcher did with the request (started, exited, failed).
+    Taken only from the relay the recovery's plan chose for `rank`, a lost rank; from anyone
+    else it is refused and logged (recovery/coordinator.py)."""
     recovery_id: int
     rank: int
     state: str
@@ -603,7 +607,8 @@ class ReplaceStatus(Message):
 @dataclass
 class RecoverReady(Message):
     """Any rank → controller: it holds the recovery's step, checked against the other copies
-    by hash (`ok`), or why not; `digest` summarises its state for the log."""
+    by hash (`ok`), or why not; `digest` summarises its state for the log (the controller
+    compares no digests). `rank` is the sender's own: a RecoverReady for another is refused."""
     recovery_id: int
     rank: int
     ok: bool

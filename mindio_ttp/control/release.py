@@ -62,8 +62,15 @@ class Outcome:
     seconds: float  # from the abort's start to the thread out of the step (or to giving up)
 
     @property
+    def aborted(self) -> bool:
+        """Something was aborted (a device communicator, the device): the main thread's
+        collective ends only because of it. Not on gloo, where it fails by itself once the
+        dead peer's sockets close (a stopped peer's: when its launcher kills it)."""
+        return bool(self.report.aborted) or bool(self.report.device)
+
+    @property
     def ok(self) -> bool:
-        return self.report.ok and self.left
+        return self.report.ok and (self.left or not self.aborted)
 
     def describe(self) -> str:
         where = (f"main thread out of the step {self.seconds:.3f} s after the abort began"
@@ -106,7 +113,7 @@ def stop(why: str, *, training: TrainingThread = TRAINING, state: HotState = STA
     began = device_copy.STOP.started_at or time.monotonic()
     raised = 0
     aborted = bool(report.aborted) or bool(report.device)
-    if training.in_step:
+    if aborted and training.in_step:
         training.left.wait(grace_s)
     deadline = time.monotonic() + timeout_s
     while aborted and training.in_step and time.monotonic() < deadline:

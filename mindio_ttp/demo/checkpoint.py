@@ -12,7 +12,8 @@ dying save uses too): digested (xxh3_128; blake3 with ``TTP_CHECKPOINT_KEY``; th
 which) in the same pass as torch.save writes it to a ``.part`` name,
 fsynced and renamed, so a rank killed mid-write leaves no file that looks complete. The rename
 handler checks that every shard is there with the size its saver recorded before the move, and
-``latest`` only changes after the move, so a failed or partial save is never "latest"; the loader
+``latest`` only changes after the move, so a failed or partial save is never "latest" (nor is a
+step older than the one ``latest`` already names: both are kept); the loader
 verifies every digest. ``<tag>`` is the save order's (one staging directory per flow: no flow writes
 into another's), and an existing step directory is never replaced: a second flow's rename of the
 same step is refused. """
@@ -153,9 +154,20 @@ def finalize(root: Path, step: int, layout: ShardLayout, tag: str = "") -> Path:
     except OSError as exc:
         raise CheckpointError(f"cannot move {tmp} to {final}: {exc.strerror}") from None
     checkpoint_writer.fsync_dir(root)
+    newer = latest_step_or_none(root)
+    if newer is not None and newer > step:  # never move latest back: both are kept
+        return final
     marker = {"step": step, "dir": final.name}
     checkpoint_writer.write_bytes(root / LATEST, json.dumps(marker).encode())  # fsyncs root
     return final
+
+
+def latest_step_or_none(root: Path) -> Optional[int]:
+    """``latest_step``, None also when the marker is unreadable; never raises."""
+    try:
+        return latest_step(root)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass

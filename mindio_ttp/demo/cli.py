@@ -1,4 +1,6 @@
-"""`ttp-demo` command line: reference run, faulty run with a dying checkpoint, resume, compare.
+"""`ttp-demo` command line: a fault in a 4-rank CPU job, recovered in memory (the default,
+as under ttprun) or saved in the dying checkpoint and resumed, compared bit for bit with an
+uninterrupted run (``--recovery in-memory|dying-checkpoint``).
 
 Two jobs: the toy 4-rank job (default, seconds), or with ``--megatron DIR`` the real Megatron-LM
 tiny GPT on a patched copy of DIR (mindio_ttp.demo.megatron, a minute or two).
@@ -25,9 +27,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 from mindio_ttp import __version__
+from mindio_ttp.config import ENV_RECOVERY, RECOVERY_MODES
 from mindio_ttp.demo.faults import Fault, FaultPlan, Phase
 from mindio_ttp.demo.wrap import wrap
 
@@ -61,15 +64,21 @@ def _ranks(text: str) -> List[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ttp-demo",
-        description="Kill a rank of a 4-rank CPU training job, write the dying checkpoint, resume "
-        "from it and check the result bit for bit against an uninterrupted run.",
+        description="Kill a rank of a 4-rank CPU training job and check, bit for bit against an "
+        "uninterrupted run, what the runtime does: recover in memory (a replacement refilled "
+        "from its replica partner, no restart: the default, as under ttprun) or write the "
+        "dying checkpoint and resume from it (--recovery dying-checkpoint).",
     )
     p.add_argument("--version", action="version", version=f"ttp-demo {__version__}")
+    p.add_argument("--recovery", choices=list(RECOVERY_MODES), default=RECOVERY_MODES[0],
+                   help=f"what the runtime does after the fault ({ENV_RECOVERY}; default "
+                   f"{RECOVERY_MODES[0]}, the product's default under ttprun): recover in "
+                   "memory, or write the dying checkpoint and resume from it")
     p.add_argument("--megatron", type=Path, metavar="DIR",
                    help="run the real Megatron-LM tiny GPT instead of the toy job: DIR is a git "
                    "checkout of Megatron-LM that `ttp-patch apply` accepts (285068c, or a fork "
-                   "or later commit with the same four files), as it is, uncommitted changes "
-                   "included (only read: a copy is patched and trained)")
+                   "or later commit with the same five target files), as it is, uncommitted "
+                   "changes included (only read: a copy is patched and trained)")
     p.add_argument("--allow-modified", action="store_true",
                    help="with --megatron: patch the copy with `ttp-patch apply "
                    "--allow-modified` (target files that differ from 285068c's)")
@@ -134,7 +143,6 @@ def _checkpoint_summary(faulty: LaunchResult) -> Optional[str]:
 
 def run_demo(args: argparse.Namespace, work: Path) -> int:
     """The toy job (``args`` resolved by ``main``: every option has its value)."""
-    from mindio_ttp.demo.checkpoint import CheckpointError
     from mindio_ttp.demo.model import ShardLayout
     from mindio_ttp.demo.runner import launch
 
@@ -148,12 +156,17 @@ def run_demo(args: argparse.Namespace, work: Path) -> int:
         f"shard {s} on ranks {[r for r in range(WORLD) if layout.shard_of(r) == s]}"
         for s in range(layout.replica)
     )
-    _say(f"ttp-demo: {WORLD} ranks (gloo, CPU), {args.steps} steps, ZeRO-1 optimizer: {shards}")
-    _say(f"fault plan: {plan.describe()}; expected dying checkpoint: step "
-         f"{expected_step(phase, args.kill_step)} (if every shard keeps a clean copy)")  # fmt: skip
+    in_memory = args.recovery == RECOVERY_MODES[0]
+    what = ("recovered in memory at" if in_memory else "dying checkpoint:")
+    _say(f"ttp-demo: {WORLD} ranks (gloo, CPU), {args.steps} steps, ZeRO-1 optimizer: {shards}; "
+         f"{ENV_RECOVERY}={args.recovery}")
+    _say(f"fault plan: {plan.describe()}; expected: {what} step "
+         f"{expected_step(phase, args.kill_step)} (if every shard keeps a clean copy)")
+    env = {ENV_RECOVERY: args.recovery}
+    total = 3
 
-    _say("[1/3] uninterrupted reference run under ttprun ...")
-    ref = launch(work / "reference", args.steps)
+    _say(f"[1/{total}] uninterrupted reference run under ttprun ...")
+    ref = launch(work / "reference", args.steps, env=env)
     if ref.returncode != 0:
         _say(ref.output)
         _say(f"the reference run failed (ttprun exit {ref.returncode})")
@@ -162,11 +175,35 @@ def run_demo(args: argparse.Namespace, work: Path) -> int:
     _say(f"      done in {ref.seconds:.1f} s: step {reference.step}, "
          f"state sha256 {reference.digest()[:16]}")  # fmt: skip
 
-    _say(f"[2/3] the same run with the fault: {plan.describe()} ...")
-    faulty = launch(work / "faulty", args.steps, plan, echo=echo)
+    _say(f"[2/{total}] the same run with the fault: {plan.describe()} ...")
+    faulty = launch(work / "faulty", args.steps, plan, echo=echo, env=env)
     flow = faulty.flow or {}
-    _say(f"      ttprun exited {faulty.returncode} after {faulty.seconds:.1f} s; runtime outcome: "
-         f"{flow.get('outcome', 'none recorded')}")  # fmt: skip
+    recovered = faulty.recoveries()
+    _say(f"      ttprun exited {faulty.returncode} after {faulty.seconds:.1f} s; "
+         + (f"recovered in memory: {_recoveries(recovered)}" if recovered else
+            f"runtime outcome: {flow.get('outcome', 'none recorded')}"))
+    if in_memory and faulty.returncode == 0 and recovered:
+        return _compare_final(faulty, reference, f"recovered in memory at step "
+                              f"{recovered[0]['iteration']} (rank(s) "
+                              f"{recovered[0]['replaced']} replaced, no restart, nothing read "
+                              "from disk)", total)
+    if in_memory:
+        _say("      no in-memory recovery committed: the runtime fell back to the dying "
+             "checkpoint (its reason is in the lines above); showing that instead")
+    return _dying_checkpoint(args, work, faulty, reference, echo, env, total)
+
+
+def _recoveries(recovered: list) -> str:
+    return "; ".join(f"recovery {r['recovery_id']} at step {r['iteration']} replaced rank(s) "
+                     f"{r['replaced']}" for r in recovered)
+
+
+def _dying_checkpoint(args: argparse.Namespace, work: Path, faulty: LaunchResult, reference: Any,
+                      echo: Any, env: dict, total: int) -> int:
+    from mindio_ttp.demo.checkpoint import CheckpointError
+    from mindio_ttp.demo.runner import launch
+
+    flow = faulty.flow or {}
     if faulty.returncode == 1:
         _say("      (exit 1 is expected: a rank was killed, so ttprun fails the job and a "
              "scheduler would restart it; the same command then resumes from the dying checkpoint)")
@@ -182,22 +219,28 @@ def run_demo(args: argparse.Namespace, work: Path) -> int:
         return EXIT_NO_CHECKPOINT
     _say(f"      {summary}")
 
-    _say("[3/3] resume from the dying checkpoint under ttprun ...")
+    _say(f"[3/{total}] resume from the dying checkpoint under ttprun ...")
     resumed = launch(work / "resumed", args.steps, resume=True, ckpt_dir=faulty.ckpt_dir,
-                     echo=echo)  # fmt: skip
+                     echo=echo, env=env)  # fmt: skip
     if resumed.returncode != 0:
         _say(f"the resumed run failed (ttprun exit {resumed.returncode})")
         return EXIT_MISMATCH
-    final = resumed.final_state()
-    _say(f"      done in {resumed.seconds:.1f} s: step {final.step}, "
+    return _compare_final(resumed, reference, "resumed from the dying checkpoint", None)
+
+
+def _compare_final(run: LaunchResult, reference: Any, how: str,
+                   stage_total: Optional[int]) -> int:
+    if stage_total is not None:
+        _say(f"[3/{stage_total}] the final state against the uninterrupted run's ...")
+    final = run.final_state()
+    _say(f"      done in {run.seconds:.1f} s: step {final.step}, "
          f"state sha256 {final.digest()[:16]}")  # fmt: skip
     diffs = final.differences(reference)
     if diffs:
-        _say(f"RESULT: MISMATCH - the resumed run differs from the uninterrupted one in {diffs}")
+        _say(f"RESULT: MISMATCH - the run {how} differs from the uninterrupted one in {diffs}")
         return EXIT_MISMATCH
     names = ", ".join(sorted(final.tensors()))
-    _say(f"RESULT: MATCH - the resumed run is bit-for-bit identical to the uninterrupted run "
-         f"({names})")  # fmt: skip
+    _say(f"RESULT: MATCH - {how}: bit-for-bit identical to the uninterrupted run ({names})")
     return EXIT_MATCH
 
 
@@ -273,6 +316,7 @@ def _run_megatron(args: argparse.Namespace, work: Path, source: SourceTree) -> i
         kill_after=args.kill_step,
         kill_signal=signal.SIGSTOP if args.fault == Fault.SIGSTOP.value else signal.SIGKILL,
         echo="none" if args.quiet else "all" if args.verbose else "events",
+        recovery=args.recovery,
     )  # fmt: skip
     verdict = MegatronRehearsal(options, work, _say).run()
     return {Verdict.MATCH: EXIT_MATCH, Verdict.MISMATCH: EXIT_MISMATCH,

@@ -56,6 +56,17 @@ class Phase(str, enum.Enum):
     (docs/recovery.md): a second fault during a recovery.
     REPLACEMENT: in the process started to replace rank ``rank`` in a recovery to step ``k``,
     before it imports anything: a replacement that dies (SIGKILL) or hangs (SIGSTOP).
+    The windows of a Megatron job outside its training loop (docs/recovery.md), where ``k``
+    is 1 before the first step (STARTUP, MODEL, LOAD) and the last iteration after it:
+    STARTUP: once Megatron's start-up (``initialize_megatron``) returned, before the model;
+    MODEL: once ``get_model`` built the model, before the optimizer;
+    LOAD: as the checkpoint load starts (not a recovery's refill);
+    FINAL_EVAL: in the first forward step of the evaluation pretrain runs after train();
+    FINAL_SAVE: inside pretrain's final save, once this rank wrote its first file;
+    EXIT: right after pretrain's final save completed on every rank (the test evaluation and
+    the process exit follow).
+    LOG: as Megatron's ``training_log`` of step ``k`` starts, after the step's update, before
+    its scalars and the barrier before its printed line.
     """
 
     BEFORE = "before"
@@ -68,6 +79,13 @@ class Phase(str, enum.Enum):
     PERIODIC_SAVE = "periodic-save"
     REFILL = "refill"
     REPLACEMENT = "replacement"
+    STARTUP = "startup"
+    MODEL = "model"
+    LOAD = "load"
+    FINAL_EVAL = "final-eval"
+    FINAL_SAVE = "final-save"
+    EXIT = "exit"
+    LOG = "log"
 
 
 class InjectedFault(RuntimeError):
@@ -93,6 +111,13 @@ class FaultSpec:
             Phase.PERIODIC_SAVE: "during the periodic save of",
             Phase.REFILL: "while refilling in the recovery to",
             Phase.REPLACEMENT: "as the replacement starts in the recovery to",
+            Phase.STARTUP: "after Megatron's start-up, before",
+            Phase.MODEL: "after the model is built, before",
+            Phase.LOAD: "in the checkpoint load, before",
+            Phase.FINAL_EVAL: "during the final evaluation after",
+            Phase.FINAL_SAVE: "during the final save of",
+            Phase.EXIT: "after the final save (complete everywhere) of",
+            Phase.LOG: "as the logging starts of",
         }[self.phase]
         return f"{self.fault.name} rank {self.rank} {where} step {self.step}"
 

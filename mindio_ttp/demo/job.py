@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import mindio_ttp.framework_ttp as ttp
-from mindio_ttp.demo import checkpoint
+from mindio_ttp.demo import checkpoint, recovery
 from mindio_ttp.demo.faults import FaultPlan, Phase
 from mindio_ttp.demo.model import (
     FullState,
@@ -34,6 +34,7 @@ from mindio_ttp.demo.model import (
     reduce_grads,
 )
 from mindio_ttp.megatron_ttp import exchange
+from mindio_ttp.recovery.rank import RECOVERY
 
 GUIDE_PORT = 8000  # the guide's literal; TTP_CONTROLLER_PORT overrides it (runtime contract)
 
@@ -86,7 +87,13 @@ class DemoRename:
 
     def checkpoint_location(self, step: int) -> Optional[str]:
         found = checkpoint.latest_dir(self.ckpt_dir, step)
+        if found is None:  # not latest (a newer step is): the directory, when it is there
+            here = self.ckpt_dir / checkpoint.step_dir_name(step)
+            found = here.absolute() if here.is_dir() else None
         return None if found is None else str(found)
+
+    def latest_iteration(self) -> Optional[int]:
+        return checkpoint.latest_step_or_none(self.ckpt_dir)
 
 
 def _order_tag(step: int) -> str:
@@ -216,11 +223,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     plan = FaultPlan.from_text(args.faults)
     torch.set_num_threads(1)
+    RECOVERY.capability = recovery.capable  # this job can recover in memory (demo/recovery.py)
+    ckpt_dir = Path(args.ckpt_dir)
+    joined = recovery.replacement_order()
+    if joined is not None:  # started by ttprun to replace a lost rank: join the recovery
+        order, rank = joined
+        layout = ShardLayout.for_world(int(os.environ["WORLD_SIZE"]))
+        state = recovery.join_as_replacement(order, rank, layout)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        handlers = DemoHandlers(rank, state, ckpt_dir, plan, Path(args.out))
+        recovery.run(lambda: train(args, state, handlers), state)
+        dist.destroy_process_group()
+        return 0
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = ShardLayout.for_world(world)
     state = ShardState.fresh(layout, layout.shard_of(rank))
-    ckpt_dir = Path(args.ckpt_dir)
     if args.resume:
         loaded = checkpoint.load(ckpt_dir, layout)
         if loaded is None:
@@ -235,7 +253,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"rank 0 | resuming from {loaded.path} (step {state.step})", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     handlers = DemoHandlers(rank, state, ckpt_dir, plan, Path(args.out))
-    train(args, state, handlers)
+    recovery.run(lambda: train(args, state, handlers), state)
     dist.destroy_process_group()
     return 0
 

@@ -1,6 +1,6 @@
 """`ttp-demo --megatron DIR`: the CPU rehearsal on a real Megatron-LM tree, in one command.
 
-DIR is any tree `ttp-patch apply` accepts (285068c, a fork or later commit with the same four
+DIR is any tree `ttp-patch apply` accepts (285068c, a fork or later commit with the same five
 target files, or with ``--allow-modified`` any tree whose anchors are all found), as it is: its
 HEAD plus the uncommitted changes of its tracked files. The steps of docs/rehearsal.md, each
 announced as it starts: (1) copy the tree with ``git clone --shared`` (the user's checkout is
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome
+from mindio_ttp.config import ENV_RECOVERY, FLOW_FINISHED_FILE, RECOVERY_MODES, Outcome
 from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.demo.rehearsal.data import TinyDataset
 from mindio_ttp.demo.rehearsal.tree import PatchRefused
@@ -79,6 +79,7 @@ class MegatronOptions:
     kill_after: int = DEFAULT_KILL_AFTER
     kill_signal: signal.Signals = signal.SIGKILL
     echo: str = "events"  # "all" (--verbose), "events" (default), "none" (--quiet)
+    recovery: str = RECOVERY_MODES[0]  # TTP_RECOVERY for the runs (the product's default)
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,8 @@ class MegatronRehearsal:
 
     def __init__(self, options: MegatronOptions, work: Path, say: Say) -> None:
         self.opts, self.work, self.say = options, work, say
+        self.in_memory = options.recovery == RECOVERY_MODES[0]
+        self.stages = 5 if self.in_memory else 6
         self.tree = work / "Megatron-LM"
         self.data_dir = work / "data"
         self.ckpt = work / "ckpt"
@@ -197,7 +200,8 @@ class MegatronRehearsal:
         self.say(f"ttp-demo --megatron: Megatron-LM {o.commit[:7]} from {o.source}, tiny "
                  f"GPT on {WORLD} CPU ranks (gloo, --use-distributed-optimizer), {o.iters} "
                  f"iterations; {o.kill_signal.name} to {_ranks(o.kill_ranks)} once iteration "
-                 f"{o.kill_after} is logged; work directory {self.work}")
+                 f"{o.kill_after} is logged; {ENV_RECOVERY}={o.recovery}; work directory "
+                 f"{self.work}")
         with self._child_environment():
             try:
                 self._prepare_tree()
@@ -221,6 +225,11 @@ class MegatronRehearsal:
                 self.say("RESULT: FAILED - the run was not interrupted, so there is nothing "
                          "to show")
                 return Verdict.MISMATCH
+            if self.in_memory:
+                recovered = self._show_recovery(faulty)
+                if recovered is None:
+                    return Verdict.MISMATCH
+                return self._compare(data, faulty, None, recovered)
             saved, verdict = self._show_checkpoint(faulty)
             if saved is None:
                 return verdict
@@ -238,7 +247,7 @@ class MegatronRehearsal:
 
         o = self.opts
         flags = "--device cpu" + (" --allow-modified" if o.allow_modified else "")
-        self.say(f"[1/6] copying {o.source} to {self.tree} (git clone --shared: your "
+        self.say(f"[1/{self.stages}] copying {o.source} to {self.tree} (git clone --shared: your "
                  f"checkout is only read) and patching the copy: ttp-patch apply {flags} ...")
         t0 = time.monotonic()
         copy_megatron_tree(o.source, self.tree, o.commit)
@@ -252,8 +261,8 @@ class MegatronRehearsal:
     def _make_dataset(self) -> TinyDataset:
         from mindio_ttp.demo.rehearsal.data import make_tiny_dataset
 
-        self.say(f"[2/6] generating a small dataset in {self.data_dir} (synthetic text, a BPE "
-                 "trained on it, Megatron's own .bin/.idx writer) ...")
+        self.say(f"[2/{self.stages}] generating a small dataset in {self.data_dir} (synthetic "
+                 "text, a BPE trained on it, Megatron's own .bin/.idx writer) ...")
         t0 = time.monotonic()
         data = make_tiny_dataset(self.tree, self.data_dir)
         size = sum(p.stat().st_size for p in self.data_dir.iterdir() if p.is_file())
@@ -263,9 +272,9 @@ class MegatronRehearsal:
 
     def _train_with_fault(self, data: TinyDataset) -> TrainingRun:
         o = self.opts
-        self.say(f"[3/6] training on {WORLD} CPU ranks under ttprun ({o.iters} iterations, "
-                 f"--save/--load {self.ckpt}); {o.kill_signal.name} to {_ranks(o.kill_ranks)} once "
-                 f"iteration {o.kill_after} is logged ...")
+        self.say(f"[3/{self.stages}] training on {WORLD} CPU ranks under ttprun ({o.iters} "
+                 f"iterations, --save/--load {self.ckpt}); {o.kill_signal.name} to "
+                 f"{_ranks(o.kill_ranks)} once iteration {o.kill_after} is logged ...")
         run = self._train("faulty", data, self.ckpt, kill=True)
         if not run.killed:
             self.say(f"      the run ended (exit {run.returncode}) before iteration "
@@ -274,14 +283,39 @@ class MegatronRehearsal:
         else:
             self.say(f"      ttprun exited {run.returncode} after {run.seconds:.1f} s"
                      + (" (1 is deliberate: a rank was lost, so a scheduler would restart the "
-                        "job; the same command then resumes)" if run.returncode == 1 else ""))
+                        "job; the same command then resumes)" if run.returncode == 1 else "")
+                     + (" (the job went on: no restart)" if run.returncode == 0 else ""))
         return run
+
+    def _show_recovery(self, faulty: TrainingRun) -> Optional[int]:
+        """The in-memory recovery: which rank was replaced at which iteration, checked."""
+        from mindio_ttp.launch.outcome import read_recovered
+
+        self.say(f"[4/{self.stages}] the in-memory recovery ...")
+        found = [r for launch in sorted(p for p in (self.runs / "faulty").glob("*")
+                                         if p.is_dir()) for r in read_recovered(launch)]
+        if faulty.returncode != 0 or not found:
+            flow = faulty.flow
+            why = (f"the runtime fell back to the dying checkpoint ({flow.outcome.value}: "
+                   f"{flow.reason})" if flow is not None else
+                   faulty.flow_problem or "no recovery committed and no flow recorded")
+            self.say(f"      no in-memory recovery committed (ttprun exit {faulty.returncode}): "
+                     f"{why}; see {faulty.log}")
+            self.say("RESULT: NOT RECOVERED - the job did not recover in memory (the reason "
+                     "above); --recovery dying-checkpoint shows the other mode")
+            return None
+        r = found[0]
+        self.say(f"      recovery {r['recovery_id']} at iteration {r['iteration']}: rank(s) "
+                 f"{r['replaced']} replaced by a new process on the same node, refilled from "
+                 "their replica partners; every copy's hash compared before the commit; no "
+                 "checkpoint written or read, no restart")
+        return int(r["iteration"])
 
     def _show_checkpoint(self, faulty: TrainingRun) -> Tuple[Optional[int], Verdict]:
         from mindio_ttp.megatron_ttp import manifest
 
         o = self.opts
-        self.say("[4/6] the dying checkpoint ...")
+        self.say(f"[4/{self.stages}] the dying checkpoint ...")
         flow = faulty.flow
         if flow is None or flow.outcome is not Outcome.SAVED:
             why = (faulty.flow_problem or "the runtime recorded no flow" if flow is None
@@ -319,8 +353,8 @@ class MegatronRehearsal:
         return step, Verdict.MATCH
 
     def _resume(self, data: TinyDataset, saved: int) -> Optional[TrainingRun]:
-        self.say(f"[5/6] resuming: the same command again; Megatron loads iteration {saved} from "
-                 f"{self.ckpt} and trains to {self.opts.iters} ...")
+        self.say(f"[5/{self.stages}] resuming: the same command again; Megatron loads iteration "
+                 f"{saved} from {self.ckpt} and trains to {self.opts.iters} ...")
         run = self._train("resumed", data, self.ckpt, kill=False)
         first = min(run.losses, default=None)
         if run.returncode != 0 or first != saved + 1:
@@ -332,13 +366,13 @@ class MegatronRehearsal:
         self.say(f"      done in {run.seconds:.1f} s: iterations {first}-{max(run.losses)}")
         return run
 
-    def _compare(self, data: TinyDataset, faulty: TrainingRun, resumed: TrainingRun,
+    def _compare(self, data: TinyDataset, faulty: TrainingRun, resumed: Optional[TrainingRun],
                  saved: int) -> Verdict:
         from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
 
         n = self.opts.iters
-        self.say(f"[6/6] the uninterrupted reference run ({n} iterations, --save "
-                 f"{self.ref_ckpt}) and the comparison ...")
+        self.say(f"[{self.stages}/{self.stages}] the uninterrupted reference run ({n} iterations, "
+                 f"--save {self.ref_ckpt}) and the comparison ...")
         ref = self._train("reference", data, self.ref_ckpt, kill=False)
         if ref.returncode != 0 or sorted(ref.losses) != list(range(1, n + 1)):
             self.say(f"      the reference run failed (exit {ref.returncode})")
@@ -346,13 +380,13 @@ class MegatronRehearsal:
             self.say("RESULT: FAILED - no reference to compare with")
             return Verdict.MISMATCH
         self.say(f"      done in {ref.seconds:.1f} s")
-        combined = {**faulty.losses, **resumed.losses}
+        combined = {**faulty.losses, **(resumed.losses if resumed is not None else {})}
         # A step the dying checkpoint holds may have finished on the ranks without its log line
         # being printed (the flow stops them between the update and Megatron's log): nothing to
         # compare there, and the final checkpoint below still proves the state. After `saved`
         # every loss must be there.
-        last_logged = max(faulty.losses, default=0)
-        unlogged = list(range(last_logged + 1, saved + 1))
+        last_logged = max((i for i in faulty.losses if i <= saved), default=0)
+        unlogged = [i for i in range(last_logged + 1, saved + 1) if i not in combined]
         if unlogged:
             self.say(f"      iteration(s) {', '.join(map(str, unlogged))}: finished before the "
                      "fault but not logged by the interrupted run (stopped before its log line); "
@@ -363,15 +397,24 @@ class MegatronRehearsal:
             shown = ", ".join(f"{i}: {combined.get(i, 'missing')} vs {ref.losses[i]}"
                               for i in differ[:5])
             self.say(f"      losses differ at {len(differ)} of {n} iterations ({shown})")
+        elif resumed is None:
+            self.say(f"      losses: all {n - len(unlogged)} printed values equal (one run, "
+                     f"recovered in memory after iteration {saved})")
         else:
             self.say(f"      losses: all {n - len(unlogged)} printed values equal (1-{saved} "
                      f"from the interrupted run, {saved + 1}-{n} from the resumed one)")
         comparison = compare_checkpoints(self.ckpt, self.ref_ckpt, n)
         self.say(f"      final checkpoint, iteration {n}: {comparison.summary()}")
         if differ or not comparison.bit_exact:
-            self.say("RESULT: MISMATCH - the resumed run differs from the uninterrupted one "
-                     "(see above)")
+            self.say(f"RESULT: MISMATCH - the {'recovered' if resumed is None else 'resumed'} "
+                     "run differs from the uninterrupted one (see above)")
             return Verdict.MISMATCH
+        if resumed is None:
+            self.say(f"RESULT: MATCH - {self.opts.kill_signal.name} after iteration "
+                     f"{faulty.killed_after}, recovered in memory at iteration {saved}: the "
+                     "losses and every tensor of the final checkpoint are bit for bit those "
+                     "of the uninterrupted run")
+            return Verdict.MATCH
         self.say(f"RESULT: MATCH - {self.opts.kill_signal.name} after iteration "
                  f"{faulty.killed_after}, resumed from the dying checkpoint of iteration "
                  f"{saved}: the losses and every tensor of the final checkpoint are bit for bit "
@@ -392,7 +435,8 @@ class MegatronRehearsal:
         log = self.logs / f"{name}.log"
         run_dir = self.runs / name
         # the runtime's own defaults (TTP_OT and the rest), as a user's job gets them
-        env = {"TTP_CONTROLLER_PORT": str(pick_free_port()), "TTP_RUN_DIR": str(run_dir)}
+        env = {"TTP_CONTROLLER_PORT": str(pick_free_port()), "TTP_RUN_DIR": str(run_dir),
+               ENV_RECOVERY: o.recovery}
         args = tiny_gpt_args(data, train_iters=o.iters, save=ckpt, load=ckpt)
         run = TrainingRun(name, -1, 0.0, log, {})
         follower = _LogFollower(log)

@@ -38,6 +38,8 @@ FAST_ENV: Dict[str, str] = {
     "TTP_COLLECT_TIMEOUT": "3",
     "TTP_UPDATE_GRACE": "0.5",
     "TTP_LOG_LEVEL": "WARNING",
+    # what most callers check; ttp-demo passes its --recovery (default: the product's, in-memory)
+    "TTP_RECOVERY": "dying-checkpoint",
     "OMP_NUM_THREADS": "1",
     "PYTHONUNBUFFERED": "1",
 }
@@ -84,6 +86,15 @@ class LaunchResult:
 
     def latest_step(self) -> Optional[int]:
         return checkpoint.latest_step(self.ckpt_dir)
+
+    def recoveries(self) -> List[dict]:
+        """The in-memory recoveries the workers saw committed (ttprun's launch directory)."""
+        from mindio_ttp.launch.outcome import read_recovered
+
+        found: List[dict] = []
+        for launch_dir in sorted(p for p in self.run_dir.iterdir() if p.is_dir()):
+            found += read_recovered(launch_dir)
+        return found
 
     def load_checkpoint(self) -> Optional[checkpoint.LoadedCheckpoint]:
         return checkpoint.load(self.ckpt_dir, ShardLayout.for_world(WORLD))

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import inspect
 import ipaddress
+import json
 import logging
 import operator
 import os
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence
 
+from mindio_ttp import drill as _drill
 from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
+    ENV_RUN_DIR,
+    JOB_COMPLETE_FILE,
     MAX_WORLD,
     RUNTIME_STARTED_DIR,
     ExitCode,
@@ -47,7 +52,7 @@ __all__ = [
     "ttp_register_save_ckpt_handler", "ttp_register_rename_handler", "ttp_set_ckpt_args",
     "ttp_set_checkpoint_dir", "current_save_session",
     "ttp_start_updating_os", "ttp_end_updating_os", "ttp_to_persist", "ttp_shutdown",
-    "TTPForceStop", "TTPError", "ExitCode", "Outcome",
+    "ttp_job_complete", "TTPForceStop", "TTPError", "ExitCode", "Outcome",
 ]
 
 log = logging.getLogger("mindio_ttp")
@@ -234,6 +239,15 @@ def ttp_start_processor(ip: str, port: int) -> None:
     start_processor_at(ip, port)
 
 
+# Said once at start (rank 0) when no launcher offers replacements: today's torchrun and other
+# launchers stop the survivors at once after a fault; a user should learn it before one.
+NOT_TTPRUN = (
+    "not launched by ttprun (TTP_REPLACEMENTS unset): after a fault this launcher stops the "
+    "survivors at once (torchrun: SIGTERM, then SIGKILL 30 s later), so you lose the TTP_OT "
+    "grace period for the dying checkpoint, and in-memory recovery (no launcher starts a "
+    "replacement for a lost rank): launch with ttprun, which takes torchrun's arguments")
+
+
 def _rejoined() -> bool:
     """This process went through an in-memory recovery: a survivor re-running Megatron's
     start-up, or a replacement (both keep the runtime they have: docs/recovery.md)."""
@@ -259,6 +273,10 @@ def start_processor_at(ip: str, port: int, deadline_s: Optional[float] = None) -
         proc.start(ip, port, deadline_s)
         _processor = proc
         _mark_started(proc.cfg.run_dir, rank)
+        if rank == 0 and not proc.cfg.replacements and _RECOVERY.order is None:
+            log.warning(NOT_TTPRUN)
+        if _RECOVERY.order is None:  # a replacement never re-arms the launch's drill
+            _drill.arm(rank, world_size, proc.cfg.auth_key)
         _hooks.RUNTIME = _RUNTIME
         if threading.current_thread() is threading.main_thread():
             proc.install_sigterm()
@@ -350,6 +368,32 @@ def ttp_end_updating_os(step: int) -> None:
 ttp_to_persist = _hooks.to_persist
 
 
+def ttp_job_complete(step: int, checkpoint: str = "") -> None:
+    """Not in MindIO's API: the job's final state (of `step`) is on disk, complete on every
+    rank (say it only past a point every rank reaches after its last write, e.g. the barrier
+    that ends Megatron's save_checkpoint). Tells this node's launcher, so that a worker lost
+    from now on fails nothing (ttprun ends the job as a success), then stops the runtime: a
+    fault after this has nothing left to save. Idempotent; never raises for the record."""
+    step = _int("step", step, 0, 2**62)
+    run_dir = (_processor.cfg.run_dir if _processor is not None else None) \
+        or os.environ.get(ENV_RUN_DIR)
+    if run_dir:
+        record = {"step": step, "rank": _processor.rank if _processor is not None else None,
+                  "checkpoint": checkpoint, "time": time.time()}
+        path = os.path.join(run_dir, JOB_COMPLETE_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(record, f)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot record the job's completion in %s (%s): a worker lost from now "
+                        "on fails the job at the launcher", run_dir, exc)
+    log.info("job complete at step %d%s: the runtime stops", step,
+             f" ({checkpoint})" if checkpoint else "")
+    ttp_shutdown()
+
+
 def ttp_shutdown() -> None:
     """Clean stop (also run when the decorated train returns normally)."""
     global _processor, _controller
@@ -358,6 +402,7 @@ def ttp_shutdown() -> None:
         _processor = _controller = None
         _hooks.RUNTIME = None
         _claim.reset()
+        _drill.disarm()
     if proc is not None:
         proc.shutdown()
     if ctl is not None:

@@ -34,7 +34,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -59,17 +58,27 @@ from mindio_ttp.config import (
     ENV_RUN_DIR,
     ENV_WARM_SPARES,
     FLOW_FINISHED_FILE,
+    JOB_COMPLETE_FILE,
     RUNTIME_STARTED_DIR,
-    Outcome,
     auth_key_from_env,
     warm_spares,
 )
 from mindio_ttp.control.agent.node import NodeAgent
 from mindio_ttp.control.agent.process import settings_from_env
-from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.control.wire.keys import hop_key
+from mindio_ttp.drill import DrillSpec
 from mindio_ttp.faulttime import collective_env
-from mindio_ttp.launch import gloo_iface, preflight, takeover
+from mindio_ttp.launch import drill, gloo_iface, preflight, takeover
+from mindio_ttp.launch.outcome import (
+    CheckpointArgs,
+    Ending,
+    closing_lines,
+    describe_flow,
+    read_flow,
+    read_recovered,
+    record,
+    write_outcome_file,
+)
 from mindio_ttp.launch.procstate import read_proc_state
 from mindio_ttp.launch.replace import ReplacementDesk, cold_start
 from mindio_ttp.launch.spares import pool_from_spec
@@ -115,6 +124,15 @@ def _close_deferred(pcontext: SubprocessContext) -> Iterator[None]:
         yield
     finally:
         del pcontext.close
+
+
+def _read_marker(path: Path) -> str:
+    """The job-complete marker's text (main's merge of h/user dropped this helper but kept a
+    call to it)."""
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError as exc:  # the file is written atomically, but report rather than crash
+        return f"(unreadable: {exc})"
 
 
 class TTPElasticAgent(LocalElasticAgent):
@@ -275,6 +293,8 @@ class TTPElasticAgent(LocalElasticAgent):
         marker = self._run_dir / FLOW_FINISHED_FILE
         if marker.exists():
             marker.rename(self._run_dir / f"flow-finished.attempt{self._attempt}.json")
+        with contextlib.suppress(FileNotFoundError):  # a restarted attempt completes anew
+            (self._run_dir / JOB_COMPLETE_FILE).unlink()
         shutil.rmtree(self._run_dir / RUNTIME_STARTED_DIR, ignore_errors=True)  # per attempt
         self._replacements = self._replacements.fresh()  # a new attempt counts recoveries anew
         self._attempt += 1
@@ -324,6 +344,8 @@ class TTPElasticAgent(LocalElasticAgent):
         if result.state != WorkerState.FAILED:
             return result
         failed = sorted(result.failures)
+        if (self._run_dir / JOB_COMPLETE_FILE).exists():
+            return self._complete_despite(pcontext, worker_group, failed)
         if not self._runtime_started() and not (self._run_dir / FLOW_FINISHED_FILE).exists():
             logger.warning(
                 "ttprun: worker rank(s) %s failed and no TTP runtime started in this attempt on "
@@ -349,6 +371,31 @@ class TTPElasticAgent(LocalElasticAgent):
             return result
         self._rank_consequences_last(final)
         return final
+
+    def _complete_despite(self, pcontext: SubprocessContext, worker_group: WorkerGroup,
+                          failed: List[int]) -> RunResult:
+        """Workers failed after the job's final checkpoint was complete on every rank (a
+        worker wrote $TTP_RUN_DIR/job-complete.json past the barrier that ends it): nothing is
+        lost and a restart would only load it to save it again, so the job succeeds. The other
+        workers get POST_FLOW_EXIT_S to finish (a last evaluation; on NCCL its collective
+        with the lost worker never returns), then are killed."""
+        logger.warning("ttprun: worker rank(s) %s failed after the job's final checkpoint was "
+                       "complete on every rank (%s): nothing is lost, the job succeeds", failed,
+                       _read_marker(self._run_dir / JOB_COMPLETE_FILE))
+        deadline = time.monotonic() + POST_FLOW_EXIT_S
+        while time.monotonic() < deadline and any(
+                h.proc.poll() is None for h in pcontext.subprocess_handlers.values()):
+            time.sleep(POLL_S)
+        for rank, handler in pcontext.subprocess_handlers.items():
+            if handler.proc.poll() is None:
+                logger.warning("ttprun: killing worker %s (pid %s): still running %.0f s after "
+                               "the job completed", rank, handler.proc.pid, POST_FLOW_EXIT_S)
+                _signal_group(handler.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    handler.proc.wait(timeout=10)
+        # torch's success names every worker (its return value: none for a command)
+        return RunResult(state=WorkerState.SUCCEEDED,
+                         return_values={w.global_rank: None for w in worker_group.workers})
 
     def _rank_consequences_last(self, result: RunResult) -> None:
         """Torch names the failure with the smallest timestamp (whole seconds) the root cause; a
@@ -427,11 +474,8 @@ class TTPElasticAgent(LocalElasticAgent):
                 now = time.monotonic()
                 if flow_done_at is None and marker.exists():
                     flow_done_at = now
-                    logger.warning(
-                        "ttprun: dying-checkpoint flow finished after %.2f s: %s",
-                        now - start,
-                        _read_marker(marker),
-                    )
+                    logger.warning("ttprun: dying-checkpoint flow finished after %.2f s: %s",
+                                   now - start, describe_flow(*read_flow(marker)))
                 if worker_group is not None and flow_done_at is None:
                     self._serve_replacements(pcontext, worker_group)
                     if all(h.proc.poll() is None for h in pcontext.subprocess_handlers.values()):
@@ -557,70 +601,6 @@ def _say_what_we_wait_for(spec, may_be_spare: bool = False) -> Iterator[None]:
         done.set()
 
 
-def _read_marker(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8").strip()
-    except OSError as exc:  # the file is written atomically, but report rather than crash
-        return f"(unreadable: {exc})"
-
-
-_OUTCOME_WORDS = {
-    "saved": "dying checkpoint of iteration {step} saved{where} and marked latest",
-    "no_consistent_step": "no step had a clean copy of every shard, so nothing was saved "
-    "(the last regular checkpoint stays latest)",
-    "save_failed": "the dying-checkpoint save failed ({reason}); nothing new was marked latest",
-    "no_verdict": "no save decision was reached ({reason}); nothing new was marked latest",
-    "not_claimed": "this part of the job saved nothing ({reason}); at most one part of a split "
-    "job saves a fault's checkpoint",
-}
-
-
-def read_flow(path: Path) -> Tuple[Optional[FlowRecord], Optional[str]]:
-    """``(record, None)``; ``(None, None)`` when no flow finished (no file); ``(None, why)``
-    when the file is there but unusable, so the outcome lines say so instead of "no flow"."""
-    try:
-        return read_flow_record(path), None
-    except FileNotFoundError:
-        return None, None
-    except (OSError, FlowRecordError) as exc:
-        return None, f"{path} {exc}" if isinstance(exc, FlowRecordError) else str(exc)
-
-
-def outcome_lines(flow: Optional[FlowRecord], failures: dict,
-                  unreadable: Optional[str] = None) -> List[str]:
-    """The last lines of a failed run, in words: which rank failed, what the flow did, what next.
-
-    Ranks that exited with the flow's own exit code did so *because* of the fault (e.g. 83 after
-    saving), so they are not named as failures.
-    """
-    consequence = None if flow is None else flow.exit_code
-    failed = {r: f for r, f in failures.items() if f.exitcode != consequence}
-    parts = []
-    for rank, failure in sorted(failed.items()):
-        when = time.strftime("%H:%M:%S", time.localtime(failure.timestamp))
-        how = (f"was killed by {signal.Signals(-failure.exitcode).name}"
-               if failure.exitcode < 0 else f"exited with code {failure.exitcode}")
-        parts.append(f"rank {rank} (node {socket.gethostname()}) {how} at {when}")
-    lines = ["; ".join(parts) or "the job was stopped"]
-    if flow is None:
-        if unreadable:
-            lines.append(f"the dying-checkpoint flow left an unusable record ({unreadable}); "
-                         "see the workers' log lines for what was saved; exit 1")
-        else:
-            lines.append("no dying-checkpoint flow ran; exit 1")
-        return lines
-    outcome = flow.outcome.value
-    where = f" in {flow.checkpoint}" if flow.checkpoint else ""
-    words = _OUTCOME_WORDS.get(outcome, "flow outcome {outcome}: {reason}")
-    lines.append(words.format(step=flow.step, reason=flow.reason, outcome=outcome, where=where)
-                 + f" (exit {consequence} on the ranks that took part, not failures)")
-    if flow.outcome is Outcome.SAVED:
-        lines.append("exit 1 so your scheduler restarts the job; run the same command to resume")
-    else:
-        lines.append("exit 1; rerunning the same command resumes from the last checkpoint")
-    return lines
-
-
 @contextlib.contextmanager
 def ttp_environment(extra: Optional[dict] = None) -> Iterator[Path]:
     """Export a fresh TTP_RUN_DIR and, unless the user gave a key, a generated TTP_AUTH_KEY to
@@ -684,12 +664,37 @@ def build_parser():
 
     parser.add_argument("--version", action="version", version=f"ttprun {__version__}")
     parser.add_argument(
+        "--check", action="store_true",
+        help="pre-flight check instead of the launch: run it on every node with the arguments "
+        "of the real launch; the nodes meet through its rendezvous, try the controller port, "
+        "the standby listeners and the gloo/NCCL/HCCL interface of each other, compare clocks "
+        "and settings, write into --save; one table, exit 0 or 1 (nothing is started)")
+    parser.add_argument(
+        "--drill", type=_drill_spec, default=None, metavar="KIND[:rank=R|random]:iter=N",
+        help="fire drill: provoke one real fault in this job on purpose, KIND kill (SIGKILL), "
+        "hang (SIGSTOP) or exception, on rank R (default random, the same on every node) right "
+        "after the update of iteration N; afterwards ttprun says whether the job recovered in "
+        "memory or wrote the dying checkpoint, and whether the result checks out. Off unless "
+        "given; give the same --drill on every node")
+    parser.add_argument(
+        "--outcome-file", metavar="PATH", default=None,
+        help="write how the launch ended as JSON to PATH (atomically, on every ending: "
+        "outcome, exit code, iteration, checkpoint, whether it is latest and whether this "
+        "command resumes from it; docs/troubleshooting.md), so a wrapper need not parse logs")
+    parser.add_argument(
         "--warm-spares", type=int, default=None, metavar="N",
         help=f"keep N warm spares per node: processes that have imported torch and the training "
         f"script's imports and wait to replace a lost rank (default ${ENV_WARM_SPARES} or 0)")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = preflight.help_epilog()
     return parser
+
+
+def _drill_spec(text: str) -> DrillSpec:
+    try:
+        return DrillSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -718,20 +723,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"ttprun: {said}", file=sys.stderr)
     if forced:
         extra[config.ENV_RECOVERY] = forced
+    if args.check:
+        from mindio_ttp.launch.check import run_check
+
+        return run_check(args, {**os.environ, **extra})
+    dropped = drill.drop_inherited(os.environ)
+    if dropped:
+        print(f"ttprun: warning: {dropped}", file=sys.stderr)
+    ckpt = CheckpointArgs.parse(args.training_script_args)
     with ttp_environment(extra) as run_dir, _agent_installed():
         logger.info("ttprun: TTP_RUN_DIR=%s", run_dir)
+        if args.drill is not None:
+            os.environ[drill.ENV] = args.drill.to_env(str(run_dir))
+            for line in drill.announce(args.drill, drill.fixed_world(args.nnodes,
+                                                                     args.nproc_per_node),
+                                       dict(os.environ)):
+                print(f"ttprun: {line}", file=sys.stderr, flush=True)
         try:
             run(args)
         except ChildFailedError as exc:
             flow, unreadable = read_flow(run_dir / FLOW_FINISHED_FILE)
             if flow is None:
                 print(str(exc), file=sys.stderr)
-            for line in outcome_lines(flow, exc.failures, unreadable):
-                print(f"ttprun: {line}", file=sys.stderr)
-            return 1
+            ending = Ending(1, exc.failures, flow, unreadable)
         except SignalException as exc:
-            return 128 + int(exc.sigval)
-    return 0
+            flow, unreadable = read_flow(run_dir / FLOW_FINISHED_FILE)
+            ending = Ending(128 + int(exc.sigval), {}, flow, unreadable,
+                            signal=signal.Signals(exc.sigval).name)
+        else:
+            ending = Ending(0)
+        ending.recoveries = read_recovered(run_dir)
+        found = drill.verdict(args.drill, run_dir, ending) if args.drill else None
+        os.environ.pop(drill.ENV, None)
+        return _close(ending, ckpt, args.outcome_file, found)
+
+
+def _close(ending: Ending, ckpt: CheckpointArgs, outcome_file: Optional[str],
+           found: Optional[Tuple[List[str], dict]] = None) -> int:
+    """Say how the launch ended (the same lines for every ending, then the drill's verdict),
+    write --outcome-file."""
+    lines = closing_lines(ending, ckpt) + (found[0] if found else [])
+    for line in lines:
+        print(f"ttprun: {line}", file=sys.stderr)
+    if outcome_file:
+        error = write_outcome_file(outcome_file, record(ending, ckpt, lines,
+                                                        found[1] if found else None))
+        if error:
+            print(f"ttprun: warning: {error}", file=sys.stderr)
+    return ending.exit_code
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from mindio_ttp import config
 from mindio_ttp.config import ENV_AUTH_KEY, ENV_AUTH_KEY_FILE, ExitCode
 from mindio_ttp.faulttime import collective_env
 from mindio_ttp.launch import timeouts
+from mindio_ttp.launch.outcome import CheckpointArgs
 
 MULTI_NODE_KEY_MESSAGE = (
     "a multi-node job needs a control-plane key that every node already has: export "
@@ -41,6 +42,7 @@ def check(env: Mapping[str, str], multi_node: bool, script_args: Sequence[str] =
         timeout = None  # TTP_OT itself is among the problems
     if timeout:
         warnings.append(timeout)
+    warnings += CheckpointArgs.parse(script_args).start_warnings()
     return problems, warnings
 
 
@@ -92,7 +94,8 @@ def refusal(problems: Sequence[str]) -> str:
 EXIT_CODES = (
     ("0", "every worker succeeded"),
     ("1", "a worker failed (also after a saved dying checkpoint, so a scheduler restarts the "
-          "job: rerun the same command to resume)"),
+          "job); the last lines say what was saved and whether the same command resumes from "
+          "it, --outcome-file PATH writes the same as JSON"),
     ("2", "bad setting, no key on a multi-node start, or an unsafe key file: nothing started"),
     ("128+N", "stopped by signal N (143: SIGTERM), after the survivors' grace period"),
 )

@@ -34,11 +34,16 @@ device context), so here a change of membership is a *takeover*:
 
 torch's store has no authentication, and this plan decides which node runs which ranks and
 where their replacements look for the controller. So each record is HMAC-signed with the job's
-control-plane key over the round's fresh nonces (one per agent, written first): a forged record
-or one replayed from an earlier round is refused, and that round's takeover does not happen
-(the recovery then falls back to the dying checkpoint). The key that starts a takeover is
-signed too. An outsider who can reach the store can still disturb a rendezvous, as they always
-could: that denies service, it decides nothing.
+control-plane key over the round's fresh nonces (one per agent, written first; each agent
+checks that its own is still there): a forged record or one replayed from an earlier round is
+refused, and that round's takeover does not happen (the recovery then falls back to the dying
+checkpoint). The key that starts a takeover is signed too, over the same round's nonces, and
+names the lost ranks and the recovery that asks for them: a "takeover wanted" copied from an
+earlier round (after one real takeover an outsider who could read the store copied it into
+every later round, and every spare that arrived was spent on a takeover `plan` then refused,
+issue 24) is refused, and so is one naming ranks that a node of the round still runs, or a
+recovery already taken over. An outsider who can reach the store can still disturb a
+rendezvous, as they always could: that denies service, it decides nothing.
 
 Only a job whose nodes all run the same number of workers can be taken over (torch gives group
 rank *g* the global ranks ``g*L .. g*L+L-1`` then); anything else is refused with the reason.
@@ -140,10 +145,21 @@ def _mac(key: bytes, run_id: str, rank: int, nonces: Sequence[str], payload: str
 def exchange(store, rank: int, world_size: int, run_id: str, key: bytes, me: Member,
              timeout: timedelta = EXCHANGE_TIMEOUT) -> Dict[int, Member]:
     """Publish ``me`` on the round's store and read every member's record, each verified."""
-    store.set(NONCE_KEY.format(rank), secrets.token_hex(16))
+    return exchange_round(store, rank, world_size, run_id, key, me, timeout)[0]
+
+
+def exchange_round(store, rank: int, world_size: int, run_id: str, key: bytes, me: Member,
+                   timeout: timedelta = EXCHANGE_TIMEOUT) -> Tuple[Dict[int, Member], str]:
+    """`exchange`, and the round's tag: a digest of its nonces, the same for every agent of
+    the round and for no other round (what a "takeover wanted" is signed over)."""
+    mine = secrets.token_hex(16)
+    store.set(NONCE_KEY.format(rank), mine)
     nonce_keys = [NONCE_KEY.format(r) for r in range(world_size)]
     store.wait(nonce_keys, timeout)
     nonces = [store.get(k).decode("ascii", "replace") for k in nonce_keys]
+    if nonces[rank] != mine:  # a set of nonces copied from an earlier round would verify
+        raise TakeoverRefused(f"the nonce of rank {rank} in the round was overwritten: someone "
+                              "else writes the round's keys")
     payload = me.to_json()
     store.set(MEMBER_KEY.format(rank), f"{payload}\n{_mac(key, run_id, rank, nonces, payload)}")
     member_keys = [MEMBER_KEY.format(r) for r in range(world_size)]
@@ -162,7 +178,7 @@ def exchange(store, rank: int, world_size: int, run_id: str, key: bytes, me: Mem
             members[r] = Member.from_json(payload)
         except ValueError as exc:
             raise TakeoverRefused(f"the member record of rank {r} is malformed: {exc}") from None
-    return members
+    return members, hashlib.sha256(",".join(nonces).encode()).hexdigest()
 
 
 def plan(members: Dict[int, Member]) -> Dict[int, Assignment]:
@@ -234,9 +250,43 @@ def member_of(worker_group, restart_count: int,
                   {str(rank): dict(env) for rank, env in requests.items()})
 
 
-def _wanted_mac(key: bytes, run_id: str, payload: str) -> str:
-    return hmac.new(key, b"|".join([MAC_CONTEXT, b"wanted", run_id.encode(), payload.encode()]),
-                    hashlib.sha256).hexdigest()
+def _wanted_mac(key: bytes, run_id: str, round_tag: str, payload: str) -> str:
+    return hmac.new(key, b"|".join([MAC_CONTEXT, b"wanted", run_id.encode(), round_tag.encode(),
+                                    payload.encode()]), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What a "takeover wanted" says: the lost ranks, and the recovery (its attempt, the
+    restart count, and its id: ids restart at 1 with each attempt) that asks for them."""
+
+    attempt: int
+    recovery: int
+    ranks: Tuple[int, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"attempt": self.attempt, "recovery": self.recovery,
+                           "ranks": list(self.ranks)}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Wanted:
+        raw = json.loads(text)
+        if not isinstance(raw, dict) or set(raw) != {"attempt", "recovery", "ranks"}:
+            raise ValueError("a takeover-wanted record has the wrong fields")
+        ranks = raw["ranks"]
+        if not (type(raw["attempt"]) is int and type(raw["recovery"]) is int
+                and isinstance(ranks, list) and ranks and all(type(r) is int for r in ranks)):
+            raise ValueError("a takeover-wanted record has a field of the wrong type")
+        return cls(raw["attempt"], raw["recovery"], tuple(ranks))
+
+
+def participants(handler) -> Optional[set]:
+    """The round ranks still in the rendezvous (as of the handler's last sync: a lost node's
+    keep-alive expired drops it); None when the handler does not say (torch internals)."""
+    try:
+        return set(handler._state_holder.state.participants.values())
+    except AttributeError:
+        return None
 
 
 def is_spare(handler) -> bool:
@@ -291,6 +341,12 @@ class NodeTakeover:
         self.pending: Dict[int, ReplacementRequest] = {}
         self._fresh: List[ReplacementRequest] = []  # held, not yet announced on the store
         self.handed_over: Dict[int, Tuple[ReplacementRequest, int]] = {}  # -> group rank
+        # the last round as this agent saw it: its tag (what "takeover wanted" is signed over),
+        # the global ranks each of its members runs (by rank in the round), and ours
+        self._round_tag: Optional[str] = None
+        self._round_ranks: Dict[int, Tuple[int, ...]] = {}
+        self._my_ranks: Tuple[int, ...] = ()
+        self._served: set = set()  # (attempt, recovery) already taken over
         self._next = handler.next_rendezvous
         handler.next_rendezvous = self._next_rendezvous
 
@@ -314,17 +370,32 @@ class NodeTakeover:
             logger.error("ttprun: the recovery asks for rank(s) %s of a lost node, and no spare "
                          "node waits in the rendezvous", sorted(r.rank for r in fresh))
             return fresh
-        payload = json.dumps(sorted(self.pending), separators=(",", ":"))
-        store.set(WANTED_KEY, f"{payload}\n{_wanted_mac(self._key, self._run_id, payload)}")
+        if self._round_tag is None:  # this round's records were refused: nobody could verify it
+            for request in fresh:
+                self.pending.pop(request.rank, None)
+            logger.error("ttprun: the recovery asks for rank(s) %s of a lost node, and this "
+                         "rendezvous round's member records were refused: no takeover in it",
+                         sorted(r.rank for r in fresh))
+            return fresh
+        want = Wanted(self.restart_count, max(r.recovery_id for r in self.pending.values()),
+                      tuple(sorted(self.pending)))
+        payload = want.to_json()
+        store.set(WANTED_KEY, f"{payload}\n"
+                              f"{_wanted_mac(self._key, self._run_id, self._round_tag, payload)}")
         logger.warning("ttprun: the recovery asks for rank(s) %s of a lost node: a spare node "
                        "takes them over once the rendezvous has dropped the lost one",
                        sorted(r.rank for r in fresh))
         return []
 
     def should_join(self, store) -> bool:
-        """A node waits and a takeover is wanted (by this agent, or signed on the store)."""
+        """A node waits and a takeover is wanted: by this agent, or by another of this round,
+        signed on the store over this round's tag, for ranks that no node of the round still
+        runs (torch's participants, when the handler says) and this node does not, by a
+        recovery not taken over already."""
         if self.pending:
             return True
+        if self._round_tag is None:
+            return False
         try:
             if not store.check([WANTED_KEY]):
                 return False
@@ -332,11 +403,48 @@ class NodeTakeover:
                 "utf-8", "replace").rpartition("\n")
         except Exception:  # noqa: BLE001 - a store that fails says no
             return False
-        return hmac.compare_digest(mac, _wanted_mac(self._key, self._run_id, payload))
+        if not hmac.compare_digest(mac, _wanted_mac(self._key, self._run_id, self._round_tag,
+                                                    payload)):
+            self._refuse("it is not signed for this round (written in another, or without the "
+                         "job's key)")
+            return False
+        try:
+            want = Wanted.from_json(payload)
+        except ValueError as exc:
+            self._refuse(str(exc))
+            return False
+        if (want.attempt, want.recovery) in self._served:
+            self._refuse(f"recovery {want.recovery} was taken over already")
+            return False
+        live = participants(self.handler)
+        running = set(self._my_ranks)
+        for rank in live if live is not None else ():
+            running.update(self._round_ranks.get(rank, ()))
+        if running.intersection(want.ranks):
+            self._refuse(f"it names rank(s) {sorted(running.intersection(want.ranks))[:8]}, "
+                         "which a node of this round still runs")
+            return False
+        return True
+
+    def _refuse(self, why: str) -> None:
+        logger.warning("ttprun: ignoring the takeover-wanted key on the rendezvous store: %s",
+                       why)
 
     @property
     def _run_id(self) -> str:
         return self.handler.get_run_id()
+
+    def _learn_round(self, members: Dict[int, Member], tag: str, me: Member) -> None:
+        """What should_join checks a takeover-wanted key against: the round's tag, and which
+        global ranks each member runs (a survivor says so; a node that runs nothing yet gets
+        torch's block for its rank in the round, or the lost node's it takes over)."""
+        self._round_tag = tag
+        self._my_ranks = tuple(me.ranks) if me.running else ()
+        self._round_ranks = {}
+        for r, m in members.items():
+            width = m.local_world_size
+            self._round_ranks[r] = (tuple(m.ranks) if m.running
+                                    else tuple(range(r * width, (r + 1) * width)))
 
     def join_with_running_workers(self):
         """The survivor's side: a new round with this node's workers left running."""
@@ -354,10 +462,12 @@ class NodeTakeover:
         info = self._next()
         me = self._me({rank: request.env for rank, request in self.pending.items()})
         self.assignment = None
+        self._round_tag = None
         try:
-            members = exchange(info.store, info.rank, info.world_size,
-                               self.handler.get_run_id(), self._key, me)
+            members, tag = exchange_round(info.store, info.rank, info.world_size,
+                                          self.handler.get_run_id(), self._key, me)
             self.restart_count = max(m.restart_count for m in members.values())
+            self._learn_round(members, tag, me)
             plans = plan(members)
         except TakeoverRefused as exc:
             logger.error("ttprun: no takeover in this rendezvous round: %s", exc)
@@ -365,6 +475,9 @@ class NodeTakeover:
                 raise
             return info
         self.assignment = plans.get(info.rank)
+        for r, a in plans.items():
+            self._round_ranks[r] = tuple(a.ranks)
+            self._served.update((a.restart_count, _recovery_of(env)) for env in a.env.values())
         if self.assignment is not None:
             a = self.assignment
             logger.warning("ttprun: this node takes over group rank %d of a lost node: ranks "
@@ -379,6 +492,16 @@ class NodeTakeover:
                            "its workers (group rank %d)",
                            sorted(p.group_rank for p in plans.values()), me.group_rank)
         return info
+
+
+def _recovery_of(env: Mapping[str, str]) -> int:
+    """The recovery id a replacement request's environment names (0 when it names none)."""
+    from mindio_ttp.config import ENV_RECOVERY_JOIN
+
+    try:
+        return int(json.loads(env.get(ENV_RECOVERY_JOIN, "{}")).get("recovery_id", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0
 
 
 def republish_bootstrap(handler) -> None:

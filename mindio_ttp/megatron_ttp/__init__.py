@@ -26,6 +26,9 @@ __all__ = [
     "reuse_on_recovery",
     "process_group_store",
     "process_group_timeout",
+    "final_checkpoint_saved",
+    "step_log",
+    "step_losses",
 ]
 
 
@@ -55,6 +58,14 @@ def __getattr__(name: str) -> Any:
         from mindio_ttp.megatron_ttp import rejoin
 
         return getattr(rejoin, name)
+    if name == "final_checkpoint_saved":
+        from mindio_ttp.megatron_ttp.completion import final_checkpoint_saved
+
+        return final_checkpoint_saved
+    if name in ("step_log", "step_losses"):
+        from mindio_ttp.megatron_ttp import log_record
+
+        return getattr(log_record, name)
     if name == "process_group_timeout":
         from mindio_ttp.megatron_ttp.timeout import process_group_timeout
 

@@ -29,7 +29,7 @@ import hashlib
 import json
 import logging
 import random
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from megatron.core import tensor_parallel
 from megatron.optimizer.distrib_optimizer import DistributedOptimizer
 
 from mindio_ttp.control import hooks
-from mindio_ttp.megatron_ttp import rejoin, transfer
+from mindio_ttp.megatron_ttp import log_record, rejoin, transfer
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import RECOVERY, RecoveryRefused
 from mindio_ttp.recovery.verify import check_digests
@@ -76,7 +76,8 @@ def load_in_memory(model, optimizer, scheduler) -> int:
     optimizer._gathered_step = -1
     stripes = verify_stripes(optimizer)
     _rebuild_weights(optimizer, args)
-    digest = verify_replicas(model, optimizer, scheduler, step, stripes)
+    logs = log_record.entry(step, me in lost, me == dist.get_world_size() - 1)
+    digest, everyone = verify_replicas(model, optimizer, scheduler, step, stripes, logs)
     optimizer.record_loaded_step(step, scheduler)  # the weights are step's: checked
     RECOVERY.machine.transition_to(S.READY)
     RECOVERY.report_ready(True, "", digest)
@@ -92,8 +93,15 @@ def load_in_memory(model, optimizer, scheduler) -> int:
         from megatron.checkpointing import save_checkpoint
 
         save_checkpoint(step, model, optimizer, scheduler)
-    log.warning("rank %d: in-memory recovery %d done (%s): training goes on from step %d", me,
-                order.recovery_id, job.role, step + 1)
+    # the kept step's log line and scalars, when the fault took them (log_record.py)
+    logged = log_record.decide(step, everyone, args.log_interval)
+    if logged is not None:
+        import megatron.training as training
+
+        log_record.replay(training.training_log, logged, me == dist.get_world_size() - 1, model,
+                        optimizer)
+    log.info("rank %d: in-memory recovery %d done (%s): holds iteration %d, training goes on "
+             "with iteration %d", me, order.recovery_id, job.role, step, step + 1)
     return step
 
 
@@ -216,9 +224,12 @@ def verify_stripes(optimizer) -> Dict[int, str]:
     return stripes
 
 
-def verify_replicas(model, optimizer, scheduler, step: int, stripes: Dict[int, str]) -> str:
+def verify_replicas(model, optimizer, scheduler, step: int, stripes: Dict[int, str],
+                    logs: Optional[Dict[str, Any]] = None) -> Tuple[str, List[Dict[str, Any]]]:
     """Data-parallel peers hold the same weights and RNG state, every rank the same step,
-    consumed samples and scheduler count. Returns this rank's summary digest."""
+    consumed samples and scheduler count. Returns this rank's summary digest and everyone's
+    entries, which also carry each rank's record of the step's logging (`logs`, log_record.py:
+    the same gather, so every rank decides alike whether to log the step again)."""
     from mindio_ttp.megatron_ttp.step_record import local_rng_state
 
     args = get_args()
@@ -229,9 +240,9 @@ def verify_replicas(model, optimizer, scheduler, step: int, stripes: Dict[int, s
         "global": json.dumps([step, args.consumed_train_samples, args.consumed_valid_samples,
                               scheduler.num_steps]),
     }
-    _agree(mine, "weights, RNG or counters")
+    everyone = _agree({**mine, "step_log": logs}, "weights, RNG or counters")
     return hashlib.sha256(json.dumps({**mine, "stripes": stripes}, sort_keys=True,
-                                     default=str).encode()).hexdigest()
+                                     default=str).encode()).hexdigest(), everyone
 
 
 def _model_tensors(model) -> List[torch.Tensor]:

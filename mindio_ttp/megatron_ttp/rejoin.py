@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Tuple, TypeVar
 from mindio_ttp.control import hooks
 from mindio_ttp.control.hooks import TTPRecovering
 from mindio_ttp.faulttime import device_copy
+from mindio_ttp.megatron_ttp import completion
 from mindio_ttp.recovery.coordinator import parse_address
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import (
@@ -152,6 +153,7 @@ def in_memory_recovery(pretrain: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         global _current
         RECOVERY.capability = capability
+        completion.hold_runtime()  # up to the final save, not train()'s return
         joined = join_order()
         if joined is not None:  # a replacement: this first run is the recovery's
             order, rank = joined
@@ -165,12 +167,15 @@ def in_memory_recovery(pretrain: F) -> F:
             RECOVERY.machine.transition_to(S.REGROUPING, f"new world on {order.store}")
         while True:
             try:
-                return pretrain(*args, **kwargs)
+                result = pretrain(*args, **kwargs)
             except TTPRecovering:
                 pass  # leave the except block first: its traceback holds the old groups
             except BaseException as exc:
                 if not _hold_for_verdict(exc):
                     raise
+            else:
+                completion.release_runtime()
+                return result
             try:
                 _survivor_leaves_the_world()
             except BaseException as exc:
@@ -383,10 +388,11 @@ def _forget_megatron_globals() -> None:
 
 
 def _hold_for_verdict(exc: BaseException) -> bool:
-    """An exception out of Megatron's start-up or `train` with the runtime running: like the
-    decorated `train` does, report it and wait for the controller's verdict (the process ends
-    on the exit order). True when the verdict is another in-memory recovery instead (a fault
-    right after a recovery, while Megatron rebuilds its data loaders, say)."""
+    """An exception out of `pretrain` (its start-up, `train`, its final evaluation or save)
+    with the runtime running: like the decorated `train` does, report it and wait for the
+    controller's verdict (the process ends on the exit order). True when the verdict is an
+    in-memory recovery instead (a fault right after a recovery, while Megatron rebuilds its
+    data loaders, say, or one in the final evaluation or save)."""
     rt = hooks.RUNTIME
     if isinstance(exc, hooks.TTPReleased):  # raised into the decorator's own handler: it has
         hooks.TRAINING.leave()  # left the failed step all the same (control/release.py)
@@ -394,6 +400,11 @@ def _hold_for_verdict(exc: BaseException) -> bool:
             return True
     if rt is None or not rt.running or getattr(exc, "_ttp_waited", False):
         return False
+    if RECOVERY.pending:  # ordered while this rank was still in the old world (after train(),
+        # in pretrain's final evaluation or save): this exception, a collective that lost its
+        # peer, is how it leaves; the recovery is under way, so nothing to report
+        log.warning("in-memory recovery ordered: leaving pretrain (%r) to rejoin", exc)
+        return True
     if RECOVERY.active:
         _fail_and_wait(exc)
         return False

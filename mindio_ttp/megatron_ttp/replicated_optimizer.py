@@ -416,11 +416,14 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         if self.grad_scaler:
             self.grad_scaler.update(found_inf)
             if found_inf:
-                return False, None, None
+                self.last_update = (False, None, None)
+                return self.last_update
         self.own.optimizer.step()
         self.partner.optimizer.step()
         self._copy_main_params_to_model_params()
-        return True, grad_norm, num_zeros
+        # what the step's log line prints, should train_step fail after it (log_record.py)
+        self.last_update = (True, grad_norm, num_zeros)
+        return self.last_update
 
     def gather_model_params(self, args, timers):
         """Stock's all-gather of the own stripes over the DP group and its copies into the

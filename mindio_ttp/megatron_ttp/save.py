@@ -125,22 +125,68 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     manifest.merge_parts(staged, step, ckpt_args[2].place.layout)
     merged = time.perf_counter()
     final = save_dir / manifest.iter_dir_name(step)
-    if final.exists():  # another flow's checkpoint, or a periodic save: never replaced
-        raise RuntimeError(f"{final} already exists: not replacing it with the dying "
-                           f"checkpoint (left in {root}); the tracker is unchanged")
+    if final.exists():
+        _move_megatrons_own_aside(final, root / f"cut_{final.name}", step, root)
     staged.rename(final)  # a race with another renamer fails here: rename(2) onto a non-empty
     # directory is refused
     renamed = time.perf_counter()
-    manifest.write_tracker(save_dir, step)
-    log.info("dying checkpoint of step %d marked latest: merge manifest %.3f s, rename %.3f s, "
-             "tracker %.3f s", step, merged - started, renamed - merged,
-             time.perf_counter() - renamed)
+    newer = _newer_latest(save_dir, step)
+    if newer is None:
+        manifest.write_tracker(save_dir, step)
+    log.info("dying checkpoint of iteration %d %s: merge manifest %.3f s, rename %.3f s, "
+             "tracker %.3f s", step, "marked latest" if newer is None else
+             f"kept, not marked latest (latest is the newer {newer})", merged - started,
+             renamed - merged, time.perf_counter() - renamed)
     shutil.rmtree(root, ignore_errors=True)
     # earlier attempts of this save (a failed saver was replaced: each attempt stages in its
     # own directory), never visible to a loader, now only debris
     for earlier in save_dir.glob(manifest.tmp_root("", step, "*").name):
         shutil.rmtree(earlier, ignore_errors=True)
-    print(f"ttp: dying checkpoint of iteration {step} is in {final}", flush=True)
+    if newer is None:
+        print(f"ttp: dying checkpoint of iteration {step} is in {final}", flush=True)
+    else:
+        print(f"ttp: dying checkpoint of iteration {step} is in {final}, NOT marked latest: "
+              f"{manifest.TRACKER} names iteration {newer}, which is newer (both kept)",
+              flush=True)
+
+
+def _newer_latest(save_dir: Path, step: int) -> Optional[int]:
+    """The iteration the tracker names when it is newer than `step`, else None. A dying
+    checkpoint never moves `latest` back: a run started without --load (from iteration 0)
+    into a directory holding iteration 605 would otherwise replace it as what a rerun loads.
+    An unreadable tracker names nothing (the dying checkpoint is then marked latest)."""
+    try:
+        named, _ = manifest.read_tracker(save_dir)
+    except manifest.TrackerError:
+        return None
+    return named if named is not None and named > step else None
+
+
+def latest_iteration() -> Optional[int]:
+    """The iteration Megatron's tracker names now (None: none, or unreadable), for the flow
+    record: ttprun says when the dying checkpoint is not the one a rerun loads."""
+    try:
+        return manifest.read_tracker(Path(get_args().save))[0]
+    except Exception:  # noqa: BLE001 - asked on a rank's way out: never raise
+        return None
+
+
+def _move_megatrons_own_aside(final: Path, cut: Path, step: int, root: Path) -> None:
+    """`final` exists: another flow's checkpoint (TTP's marker or manifest in it) is never
+    replaced. A stock one is Megatron's own save of this very step, which the fault cut short
+    (a periodic save, or the final save pretrain writes after train(): a rank killed there
+    leaves a file missing or truncated, maybe the tracker) or let finish: the same step's
+    state, while the dying checkpoint's is complete and checked. It goes aside into this
+    order's hidden staging directory first (removed with it), so no loader ever sees a mix of
+    the two; a crash between the two renames leaves no iter directory of `step`, which the
+    validated loader skips for the newest complete one."""
+    if (final / manifest.MARKER).exists() or (final / manifest.MANIFEST).exists():
+        raise RuntimeError(f"{final} already exists and was written by TTP: not replacing it "
+                           f"with the dying checkpoint (left in {root}); the tracker is "
+                           "unchanged")
+    final.rename(cut)
+    print(f"ttp: {final}, Megatron's own save of iteration {step} (cut short or not), is "
+          "replaced by the dying checkpoint", flush=True)
 
 
 def checkpoint_location(step: int) -> str:
@@ -151,6 +197,7 @@ def checkpoint_location(step: int) -> str:
 
 # read by every rank's exit path for flow-finished.json (see mindio_ttp.framework_ttp)
 rename_save_result.checkpoint_location = checkpoint_location  # type: ignore[attr-defined]
+rename_save_result.latest_iteration = latest_iteration  # type: ignore[attr-defined]
 
 
 def _order_tag(step: int) -> str:

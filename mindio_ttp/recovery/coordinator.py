@@ -126,8 +126,8 @@ class RecoveryCoordinator:
         if self._namespace is not None:  # the old world's rendezvous can go now
             self._close_store(self._namespace)
         self._namespace = namespace
-        log.warning("%s: recovering in memory (recovery %d): step %d, replacing %s from %s; "
-                    "new world on %s", self.name, rid, plan.step, list(plan.lost),
+        log.warning("%s: recovering in memory (recovery %d): iteration %d, replacing %s from "
+                    "%s; new world on %s", self.name, rid, plan.step, list(plan.lost),
                     [plan.partners[r] for r in plan.lost], namespace)
         self._out.send_many(list(plan.survivors),
                             P.RecoverOrder(flow_id, rid, plan.step, list(plan.lost), namespace,
@@ -141,15 +141,17 @@ class RecoveryCoordinator:
         with self._cond:
             self._plan = None
         if not ok:
-            log.error("%s: recovery %d abandoned: %s", self.name, rid, why)
+            log.error("%s: recovery %d abandoned: %s; the dying checkpoint of iteration %d "
+                      "next", self.name, rid, why, plan.step)
             return False, why
         self._out.send_many(list(range(self.world_size)), P.RecoverCommit(rid))
         self._out.flush(2.0)
         self.timeline["committed"] = time.monotonic()
         self._committed = rid
         took = self.timeline["committed"] - self.timeline["ordered"]
-        log.warning("%s: recovery %d committed in %.2f s: training goes on from step %d",
-                    self.name, rid, took, plan.step)
+        log.warning("%s: recovery %d committed in %.2f s: every rank holds iteration %d, "
+                    "checked; training goes on with iteration %d", self.name, rid, took,
+                    plan.step, plan.step + 1)
         return True, f"recovered in memory to step {plan.step} in {took:.2f} s"
 
     def _wait_all_ready(self, timeout: float) -> Tuple[bool, str]:

@@ -1,4 +1,5 @@
-"""Edits 2.1-2.8: megatron/training.py reports optimizer updates to TTP and starts it."""
+"""Edits 2.1-2.8: megatron/training.py reports optimizer updates to TTP and starts it; 2.9-2.13
+(ttp-patch's own): the in-memory recovery's hooks, the end of the job, the kept step's log."""
 
 from __future__ import annotations
 
@@ -173,6 +174,51 @@ class ReuseModelOnRecovery(DecorateTopLevelDef):
     summary = "@mega.reuse_on_recovery on get_model(): a survivor keeps its model"
 
 
+class FinalCheckpointSaved(InsertAfterAnchor):
+    """Not in the guide: pretrain()'s final save_checkpoint ends with a barrier of every rank
+    after its last write, so past it the job is complete on disk: the runtime, held up to
+    here by edit 2.9, stops, and ttprun learns that a worker lost from now on fails nothing
+    (docs/recovery.md, "Every window of a Megatron job")."""
+
+    id = "training/final-checkpoint-saved"
+    number = "2.11"
+    file = FILE
+    scope = "pretrain"
+    anchor = "save_checkpoint(iteration, model, optimizer, opt_param_scheduler)"
+    inserted = "mega.final_checkpoint_saved(iteration)\n"
+    summary = "mega.final_checkpoint_saved(iteration) after pretrain()'s final save"
+
+
+class RecordStepLog(DecorateTopLevelDef):
+    """Not in the guide: each rank keeps what training_log() was called with, and whether it
+    got past the barrier before the print, so that after an in-memory recovery the kept
+    step's log line and scalars appear exactly once (docs/recovery.md)."""
+
+    id = "training/step-log"
+    number = "2.12"
+    file = FILE
+    scope = None
+    def_name = "training_log"
+    decorator = "mega.step_log"
+    anchor = "def training_log("
+    summary = "@mega.step_log on training_log(): the kept step's log line survives a fault"
+
+
+class KeepStepLosses(DecorateTopLevelDef):
+    """Not in the guide: a train_step() that raises after its update (a peer lost in the
+    parameter all-gather) leaves the step complete but never logged; its losses and gradient
+    norm are kept, so its log line can still appear once after a recovery (docs/recovery.md)."""
+
+    id = "training/step-losses"
+    number = "2.13"
+    file = FILE
+    scope = None
+    def_name = "train_step"
+    decorator = "mega.step_losses"
+    anchor = "def train_step("
+    summary = "@mega.step_losses on train_step(): a step updated but not logged keeps its losses"
+
+
 EDITS = [
     ImportTTPModules(),
     LoadCheckpointThroughTTP(),
@@ -184,4 +230,7 @@ EDITS = [
     SetCheckpointArgs(),
     RecoverInMemory(),
     ReuseModelOnRecovery(),
+    FinalCheckpointSaved(),
+    RecordStepLog(),
+    KeepStepLosses(),
 ]

@@ -63,6 +63,7 @@ NAME = "nccl_like"
 WAIT_BLOCKS_HOST = False  # NCCL_LIKE_WAIT=block: wait() blocks until the op ends, spinning or not
 GLOO_TIMEOUT = datetime.timedelta(days=7)
 SPIN_KEY = "nccl_like_spinning"  # in the group's store: a member's gloo saw a dead peer
+BREAK_TAG = 2**30 + 7  # a p2p tag no caller uses: `_break_pairs`
 WorkResult = torch._C._distributed_c10d.WorkResult
 
 
@@ -271,6 +272,28 @@ class NcclLikeGroup(dist.ProcessGroup):
             for op in pending:
                 op.end(error, None)
             self._wake.notify_all()
+        if pending and self._gloo is not None:
+            self._break_pairs()
+
+    def _break_pairs(self) -> None:
+        """Close every gloo connection of the group, so that whatever gloo still waits for fails
+        now and the completion thread leaves gloo's ``wait()`` before this process can exit.
+
+        Why: ``wait()`` blocks in C++ with the GIL released. A daemon thread still blocked
+        there when the interpreter finalizes (an aborted group's op, hung for good) returns when
+        a peer's exit closes the socket, and CPython then ends it with a forced unwind through
+        pybind11's frames: std::terminate, SIGABRT, at the end of a run that went well (seen
+        after in-memory recoveries). How: a recv with a 1 ms timeout on a tag nothing uses times
+        out, and gloo then closes that pair. The peers' gloo ops with this rank fail: their
+        groups spin, as they would on NCCL, where an aborted rank never answers again."""
+        for peer in range(self.size()):
+            if peer == self.rank():
+                continue
+            try:
+                self._gloo.recv([torch.empty(1)], peer, BREAK_TAG).wait(
+                    datetime.timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - the expected timeout (or a pair already gone)
+                pass
 
     def _abort(self) -> None:
         self._abort_now()
@@ -361,10 +384,9 @@ class NcclLikeGroup(dist.ProcessGroup):
                     return
                 op = self._to_complete.popleft()
             try:
-                op.gloo_work.wait()
-                error = None
-            except Exception as exc:  # noqa: BLE001 - a dead peer: spin, never raise
-                error = exc
+                error = _await(op.gloo_work, lambda: bool(self._aborted or self._spinning))
+            except _GaveUp:
+                return
             with self._lock:
                 if self._aborted or self._spinning or op.finished.is_set():
                     return  # a peer said it spins first: the host may have run on already
@@ -565,11 +587,35 @@ class NcclLikeGroup(dist.ProcessGroup):
         self._abort_now(f"by the watchdog: {error}")
 
 
+class _GaveUp(Exception):  # noqa: N818 - a signal, not an error
+    """The group was aborted (or spins) while its completion thread waited: stop waiting."""
+
+
+def _await(work: Any, stop: Callable[[], bool]) -> Optional[BaseException]:
+    """Wait for a gloo work: its error or None; `_GaveUp` when `stop()` says the group was
+    aborted (or spins) meanwhile. (``wait()`` it must be: gloo's send, recv and reduce-scatter
+    works say neither ``is_completed()`` nor a future before it.)"""
+    try:
+        work.wait()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - a dead peer (or an abort): spin, never raise
+        error = exc
+    if stop():
+        raise _GaveUp()
+    return error
+
+
 class _All:
     """Several gloo works as one (a coalesced op)."""
 
     def __init__(self, works: Sequence[Any]) -> None:
         self.works = list(works)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self.works)
 
     def wait(self) -> bool:
         for work in self.works:

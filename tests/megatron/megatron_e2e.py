@@ -9,6 +9,7 @@ fault_hook/ (put on the workers' PYTHONPATH), driven by a FaultPlan text such as
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -100,6 +101,33 @@ def tracker_step(ckpt: Path) -> Optional[int]:
 def copy_checkpoints(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def tb_scalars(folder: Path, tag: str = "lm loss") -> Dict[int, List[float]]:
+    """{step: every value written for `tag` at that step}, over every event file in `folder`
+    (Megatron's --tensorboard-dir: one file per process that wrote, a replacement's too)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    out: Dict[int, List[float]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.tag == tag:
+                    out.setdefault(event.step, []).append(
+                        float(tensor_util.make_ndarray(value.tensor)))
+    return out
+
+
+def log_lines(log: str) -> Dict[int, int]:
+    """{iteration: how many times Megatron's training log line for it was printed}."""
+    counts: Dict[int, int] = {}
+    for it in _LINE_RE.findall(log):
+        counts[int(it)] = counts.get(int(it), 0) + 1
+    return counts
+
+
+_LINE_RE = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|", re.MULTILINE)
 
 
 def loss_table(columns: Dict[str, Dict[int, str]]) -> str:

@@ -1,5 +1,6 @@
-"""`ttp-demo --megatron DIR` end to end on the real Megatron-LM 285068c (TTP_MEGATRON_DIR): the
-six stages, MATCH, exit 0, and without --keep nothing left behind that the output does not
+"""`ttp-demo --megatron DIR` end to end on the real Megatron-LM 285068c (TTP_MEGATRON_DIR): in
+each recovery mode its stages (five in memory, the default; six with the dying checkpoint),
+MATCH, exit 0, and without --keep nothing left behind that the output does not
 say it keeps. The demo runs as the user runs it, a subprocess with its own TMPDIR, so anything it
 (or ttprun, torch elastic, the CPU adaptor's helper build) writes to the temp dir is seen.
 """
@@ -70,7 +71,8 @@ def test_demo_megatron_kills_resumes_and_matches_leaving_nothing(megatron_dir: P
     285068c tree takes the same path without the flag)."""
     tmpdir = tmp_path / "tmp"
     src = _modified_clone(megatron_dir, tmp_path / "src")
-    done, elapsed = _run_demo(["--megatron", str(src), "--allow-modified"], tmpdir)
+    done, elapsed = _run_demo(["--megatron", str(src), "--allow-modified",
+                               "--recovery", "dying-checkpoint"], tmpdir)
     out = done.stdout
     print(out)
     print(f"ttp-demo --megatron took {elapsed:.1f} s")
@@ -108,6 +110,49 @@ def test_demo_megatron_kills_resumes_and_matches_leaving_nothing(megatron_dir: P
     assert "kept " not in out
     assert not work.exists()
     assert sorted(p.name for p in tmpdir.iterdir()) == [], "left behind in the temp dir"
+
+
+IN_MEMORY_STAGES = [
+    r"\[1/5\] copying .*",
+    r"\[2/5\] generating a small dataset in .*",
+    r"\[3/5\] training on 4 CPU ranks under ttprun \(10 iterations, .*\); SIGKILL to rank 1 "
+    r"once iteration 4 is logged \.\.\.",
+    r"\[4/5\] the in-memory recovery \.\.\.",
+    r"\[5/5\] the uninterrupted reference run \(10 iterations, .*\) and the comparison \.\.\.",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 60)
+def test_demo_megatron_recovers_in_memory_by_default_and_matches(megatron_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """The product's default, shown by default: the killed rank is replaced, the job trains on
+    to the end (exit 0), and its losses and final checkpoint are the uninterrupted run's."""
+    done, elapsed = _run_demo(["--megatron", str(megatron_dir)], tmp_path / "tmp")
+    out = done.stdout
+    print(out)
+    print(f"ttp-demo --megatron (in-memory) took {elapsed:.1f} s")
+    assert done.returncode == 0, out + done.stderr
+    assert "TTP_RECOVERY=in-memory" in out.splitlines()[0], out
+    lines = out.splitlines()
+    positions = []
+    for stage in IN_MEMORY_STAGES:
+        found = [i for i, line in enumerate(lines) if re.fullmatch(stage, line)]
+        assert len(found) == 1, f"stage line {stage!r} missing or repeated:\n{out}"
+        positions += found
+    assert positions == sorted(positions), "stages out of order"
+    assert "ttprun exited 0 after" in out and "(the job went on: no restart)" in out, out
+    shown = re.search(r"^      recovery 1 at iteration (\d+): rank\(s\) \[1\] replaced by a new "
+                      r"process on the same node", out, re.M)
+    assert shown, out
+    step = int(shown.group(1))
+    assert 4 <= step < 10
+    assert "losses: all " in out and "(one run, recovered in memory after iteration" in out
+    assert re.search(r"final checkpoint, iteration 10: \d+ files, \d+ tensors, \d+ leaves: "
+                     r"BIT-EXACT", out), out
+    assert re.search(rf"^RESULT: MATCH - SIGKILL after iteration \d+, recovered in memory at "
+                     rf"iteration {step}:", out, re.M), out
+    assert "dying checkpoint of iteration" not in out
 
 
 def test_keep_dir_inside_the_megatron_checkout_is_refused(megatron_dir: Path,

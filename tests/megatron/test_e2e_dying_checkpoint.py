@@ -375,3 +375,27 @@ def test_death_inside_the_guides_barrier_still_saves_and_resumes(
     assert "catching up: running the ready update of step 5" in result.log
     resume_and_compare(patched_megatron_tree, tiny_dataset, work, "barrier", ckpt, reference,
                        first_resumed=6)
+
+
+def test_a_run_without_load_never_moves_latest_back(reference, patched_megatron_tree,
+                                                    tiny_dataset, work):
+    """Issue 26: a rerun without --load started from iteration 1 in a directory whose latest
+    was 605; its dying checkpoint of 209 then replaced 605 as latest, in silence. Now: warned
+    at start, the older checkpoint is kept beside the newer one, latest stays the newer one,
+    and ttprun says both, and that this command does not resume."""
+    ckpt = copy_checkpoints(reference[1], work / "no_load_ckpt")
+    assert tracker_step(ckpt) == N_ITERS
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "no_load.log", ckpt,
+                     plan="1:4:sigkill:inside", load=False)
+    log = result.log
+    assert result.returncode == 1, result.tail()
+    assert f"--save {ckpt} without --load: this run starts from iteration 0" in log
+    assert tracker_step(ckpt) == N_ITERS  # not moved back to 4
+    assert manifest.verify(ckpt / "iter_0000004", DP4) is None  # kept, complete
+    assert manifest.verify(ckpt / f"iter_{N_ITERS:07d}", DP4) is None  # untouched
+    said = (f"ttprun: dying checkpoint of iteration 4 saved in {ckpt / 'iter_0000004'}, NOT "
+            f"marked latest: latest names iteration {N_ITERS}, which is newer (both are kept)")
+    assert said in log, result.tail()
+    assert (f"the same command does NOT resume: it has no --load; add --load {ckpt} to resume "
+            f"from iteration {N_ITERS}") in log, result.tail()
+    assert "run the same command to resume" not in log

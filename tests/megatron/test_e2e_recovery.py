@@ -30,10 +30,14 @@ import pytest
 from megatron_e2e import (
     N_ITERS,
     NCCL_LIKE,
+    TTP_OT_S,
     assert_saved_bit_exact,
     cases,
+    copy_checkpoints,
+    log_lines,
     run_job,
     split_case,
+    tb_scalars,
     tracker_step,
 )
 
@@ -51,7 +55,7 @@ RELEASES = (f"{NL}@2.1", f"{NL}@2.4", f"{NL}@2.6")
 IN_MEMORY = {"TTP_RECOVERY": "in-memory", "TTP_RECOVER_TIMEOUT": "90"}
 EVAL = ["--eval-interval", "3", "--eval-iters", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
-_COMMITTED = re.compile(r"recovery (\d+) committed in ([0-9.]+) s: training goes on from step "
+_COMMITTED = re.compile(r"recovery (\d+) committed in ([0-9.]+) s: every rank holds iteration "
                         r"(\d+)")
 _ABANDONED = re.compile(r"recovery (\d+) abandoned: (.*)")
 
@@ -61,11 +65,19 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("recovery")
 
 
+def _tensorboard(work: Path, name: str) -> List[str]:
+    return ["--tensorboard-dir", str(work / f"{name}_tb")]
+
+
+def _tb_of(ckpt: Path) -> Path:
+    return ckpt.parent / f"{ckpt.name[:-len('_ckpt')]}_tb"
+
+
 def _reference(tree, data, work: Path, name: str, tp: int = 1, extra: Sequence[str] = ()):
     """N uninterrupted iterations, saved at every one."""
     ckpt = work / f"{name}_ckpt"
     result = run_job(tree, data, work / f"{name}.log", ckpt, tp=tp, save_interval=1,
-                     extra=[*EVAL, *extra])
+                     extra=[*EVAL, *extra, *_tensorboard(work, name)])
     assert result.returncode == 0, result.tail()
     assert sorted(result.losses) == list(range(1, N_ITERS + 1))
     return result, ckpt
@@ -101,7 +113,7 @@ def recover(tree, data, work: Path, name: str, plan: str, *,
         name = f"{name}_{case.replace('@', '').replace('.', '').replace('+', '_')}"
     ckpt = work / f"{name}_ckpt"
     result = run_job(tree, data, work / f"{name}.log", ckpt, plan=plan, tp=tp,
-                     save_interval=save_interval, extra=[*EVAL, *extra],
+                     save_interval=save_interval, extra=[*EVAL, *extra, *_tensorboard(work, name)],
                      env_extra={**mode, **(env or {})}, timeout_s=420, backend=backend)
     return result, ckpt
 
@@ -113,14 +125,13 @@ def saves_instead(case: str) -> bool:
 
 
 def assert_outcome(case: str, result, ckpt: Path, reference, steps: List[int],
-                   layout: manifest.ParallelLayout = DP4, also: Sequence[int] = (),
-                   unprinted: Sequence[int] = ()) -> None:
+                   layout: manifest.ParallelLayout = DP4, also: Sequence[int] = ()) -> None:
     """In-memory cases: recovered like the reference (`assert_recovered_like_reference`).
     Dying cases (and gated stacks): no recovery, the dying checkpoint of the first step
     `steps` names, bit-identical to the reference's save of it, and every loss printed the
     reference's."""
     if not saves_instead(case):
-        assert_recovered_like_reference(result, ckpt, reference, steps, also, unprinted)
+        assert_recovered_like_reference(result, ckpt, reference, steps, also)
         return
     assert not commits(result.log), result.tail(8000)
     assert_saved_bit_exact(result, ckpt, reference[1], steps[0], layout)
@@ -133,18 +144,21 @@ def commits(log: str) -> List[Tuple[int, float, int]]:
 
 
 def assert_recovered_like_reference(result, ckpt: Path, reference, steps: List[int],
-                                    also: Sequence[int] = (), unprinted: Sequence[int] = ()
-                                    ) -> None:
-    """Exit 0 after `len(steps)` recoveries to those steps; same printed losses as the
-    reference (but the lines of `unprinted`, which may be missing); final checkpoint (and the
-    periodic ones in `also`) bit-identical to its."""
+                                    also: Sequence[int] = ()) -> None:
+    """Exit 0 after `len(steps)` recoveries to those steps; every iteration's log line printed
+    exactly once and its TensorBoard loss written exactly once, with the reference's values
+    (no hole where a fault took the kept step's: issue 23); final checkpoint (and the periodic
+    ones in `also`) bit-identical to its."""
     ref_result, ref_ckpt = reference
     assert result.returncode == 0, result.tail(8000)
     assert [s for _, _, s in commits(result.log)] == steps, result.tail(8000)
     assert not _ABANDONED.search(result.log)
-    expected = {it: loss for it, loss in ref_result.losses.items()
-                if it not in unprinted or it in result.losses}
-    assert result.losses == expected, (result.losses, ref_result.losses)
+    assert log_lines(result.log) == {it: 1 for it in range(1, N_ITERS + 1)}, \
+        (log_lines(result.log), result.tail(8000))
+    assert result.losses == ref_result.losses, (result.losses, ref_result.losses)
+    scalars, ref_scalars = tb_scalars(_tb_of(ckpt)), tb_scalars(_tb_of(ref_ckpt))
+    assert ref_scalars == {it: ref_scalars[it] for it in range(1, N_ITERS + 1)}
+    assert scalars == ref_scalars, (scalars, ref_scalars)
     # nothing written for the recovery (no dying checkpoint), nothing read (no load)
     assert tracker_step(ckpt) == N_ITERS
     assert "loading checkpoint from" not in result.log
@@ -242,7 +256,7 @@ def test_a_kill_inside_the_param_all_gather_recovers_bit_exact(case, reference,
     weights rebuilt from the main params."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "gather_kill",
                            "1:5:sigkill:after", case=case)
-    assert_outcome(case, result, ckpt, reference, steps=[5], unprinted=[5])
+    assert_outcome(case, result, ckpt, reference, steps=[5])
 
 
 # Every fault kind once in one job, in each layout with more than one kind of group: rank 0
@@ -257,8 +271,7 @@ def assert_every_kind_recovered(result, ckpt: Path, reference) -> None:
     steps = [s for _, _, s in commits(result.log)]
     assert len(steps) == 5 and steps[3] in (7, 8), result.tail(8000)
     assert_recovered_like_reference(result, ckpt, reference, steps=[2, 3, 6, steps[3], 9],
-                                    also=(3, 6, 9),
-                                    unprinted=unprinted_after_anytime(8, steps[3]))
+                                    also=(3, 6, 9))
     assert re.search(r"standby controller@rank\d: recovery 1 committed", result.log), \
         result.tail(8000)
     assert "during the evaluation after step 6" in result.log
@@ -296,17 +309,26 @@ def test_a_kill_at_a_random_instant_recovers_bit_exact(seed, plan, case, referen
     else:
         [(_, _, rolled_back)] = commits(result.log)
     assert rolled_back in (step - 1, step), result.tail(8000)
-    assert_outcome(case, result, ckpt, reference, steps=[rolled_back],
-                   unprinted=unprinted_after_anytime(step, rolled_back))
+    assert_outcome(case, result, ckpt, reference, steps=[rolled_back])
 
 
-def unprinted_after_anytime(step: int, rolled_back: int) -> List[int]:
-    """Megatron prints step k's loss on the last rank after a barrier of every rank
-    (training.py:602, `timers('interval-time').elapsed(barrier=True)`): a rank killed after
-    it finished k but before that barrier leaves k complete everywhere (kept, not redone) and
-    its line never printed (CI 2026-12-05: rank 3 killed in step 6's logging; rank 0 in
-    step 8's, the line missing from rank 3's print)."""
-    return [step] if rolled_back == step else []
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
+@pytest.mark.parametrize("rank", [1, 3])
+def test_the_kept_steps_log_line_and_scalars_appear_exactly_once(rank, case, reference,
+                                                                 patched_megatron_tree,
+                                                                 tiny_dataset, work):
+    """Issue 23: a rank killed as step 5's logging starts, after every rank's update of 5:
+    the recovery keeps 5 and does not redo it. Megatron prints 5's line on rank 3 after a
+    barrier of every rank (training.py:602), which the fault broke. Rank 1 killed: rank 3
+    survives, its scalars of 5 are written, its line is not; rank 3 killed: neither (its
+    writer's queue died with it). Either way the line and the scalars of 5 appear once, with
+    the uninterrupted run's values (before: the line was missing, CI 2026-12-05 allowed it)."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"log_{rank}",
+                           f"{rank}:5:sigkill:log", case=case)
+    assert f"FAULT: SIGKILL rank {rank} as the logging starts of step 5" in result.log
+    assert_recovered_like_reference(result, ckpt, reference, steps=[5])
+    what = "log line" if rank == 1 else "log line and scalars"
+    assert f"recovery: step 5's {what} written again" in result.log, result.tail(8000)
 
 
 @pytest.mark.parametrize("case", cases(ci=["gloo"], extended=ALL_MODES))
@@ -385,6 +407,120 @@ def test_an_exception_and_a_hang_are_recovered(case, reference, patched_megatron
         assert "rank 3 hung" in result.log
 
 
+# -- every window of a job, from process start to exit (docs/recovery.md, issue 23) ---------------
+RESUME_AT = 4  # the windows before the first step resume from a checkpoint of this iteration
+
+
+@pytest.fixture(scope="module")
+def resumable(patched_megatron_tree, tiny_dataset, work) -> Path:
+    """The checkpoint of iteration 4 of a 10-iteration job (--exit-interval: the same
+    schedule as the jobs that resume from it)."""
+    ckpt = work / "resumable_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "resumable.log", ckpt,
+                     extra=[*EVAL, "--exit-interval", str(RESUME_AT)])
+    assert result.returncode == 0 and tracker_step(ckpt) == RESUME_AT, result.tail()
+    return ckpt
+
+
+def _resume_with_a_fault(tree, data, work: Path, resumable: Path, name: str, plan: str,
+                         case: str = "gloo"):
+    backend, _ = split_case(case)
+    name = name if case == "gloo" else f"{name}_{backend.replace('-', '_')}"
+    ckpt = copy_checkpoints(resumable, work / f"{name}_ckpt")
+    result = run_job(tree, data, work / f"{name}.log", ckpt, plan=plan, extra=EVAL,
+                     env_extra=IN_MEMORY, timeout_s=420, backend=backend)
+    return result, ckpt
+
+
+def _resumed_checkpoint_stays_latest(ckpt: Path) -> None:
+    assert tracker_step(ckpt) == RESUME_AT
+    assert manifest.verify(ckpt / manifest.iter_dir_name(RESUME_AT),
+                           manifest.ParallelLayout(1, 1, 4)) is None
+    assert not list(ckpt.glob(".ttp_tmp_*"))
+
+
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
+@pytest.mark.parametrize("window", ["startup", "model", "load"])
+def test_a_rank_lost_before_the_runtime_starts_ends_the_attempt_at_once(
+        window, case, resumable, patched_megatron_tree, tiny_dataset, work):
+    """Start-up, model build, checkpoint load: no rank started the runtime yet (it starts in
+    train()), and no state exists that the checkpoint being loaded does not hold. The attempt
+    ends at once, not held for TTP_OT; that checkpoint stays latest and whole."""
+    result, ckpt = _resume_with_a_fault(patched_megatron_tree, tiny_dataset, work, resumable,
+                                        f"win_{window}", f"1:1:sigkill:{window}", case)
+    assert result.returncode != 0
+    assert "FAULT: SIGKILL rank 1" in result.log, result.tail(8000)
+    assert "no TTP runtime started in this attempt" in result.log, result.tail(8000)
+    assert result.wall_s < TTP_OT_S, result.wall_s
+    _resumed_checkpoint_stays_latest(ckpt)
+
+
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
+def test_a_rank_lost_in_the_first_step_keeps_the_loaded_checkpoint(
+        case, resumable, patched_megatron_tree, tiny_dataset, work):
+    """The first step after a resume: no rank finished an update in this process, so there is
+    nothing newer than the checkpoint just loaded (no recovery, no dying checkpoint: exit 84),
+    which stays latest; the restart loads it again and loses that one step."""
+    result, ckpt = _resume_with_a_fault(patched_megatron_tree, tiny_dataset, work, resumable,
+                                        "win_first", f"1:{RESUME_AT + 1}:sigkill:before",
+                                        case)
+    assert result.returncode != 0
+    assert "no in-memory recovery" in result.log, result.tail(8000)
+    assert "outcome no_consistent_step (exit code 84)" in result.log, result.tail(8000)
+    _resumed_checkpoint_stays_latest(ckpt)
+
+
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
+@pytest.mark.parametrize("window", ["final-eval", "final-save"])
+def test_a_rank_lost_in_the_final_evaluation_or_save_is_recovered(
+        window, case, reference, patched_megatron_tree, tiny_dataset, work):
+    """After train() returned, pretrain evaluates and writes its final save: the runtime stays
+    up through both (edit 2.9 holds it, edit 2.11 releases it). The recovery keeps step 10,
+    its re-run of pretrain trains no step, evaluates and saves again: exit 0, the final
+    checkpoint bit-identical to the uninterrupted run's (before: the save cut short, no
+    tracker, no dying checkpoint, exit 1, the whole job lost)."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"win_{window}",
+                           f"1:{N_ITERS}:sigkill:{window}", case=case)
+    assert_recovered_like_reference(result, ckpt, reference, steps=[N_ITERS])
+    assert f"FAULT: SIGKILL rank 1 during the {window.replace('-', ' ')}" in result.log
+
+
+@pytest.mark.parametrize("case", cases(ci=["gloo+dying"], extended=[f"{NL}+dying"]))
+@pytest.mark.parametrize("window, step", [("periodic-save", 9), ("final-save", N_ITERS)])
+def test_a_rank_lost_in_a_save_gets_the_dying_checkpoint(window, step, case, reference,
+                                                         patched_megatron_tree, tiny_dataset,
+                                                         work):
+    """TTP_RECOVERY=dying-checkpoint, a rank killed inside Megatron's periodic save of 9 or
+    its final save of 10: the dying checkpoint of that step replaces the save the fault cut
+    short (a stock directory of the same step; before, the rename refused it: save_failed),
+    is marked latest, and is bit-identical to Megatron's own save of it."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"win_{window}_dying",
+                           f"1:{step}:sigkill:{window}", save_interval=3, case=case)
+    assert result.returncode != 0
+    assert "outcome saved (exit code 83)" in result.log, result.tail(8000)
+    assert "is replaced by the dying checkpoint" in result.log
+    assert tracker_step(ckpt) == step
+    comparison = compare_checkpoints(ckpt, reference[1], step)
+    assert comparison.bit_exact, comparison.summary()
+
+
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
+def test_a_rank_lost_after_the_final_save_completed_everywhere_ends_as_a_success(
+        case, reference, patched_megatron_tree, tiny_dataset, work):
+    """Past the barrier that ends pretrain's final save (the test evaluation, the exit): the
+    job's state is on disk, complete on every rank. ttprun ends the job as a success (exit 0,
+    nothing held, no flow); before, exit 1 and a restart for nothing."""
+    result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "win_exit",
+                           f"1:{N_ITERS}:sigkill:exit", case=case)
+    assert "FAULT: SIGKILL rank 1 after the final save" in result.log, result.tail(8000)
+    assert result.returncode == 0, result.tail(8000)
+    assert "nothing is lost, the job succeeds" in result.log
+    assert "FAULT " not in result.log.split("FAULT: SIGKILL rank 1 after")[1]  # no flow ran
+    assert tracker_step(ckpt) == N_ITERS
+    comparison = compare_checkpoints(ckpt, reference[1], N_ITERS)
+    assert comparison.bit_exact, comparison.summary()
+
+
 # -- fallbacks: never worse than the dying checkpoint ----------------------------------------------
 # On the NCCL-like backend the survivors' collectives spin: a fallback must end them itself
 # (abort) and must not wait out a bound it could have cut short (issue 22 §3.6).
@@ -424,7 +560,8 @@ def test_a_second_fault_during_the_recovery_falls_back(case, reference, patched_
     ("sigstop", "another fault during the recovery: rank 1 hung"),
     ("exception", "another fault during the recovery: rank 1 reported exception: InjectedFault"),
 ])
-def test_a_saver_lost_during_the_recovery_is_not_chosen_to_save(kind, why, reference,
+@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=[NL]))
+def test_a_saver_lost_during_the_recovery_is_not_chosen_to_save(case, kind, why, reference,
                                                                  patched_megatron_tree,
                                                                  tiny_dataset, work):
     """Issue 23: rank 2 killed at 5; as the recovery to 4 starts refilling, survivor rank 1
@@ -434,7 +571,7 @@ def test_a_saver_lost_during_the_recovery_is_not_chosen_to_save(kind, why, refer
     save limit, which used to end in save_failed with nothing marked latest)."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, f"fb_saver_{kind}",
                            f"2:5:sigkill:before,1:4:{kind}:refill",
-                           env={"TTP_HEARTBEAT_TIMEOUT": "6"})
+                           env={"TTP_HEARTBEAT_TIMEOUT": "6"}, case=case)
     assert_fell_back(result, ckpt, reference, 4, why)
     assert "ordering save on rank(s) [0, 3]" in result.log, result.tail(8000)
     assert "ordering it again" not in result.log
@@ -466,5 +603,5 @@ def test_both_holders_of_a_shard_lost_is_the_dying_checkpoints_refusal(
     assert result.returncode != 0
     assert "no in-memory recovery (every holder of lost rank 1's optimizer shard is lost" \
         in result.log, result.tail(8000)
-    assert "no step had a clean copy of every shard" in result.log
+    assert "no iteration had a clean copy of every shard" in result.log
     assert tracker_step(ckpt) == 3

@@ -15,6 +15,8 @@ from conftest import SCRIPT, TARGETS, FixtureRepo, git, golden, run_cli
 from patcher.cli import main
 from patcher.diffs import summarize
 
+pytestmark = pytest.mark.smoke  # `pytest -m smoke`: README's quick check
+
 
 def ttp(capsys: pytest.CaptureFixture, *args: str):
     code = main(list(args))
@@ -62,7 +64,7 @@ def test_dry_run_prints_the_diff_and_changes_nothing(repo: FixtureRepo, capsys) 
     assert repo.snapshot() == before and repo.porcelain() == ""
     files = {s.path: s for s in summarize(out)}
     assert set(files) == set(TARGETS + [SCRIPT]) and files[SCRIPT].new
-    assert files["megatron/training.py"].added == 27 and files["megatron/training.py"].removed == 1
+    assert files["megatron/training.py"].added == 30 and files["megatron/training.py"].removed == 1
     code, diff_out, _ = ttp(capsys, "diff", str(repo.root), "--device", "cpu")
     assert diff_out == out
     patch = repo.root.parent / "cpu.patch"
@@ -111,7 +113,7 @@ def _status(capsys, repo: FixtureRepo, *extra: str, code: int = 0):
 
 def test_status_states_and_verify_exit_codes(repo: FixtureRepo, capsys) -> None:
     doc = _status(capsys, repo)
-    assert doc["overall"] == "clean" and len(doc["edits"]) == 22  # 21 edits + the script
+    assert doc["overall"] == "clean" and len(doc["edits"]) == 25  # 24 edits + the script
     assert {e["state"] for e in doc["edits"]} == {"missing"}
     assert ttp(capsys, "verify", str(repo.root))[0] == 1
 

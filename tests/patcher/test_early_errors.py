@@ -402,3 +402,17 @@ def test_console_verify_json_error_parses_with_the_unchanged_exit_code(tmp_path)
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "not a git repository" in res.stderr
     assert json.loads(res.stdout)["error"]["type"] == "NotAGitRepo"
+
+
+def test_ttprun_args_reach_ttprun_before_the_training_script(repo: FixtureRepo, capsys,
+                                                             tmp_path) -> None:
+    """The pre-flight check and the fire drill of docs/first-day.md through the script."""
+    assert main(["apply", str(repo.root), "--device", "cuda"]) == 0
+    res = _run_script(repo, tmp_path, TTPRUN_ARGS="--drill kill:rank=13:iter=20",
+                      **_filled(tmp_path))
+    assert res.returncode == 0, res.stderr
+    args = res.stdout.splitlines()[0]
+    assert " --master_port 6000 --drill kill:rank=13:iter=20 " in args, args
+    assert args.index("--drill") < args.index("pretrain_gpt.py"), args
+    res = _run_script(repo, tmp_path, **_filled(tmp_path))  # unset: nothing added
+    assert " --master_port 6000 " in res.stdout and "--drill" not in res.stdout

@@ -92,6 +92,9 @@ def test_every_seed_edit_has_a_stable_unique_id() -> None:
         "2.8",
         "2.9",
         "2.10",
+        "2.11",
+        "2.12",
+        "2.13",
         "3.1",
         "3.2",
         "3.3",
@@ -102,7 +105,7 @@ def test_every_seed_edit_has_a_stable_unique_id() -> None:
         "6.2",
         "6.3",
     ]
-    assert len({e.id for e in ALL_EDITS}) == 21
+    assert len({e.id for e in ALL_EDITS}) == 24
 
 
 def test_only_the_port_literal_changes_with_port() -> None:
@@ -216,6 +219,11 @@ BREAK_ANCHOR = {
         "        iteration = iteration + 1\n        args.consumed",
     ),
     "training/in-memory-recovery": ("def pretrain(train_valid", "def pretrain_model(train_valid"),
+    "training/step-log": ("def training_log(loss_dict", "def log_training(loss_dict"),
+    "training/step-losses": ("def train_step(forward_step_func", "def one_step(forward_step_func"),
+    "training/final-checkpoint-saved": (
+        "iteration != 0:\n        save_checkpoint(iteration, model,",
+        "iteration != 0:\n        save_checkpoint_and_time(iteration, model,"),
     "training/reuse-model-on-recovery": ("def get_model(model_provider_func",
                                          "def build_model(model_provider_func"),
     "optimizer/import-replicated": (

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from typing import List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.session import RankHandshake
@@ -124,3 +125,26 @@ class FakeRank:
         except OSError:
             pass
         self.thread.join(2)
+
+
+@contextlib.contextmanager
+def real_processor(env: dict, rank: int, dp: List[int], world: int,
+                   replica: int) -> Iterator[Tuple[object, list]]:
+    """A real processor (not started: the test starts it where it wants) and the exit codes it
+    asked for; stopped, with its standby, afterwards."""
+    from mindio_ttp.config import TTPConfig
+    from mindio_ttp.control import hooks
+    from mindio_ttp.control.processor import Processor
+
+    hooks.STATE.reset()
+    proc = Processor(TTPConfig.from_env(env), rank, dp, world, replica)
+    codes: list = []
+    proc.exit_fn = codes.append
+    try:
+        yield proc, codes
+    finally:
+        proc._stop.set()
+        proc._mail.wake()
+        if proc.standby:
+            proc.standby.stop()
+        hooks.STATE.reset()

@@ -116,6 +116,7 @@ def test_partial_frames_of_unregistered_connections_share_one_budget(ctl):
     world_size + 64 connections could still pin ~560 MiB: all of them share one budget, and the
     connection that pushes the total over it is closed; closing one frees its share."""
     ctl.pre_auth_budget = 10_000
+    ctl._pending.evict_after = 60.0  # nobody here has had their chance (the test below)
     header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, 4000)
     body = b"\0" * 3000  # a frame announced within the cap, never finished
     socks = []
@@ -142,6 +143,36 @@ def test_partial_frames_of_unregistered_connections_share_one_budget(ctl):
         assert_real_ranks_still_served(ctl)
     finally:
         for s in socks:
+            s.close()
+
+
+def test_stalled_partial_frames_give_way_when_the_budget_is_spent(ctl):
+    """Connections that stall mid-frame held the pre-authentication budget until their
+    handshake timeout, and every newer connection that sent a frame was closed: the budget is
+    a way to keep a rank out (issue 24). Once they have had their chance (accepted a while ago,
+    nothing unread), the oldest gives way to the newcomer; memory stays within the budget."""
+    ctl.pre_auth_budget = 10_000
+    ctl._pending.evict_after = 0.3
+    header = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, 4000)
+    body = b"\0" * 3000
+    frame = len(header) + len(body)
+    stalled = []
+    try:
+        for i in range(3):
+            s = socket.create_connection(ctl.address, timeout=5)
+            s.sendall(header + body)
+            stalled.append(s)
+            assert wait_for(lambda n=i + 1: ctl.pre_auth_buffered == n * frame)
+        time.sleep(0.4)  # they have had their chance (what the listener waits for, no sync)
+        with socket.create_connection(ctl.address, timeout=5) as newcomer:
+            newcomer.sendall(header + body)
+            assert closed_by_peer(stalled[0]), "the oldest stalled connection was kept"
+            assert not closed_by_peer(newcomer, 0.2)
+            assert ctl.pre_auth_buffered == 3 * frame <= ctl.pre_auth_budget
+            assert not any(closed_by_peer(s, 0.05) for s in stalled[1:])
+        assert_real_ranks_still_served(ctl)
+    finally:
+        for s in stalled:
             s.close()
 
 

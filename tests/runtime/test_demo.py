@@ -178,10 +178,39 @@ def test_demo_usage_error_exits_2() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
+def test_demo_recovers_in_memory_by_default_bit_exact(tmp_path: Path) -> None:
+    """README's first command shows the product's default: the killed rank is replaced and
+    refilled from its partner, the job trains on to the end, and equals an uninterrupted run."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mindio_ttp.demo", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240,
+        env=dict(os.environ, COLUMNS="1000"),  # whole lines, to match them
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "TTP_RECOVERY=in-memory" in out.splitlines()[0], out
+    assert ("ttprun exited 0 after" in out and
+            "recovered in memory: recovery 1 at step 5 replaced rank(s) [1]" in out), out
+    assert "RESULT: MATCH - recovered in memory at step 5 (rank(s) [1] replaced" in out, out
+    assert not (tmp_path / "faulty" / "ckpt" / "step_0000005").exists()  # nothing saved
+
+
+def test_demo_recovery_option_defaults_to_the_products_default() -> None:
+    from mindio_ttp.config import BY_NAME, ENV_RECOVERY
+    from mindio_ttp.demo.cli import build_parser
+
+    assert build_parser().parse_args([]).recovery == BY_NAME[ENV_RECOVERY].value == "in-memory"
+    text = build_parser().format_help()
+    assert "--recovery {in-memory,dying-checkpoint}" in text and "five target files" in text
+
+
+@pytest.mark.slow
 def test_demo_command_resumes_bit_exact(tmp_path: Path) -> None:
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "mindio_ttp.demo", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "mindio_ttp.demo", "--workdir", str(tmp_path),
+         "--recovery", "dying-checkpoint"],
         capture_output=True, text=True, timeout=240,
         env=dict(os.environ, COLUMNS="1000"),  # whole lines, to match them
     )  # fmt: skip
@@ -200,7 +229,8 @@ def test_demo_command_resumes_bit_exact(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_demo_says_why_exit_1_and_what_it_removes(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "mindio_ttp.demo"], capture_output=True, text=True, timeout=240,
+        [sys.executable, "-m", "mindio_ttp.demo", "--recovery", "dying-checkpoint"],
+        capture_output=True, text=True, timeout=240,
         env=dict(os.environ, TMPDIR=str(tmp_path), COLUMNS="1000"),  # whole lines
     )  # fmt: skip
     out = done.stdout

@@ -22,7 +22,7 @@ from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flo
 from mindio_ttp.demo.checkpoint import step_dir_name
 from mindio_ttp.demo.faults import Fault, FaultPlan, Phase
 from mindio_ttp.demo.runner import launch
-from mindio_ttp.launch.agent import outcome_lines, read_flow
+from mindio_ttp.launch.outcome import CheckpointArgs, Ending, closing_lines, read_flow
 
 from .test_processor import job, train_to  # noqa: F401  (the in-process flow fixture)
 
@@ -44,6 +44,11 @@ class Renamer:
 
 def _killed(rank: int = 1) -> dict:
     return {rank: SimpleNamespace(exitcode=-int(signal.SIGKILL), timestamp=time.time())}
+
+
+def outcome_lines(flow, failures, unreadable=None, ckpt=None) -> list:
+    """ttprun's closing lines after a worker failure (exit 1)."""
+    return closing_lines(Ending(1, failures, flow, unreadable), ckpt or CheckpointArgs())
 
 
 def _saved_flow(job, tmp_path: Path, rename) -> Path:  # noqa: F811
@@ -70,6 +75,63 @@ def test_saved_flow_names_the_checkpoint_and_ttprun_says_where(job, tmp_path):  
                         "/iter_0000003 and marked latest (exit 83 on the ranks that took part, "
                         "not failures)")
     assert lines[2].startswith("exit 1 so your scheduler restarts the job")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--save", "/c", "--load", "/c"], "the same command resumes from iteration 3 (--load /c)"),
+    (["--save=/c", "--load=/c/"], "the same command resumes from iteration 3 (--load /c/)"),
+    (["--save", "/c"], "the same command does NOT resume: it has no --load; add --load /c to "
+                       "resume from iteration 3"),
+    (["--save", "/c", "--load", "/old"], "the same command does NOT resume from it: its --load "
+                                         "is /old, not --save /c; give --load /c"),
+    (["--steps", "9"], "resume from iteration 3 (/c/iter_0000003) if your script loads it"),
+])  # fmt: skip
+def test_resume_is_promised_only_when_the_command_loads_what_it_saved(args, said) -> None:
+    """Before: "run the same command to resume" also without --load, which restarted from
+    iteration 1 (and a rerun's dying checkpoint then replaced the good one as latest)."""
+    flow = FlowRecord(Outcome.SAVED, 3, (0, 3), 83, "", 0, time.time(), "/c/iter_0000003", 3)
+    lines = outcome_lines(flow, _killed(1), ckpt=CheckpointArgs.parse(args))
+    assert lines[2].startswith("exit 1 so your scheduler restarts the job; "), lines
+    assert said in lines[2], lines
+    assert ("does NOT" in lines[2]) == (not CheckpointArgs.parse(args).resumes
+                                        and "--save" in " ".join(args))
+
+
+def test_a_checkpoint_older_than_latest_is_said_not_latest_and_the_rerun_loads_the_newer():
+    flow = FlowRecord(Outcome.SAVED, 209, (0, 3), 83, "", 0, time.time(), "/c/iter_0000209", 605)
+    lines = outcome_lines(flow, _killed(1), ckpt=CheckpointArgs.parse(["--save", "/c",
+                                                                       "--load", "/c"]))
+    assert lines[1].startswith("dying checkpoint of iteration 209 saved in /c/iter_0000209, "
+                               "NOT marked latest: latest names iteration 605, which is newer "
+                               "(both are kept)"), lines
+    assert lines[2].endswith("the same command resumes from iteration 605 (--load /c)"), lines
+
+
+@pytest.mark.parametrize("flag", [(), ("--save", "/c", "--load", "/c")])
+def test_every_ending_gets_three_closing_lines(flag) -> None:
+    """A preemption ended with the flow's raw JSON, a kill with plain lines: now every
+    ending says what happened, what the runtime did, the exit code and what next."""
+    ckpt = CheckpointArgs.parse(flag)
+    saved = FlowRecord(Outcome.SAVED, 7, (0, 1, 2, 3), 83, "", 0, time.time(), "/c/iter_0000007")
+    endings = [
+        Ending(143, {}, saved, signal="SIGTERM"),
+        Ending(1, _killed(1), saved),
+        Ending(1, _killed(2)),
+        Ending(0),
+        Ending(0, recoveries=[{"recovery_id": 1, "iteration": 4, "replaced": [1]}]),
+    ]
+    for ending in endings:
+        lines = closing_lines(ending, ckpt)
+        assert len(lines) == (4 if ending.recoveries and ending.flow else 3), lines
+        assert lines[-1].startswith(f"exit {ending.exit_code}"), lines
+        assert not any(line.lstrip().startswith("{") for line in lines), lines
+    pre = closing_lines(endings[0], ckpt)
+    assert pre[0] == "ttprun got SIGTERM (preemption)" and "iteration 7" in pre[1], pre
+    assert pre[2].startswith("exit 143 (SIGTERM); "), pre
+    assert closing_lines(endings[4], ckpt)[1].startswith("recovered in memory 1 time(s), no "
+                                                         "iteration lost")
+    for ending in endings:  # one word for the number
+        assert not any(" step " in line for line in closing_lines(ending, ckpt))
 
 
 def test_rename_handler_without_a_locator_gives_the_line_without_a_place(job, tmp_path):  # noqa: F811
@@ -118,6 +180,7 @@ def real_record(job, tmp_path) -> dict:  # noqa: F811
     (lambda r: r.update(time=float("nan")), "time nan is not a number"),
     (lambda r: r.update(checkpoint="/ckpt\n\x1b[2Jiter_3"), "is not a printable path"),
     (lambda r: r.update(checkpoint=""), "is not a printable path"),
+    (lambda r: r.update(latest="9"), "latest '9' is not null or a count"),
     (lambda r: r.pop("reason"), "has keys"),
     (lambda r: r.update(extra=1), "has keys"),
 ])  # fmt: skip
@@ -150,14 +213,16 @@ def test_garbage_file_is_refused(tmp_path, content, message):
 
 def test_no_file_means_no_flow_ran(tmp_path):
     assert read_flow(tmp_path / FLOW_FINISHED_FILE) == (None, None)
-    assert outcome_lines(None, _killed(0))[1] == "no dying-checkpoint flow ran; exit 1"
+    lines = outcome_lines(None, _killed(0))
+    assert lines[1].startswith("no dying-checkpoint flow ran, nothing was saved")
+    assert lines[2] == "exit 1"
 
 
 def test_record_from_before_the_checkpoint_field_still_reads(real_record):
-    del real_record["checkpoint"]
+    del real_record["checkpoint"], real_record["latest"]
     record = FlowRecord.from_dict(real_record)
-    assert record.checkpoint is None and record.step == 3
-    assert record.to_dict() == dict(real_record, checkpoint=None)
+    assert record.checkpoint is None and record.step == 3 and record.marked_latest
+    assert record.to_dict() == dict(real_record, checkpoint=None, latest=None)
 
 
 @pytest.mark.slow

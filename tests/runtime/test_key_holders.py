@@ -16,14 +16,13 @@ from typing import Iterator
 import pytest
 
 from mindio_ttp.config import Outcome, TTPConfig
-from mindio_ttp.control import hooks
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.processor import Processor
 from mindio_ttp.control.session import new_nonce
 
 from .conftest import DP, ENV
-from .fakes import KEY, FakeRank, read_frames, wait_for
+from .fakes import KEY, FakeRank, read_frames, real_processor, wait_for
 
 
 def signed_register(addr, **fields_: object) -> bytes:
@@ -64,19 +63,9 @@ def real_rank(ctl: Controller, rank: int = 3, **env: str) -> Iterator[tuple]:
     """A real processor as `rank` (the one whose reaction matters), exit codes recorded. It
     connects to the controller itself (TTP_NODE_AGENT=0): these are the processor's own
     failover's tests (a node agent's are in test_agent.py)."""
-    hooks.STATE.reset()
-    proc = Processor(TTPConfig.from_env(dict(ENV, TTP_NODE_AGENT="0", **env)), rank, DP, 4, 2)
-    codes: list = []
-    proc.exit_fn = codes.append
-    try:
+    with real_processor(dict(ENV, TTP_NODE_AGENT="0", **env), rank, DP, 4, 2) as (proc, codes):
         proc.start("127.0.0.1", ctl.address[1])
         yield proc, codes
-    finally:
-        proc._stop.set()
-        proc._mail.wake()
-        if proc.standby:
-            proc.standby.stop()
-        hooks.STATE.reset()
 
 
 def served_after(proc: Processor, t0: float) -> bool:

@@ -60,6 +60,15 @@ WORKER = textwrap.dedent(
             time.sleep(0.05)
     if mode == "plain" and rank != 1:
         os._exit(0)
+    if mode == "complete":  # what ttp_job_complete writes past the final save's barrier
+        tmp = run_dir / f"job-complete.json.{rank}.tmp"
+        tmp.write_text(json.dumps({"step": 10, "rank": rank, "checkpoint": "", "time": 0}))
+        os.replace(tmp, run_dir / "job-complete.json")
+        time.sleep(0.3)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        os._exit(1 if rank == 2 else 0)  # rank 2: its last collective failed on rank 1
     if rank == 1:
         time.sleep(0.3)
         if mode == "stopped":
@@ -140,7 +149,10 @@ def test_survivors_finish_the_flow_and_launcher_exits_early(tmp_path: Path, free
     assert tail[0].startswith("ttprun: rank 1 (node "), output
     assert "exited with code 3" in tail[0] and "rank 0" not in tail[0], output
     assert "dying checkpoint of iteration 3 saved and marked latest" in tail[1], output
-    assert "run the same command to resume" in tail[2], output
+    # not Megatron's --save/--load: ttprun cannot tell how this script resumes, and says so
+    assert tail[2] == ("ttprun: exit 1 so your scheduler restarts the job; resume from "
+                       "iteration 3 (the checkpoint directory) if your script loads it; ttprun "
+                       "cannot tell from its arguments"), output
     assert "Root Cause" not in output, "torch's table would name the saving ranks as failures"
     envs = {p.read_text() for p in out.glob("env-*")}
     assert len(envs) == 1, "all workers must see the same TTP_RUN_DIR and TTP_AUTH_KEY"
@@ -175,7 +187,8 @@ def test_stopped_worker_is_killed_once_flow_finished(tmp_path: Path, free_port: 
 
 @pytest.mark.slow
 def test_sigterm_to_launcher_is_forwarded_with_grace(tmp_path: Path, free_port: int) -> None:
-    proc, out = _launch(tmp_path, "preempt", free_port, ot="60")
+    proc, out = _launch(tmp_path, "preempt", free_port, ot="60",
+                        extra_args=(f"--outcome-file={tmp_path / 'outcome.json'}",))
     deadline = time.monotonic() + 30
     while len(list(out.glob("started-*"))) < 4:
         assert time.monotonic() < deadline and proc.poll() is None, "workers did not start"
@@ -187,6 +200,16 @@ def test_sigterm_to_launcher_is_forwarded_with_grace(tmp_path: Path, free_port: 
     assert len(list(out.glob("term-*"))) == 4, output
     assert len(list(out.glob("saved-*"))) == 4, "workers were killed before their 0.5 s save"
     assert time.monotonic() - start < 20
+    # the same plain closing lines as after a kill (it ended with the record's raw JSON)
+    tail = output.strip().splitlines()[-3:]
+    assert tail[0] == "ttprun: ttprun got SIGTERM (preemption)", output
+    assert tail[1].startswith("ttprun: dying checkpoint of iteration 3 saved"), output
+    assert tail[2].startswith("ttprun: exit 143 (SIGTERM); "), output
+    assert '{"outcome"' not in output, output
+    doc = json.loads((tmp_path / "outcome.json").read_text())
+    assert (doc["outcome"], doc["exit_code"], doc["preempted"], doc["iteration"]) == \
+        ("saved", 143, True, 3), doc
+    assert doc["lines"] == [line[len("ttprun: "):] for line in tail]
 
 
 @pytest.mark.slow
@@ -197,10 +220,27 @@ def test_clean_run_exits_zero_and_removes_its_run_dir(tmp_path: Path, free_port:
     cmd = [
         sys.executable, "-m", "mindio_ttp.launch.agent", "--nnodes=1", "--nproc-per-node=2",
         "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port}",
-        "--node-rank=0", str(script),
+        "--node-rank=0", f"--outcome-file={tmp_path / 'outcome.json'}", str(script),
     ]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-3:] == [
+        "ttprun: every worker succeeded", "ttprun: no fault", "ttprun: exit 0"], done.stderr
+    doc = json.loads((tmp_path / "outcome.json").read_text())
+    assert (doc["outcome"], doc["exit_code"], doc["failed_ranks"]) == ("succeeded", 0, [])
+
+
+def test_a_worker_lost_after_the_job_completed_fails_nothing(tmp_path: Path,
+                                                            free_port: int) -> None:
+    """Issue 23: once a worker wrote job-complete.json (the final checkpoint complete on every
+    rank), a worker killed afterwards, and one whose last collective then failed, are no
+    failure: the job succeeds, at once, not after TTP_OT."""
+    start = time.monotonic()
+    proc, _ = _launch(tmp_path, "complete", free_port)
+    output = _finish(proc)
+    assert proc.returncode == 0, output
+    assert "failed after the job's final checkpoint was complete on every rank" in output
+    assert time.monotonic() - start < 25, output
 
 
 def test_multi_node_start_without_a_key_is_refused(tmp_path: Path, free_port: int) -> None:
@@ -289,7 +329,7 @@ def test_outcome_no_consistent_step_is_said_in_words(tmp_path: Path, free_port: 
     assert proc.returncode == 1, output
     tail = output.strip().splitlines()[-3:]
     assert tail[0].startswith("ttprun: rank 1 (node "), output
-    assert "no step had a clean copy of every shard, so nothing was saved" in tail[1], output
+    assert "no iteration had a clean copy of every shard, so nothing was saved" in tail[1], output
 
 
 @pytest.mark.slow
@@ -300,9 +340,10 @@ def test_plain_failure_keeps_torchs_table_and_says_no_flow_ran(
     output = _finish(proc)
     assert proc.returncode == 1, output
     assert "Root Cause" in output
-    tail = output.strip().splitlines()[-2:]
+    tail = output.strip().splitlines()[-3:]
     assert tail[0].startswith("ttprun: rank 1 (node ") and "code 3" in tail[0], output
-    assert tail[1] == "ttprun: no dying-checkpoint flow ran; exit 1", output
+    assert tail[1].startswith("ttprun: no dying-checkpoint flow ran, nothing was saved"), output
+    assert tail[2] == "ttprun: exit 1", output
 
 
 ENV_PROBE = (

@@ -38,6 +38,7 @@ ENV = {
     "TTP_COLLECT_TIMEOUT": "3",
     "TTP_UPDATE_GRACE": "0.5",
     "TTP_LOG_LEVEL": "INFO",
+    "TTP_RECOVERY": "dying-checkpoint",  # what a lost node leaves to save
     "OMP_NUM_THREADS": "1",
     "PYTHONUNBUFFERED": "1",
 }

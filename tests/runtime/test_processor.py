@@ -380,11 +380,11 @@ def test_an_exception_raised_into_the_report_does_not_lose_it(job, monkeypatch):
     real_report = proc.report_exception
     calls = []
 
-    def report_exception(exc):
+    def report_exception(exc, kind=""):
         calls.append(exc)
         if len(calls) == 1:  # interrupted before it reached the processor
             raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
-        real_report(exc)
+        real_report(exc, kind)
 
     monkeypatch.setattr(proc, "report_exception", report_exception)
 

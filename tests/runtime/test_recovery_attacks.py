@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from typing import Callable, Iterator, List
+from typing import Callable, List
 
 import pytest
 
@@ -22,12 +22,11 @@ from mindio_ttp.config import TTPConfig
 from mindio_ttp.control import hooks
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.processor import Processor
 from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.recovery import rank as R
 
 from .conftest import DP, ENV
-from .fakes import FakeRank, wait_for
+from .fakes import FakeRank, real_processor, wait_for
 from .test_recovery_backups import IN_MEMORY, RecoveringRank
 
 WORLD = 4
@@ -184,23 +183,6 @@ def idle_connections(addr, n: int, source: str = "") -> List[socket.socket]:
     return socks
 
 
-@contextlib.contextmanager
-def replacement_processor(ctl: Controller, order: P.ReplaceOrder) -> Iterator[Processor]:
-    """A real processor for the lost rank, registering as a replacement does (until its
-    order's deadline), then reporting ready."""
-    hooks.STATE.reset()
-    proc = Processor(TTPConfig.from_env({**ENV, **IN_MEMORY}), order.rank, DP, WORLD, 2)
-    proc.exit_fn = lambda code: None
-    try:
-        yield proc
-    finally:
-        proc._stop.set()
-        proc._mail.wake()
-        if proc.standby:
-            proc.standby.stop()
-        hooks.STATE.reset()
-
-
 @pytest.mark.parametrize("sources", [[""], ["127.0.0.2", "127.0.0.3", "127.0.0.4",
                                             "127.0.0.5"]],
                          ids=["one address", "four addresses"])
@@ -218,7 +200,7 @@ def test_an_outsider_holding_every_waiting_slot_does_not_keep_the_replacement_ou
         for i in range(CAP):
             flood.extend(idle_connections(job.ctl.address, 1, sources[i % len(sources)]))
         assert wait_for(lambda: len(job.ctl._pending) >= min(CAP, 64 * len(sources)))
-        with replacement_processor(job.ctl, order) as proc:
+        with real_processor({**ENV, **IN_MEMORY}, order.rank, DP, WORLD, 2) as (proc, _):
             try:
                 proc.start(*job.ctl.address)
             except Exception as exc:  # noqa: BLE001 - the test reports it
@@ -295,16 +277,9 @@ def test_a_processor_retries_a_handshake_closed_before_its_challenge(ctl):
     newer connections) failed the rank at once ("no valid TTP handshake"); it tries again,
     within TTP_CONNECT_TIMEOUT, and registers."""
     proxy = ClosingProxy(ctl.address, 3)
-    hooks.STATE.reset()
-    proc = Processor(TTPConfig.from_env(ENV), 2, DP, WORLD, 2)
-    proc.exit_fn = lambda code: None
     try:
-        proc.start("127.0.0.1", proxy.port)
-        assert proxy.accepted == 4 and wait_for(lambda: ctl.registered == [2])
+        with real_processor(ENV, 2, DP, WORLD, 2) as (proc, _):
+            proc.start("127.0.0.1", proxy.port)
+            assert proxy.accepted == 4 and wait_for(lambda: ctl.registered == [2])
     finally:
-        proc._stop.set()
-        proc._mail.wake()
-        if proc.standby:
-            proc.standby.stop()
-        hooks.STATE.reset()
         proxy.close()

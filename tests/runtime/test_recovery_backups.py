@@ -90,8 +90,10 @@ class Job:
 
 
 def announced(fake: FakeRank) -> List[tuple]:
-    """(rank, port) of the last backup list `fake` received."""
-    lists = fake.of_type(P.Backups)
+    """(rank, port) of the last backup list `fake` received: in a Backups broadcast, or in its
+    RegisterAck (a rank registering after the list's broadcast gets it there only: under load,
+    rank 3 registered after the broadcast of [1, 2] and waited for one that never came)."""
+    lists = [m for m in list(fake.received) if isinstance(m, (P.Backups, P.RegisterAck))]
     return [(b[0], b[2]) for b in lists[-1].backups] if lists else []
 
 

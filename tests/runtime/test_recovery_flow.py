@@ -166,7 +166,7 @@ def test_abandoned_recovery_falls_back_to_the_dying_checkpoint(case, kwargs, rea
     flow, out = make_flow({1}, **kwargs)
     fault_and_wait(flow, out)
     abandoned(flow, out)
-    assert any("falling back to the dying checkpoint of step 4" in r.message and reason in
+    assert any("falling back to the dying checkpoint of iteration 4" in r.message and reason in
                r.message for r in caplog.records), case
 
 

@@ -186,6 +186,7 @@ def test_nothing_is_raised_where_nothing_was_aborted(fresh, monkeypatch) -> None
     outcome = _release().stop("test", grace_s=0.05, retry_s=0.05, timeout_s=0.3,
                               raise_into=lambda i, e: raised.append("gloo") or True)
     assert raised == [] and not outcome.report.aborted
+    assert outcome.ok  # its main thread leaves when the dead (or killed) peer's sockets close
 
 
 def test_after_the_abort_only_a_rank_already_at_the_gate_may_update(fresh) -> None:
@@ -254,7 +255,7 @@ def test_a_rank_without_device_groups_is_neither_fenced_nor_aborted(fresh, monke
             return "gloo"
 
     monkeypatch.setattr(abort, "_all_groups", lambda: [Gloo()])
-    outcome = _release().stop("test", timeout_s=0.2)
+    outcome = _release().stop("test", timeout_s=5.0)  # the bound only; a loaded CI machine is slow
     assert outcome.ok and not hooks.STATE.fenced
     assert [g.outcome for g in outcome.report.groups] == [abort.SKIPPED]
 

@@ -24,6 +24,8 @@ KEY = "ab" * 32
 BAD = {"TTP_OT": "0", "TTP_AUTH_KEY": "abcd", "TTP_HEARTBEAT_TIMEOUT": "nan",
        "TTP_LISTEN_PORTS": "9000-8000", "TTP_LOG_LEVEL": "LOUD"}
 
+pytestmark = pytest.mark.smoke  # `pytest -m smoke`: README's quick check
+
 
 def test_ttprun_refuses_every_bad_value_at_once_before_any_worker_starts(tmp_path: Path) -> None:
     """Before: a short key, TTP_OT=0 or nan passed ttprun and every rank died after model build

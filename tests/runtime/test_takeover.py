@@ -24,11 +24,14 @@ import psutil
 import pytest
 import torch.distributed as dist
 
+from mindio_ttp.launch.replace import ReplacementRequest
 from mindio_ttp.launch.takeover import (
     MEMBER_KEY,
     NONCE_KEY,
+    WANTED_KEY,
     Assignment,
     Member,
+    NodeTakeover,
     TakeoverRefused,
     exchange,
     plan,
@@ -165,6 +168,124 @@ def test_member_records_are_validated_field_by_field() -> None:
                 {**good, "requests": {"x": {}}}, {**good, "requests": {"2": {"A": 1}}}):
         with pytest.raises(ValueError):
             Member.from_json(json.dumps(bad))
+
+
+# -- issue 24 item 3: "takeover wanted" is bound to its round ------------------------------------
+class Rounds:
+    """torch's c10d rendezvous as the takeover sees it: every round a prefix of one real
+    TCPStore on loopback, each agent with a client of its own; `participants` as the
+    handler's synced state says (None: it does not say)."""
+
+    def __init__(self) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=10))
+        self.round, self.participants = 0, None
+
+    def client(self):
+        return dist.TCPStore("127.0.0.1", self.store.port, is_master=False,
+                             timeout=timedelta(seconds=10))
+
+    def handler(self, rank: int, world: int):
+        rounds, client = self, self.client()
+
+        class Handler:
+            def get_run_id(self) -> str:
+                return "job24"
+
+            def next_rendezvous(self):
+                from types import SimpleNamespace
+                return SimpleNamespace(store=rounds.round_store(client), rank=rank,
+                                       world_size=world)
+
+        h = Handler()
+        if self.participants is not None:
+            from types import SimpleNamespace
+            h._state_holder = SimpleNamespace(state=SimpleNamespace(
+                participants={f"node{r}": r for r in self.participants}))
+        return h
+
+    def round_store(self, client=None):
+        return dist.PrefixStore(f"torch.rendezvous.job24.{self.round}", client or self.store)
+
+    def next(self, agents: List[NodeTakeover]) -> None:
+        """Every agent joins the next round (concurrently: the records wait for each other)."""
+        self.round += 1
+        threads = [threading.Thread(target=a.handler.next_rendezvous) for a in agents]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+
+
+def two_survivors(rounds: Rounds, key: bytes = KEY) -> List[NodeTakeover]:
+    """Agents of nodes 0 and 1 (ranks 0-1 and 2-3 of a 3-node job whose node 2 was lost)."""
+    agents = []
+    for g in (0, 1):
+        me = survivor(g, nodes=3)
+        agents.append(NodeTakeover(rounds.handler(g, 2), lambda requests, me=me: me, key))
+    return agents
+
+
+def request(recovery: int, rank: int) -> ReplacementRequest:
+    env = {"TTP_RECOVERY_JOIN": json.dumps({"recovery_id": recovery, "rank": rank})}
+    return ReplacementRequest(recovery, rank, env)
+
+
+def test_a_takeover_wanted_copied_into_a_later_round_is_refused(caplog) -> None:
+    """After one real takeover an outsider who can read torch's store copied the signed
+    "takeover wanted" into a later round: every survivor joined the next round a spare
+    waited in, `plan` refused it (0 lost nodes, 1 newcomer) and the spare exited. The key is
+    now signed over its round's nonces: in another round it does not verify."""
+    rounds = Rounds()
+    a, b = two_survivors(rounds)
+    rounds.next([a, b])
+    a.hold(request(1, 4))  # the relay's launcher holds the recovery's request for node 2
+    a.hold(request(1, 5))
+    assert a.announce(rounds.round_store()) == []
+    assert b.should_join(rounds.round_store())  # this round: a takeover is wanted
+    copied = rounds.round_store().get(WANTED_KEY)
+    a.pending.clear()  # the takeover happened; the next rounds want none
+    rounds.next([a, b])
+    later = rounds.round_store()
+    later.set(WANTED_KEY, copied)  # the outsider's copy
+    assert not b.should_join(later) and not a.should_join(later)
+    assert "not signed for this round" in caplog.text
+    # a takeover this round wants is still seen
+    a.hold(request(2, 4))
+    assert a.announce(later) == [] and b.should_join(later)
+
+
+def test_a_round_whose_nonce_was_overwritten_is_refused() -> None:
+    """Records are signed over the round's nonces; an outsider who overwrote them with an
+    earlier round's could replay that round's records. Each agent checks its own."""
+    class Overwritten:
+        def __init__(self) -> None:
+            self.inner = dist.HashStore()
+
+        def set(self, key: str, value) -> None:
+            self.inner.set(key, value)
+            if key == NONCE_KEY.format(0):
+                self.inner.set(key, "00" * 16)  # the outsider, right after
+
+        def __getattr__(self, name: str):
+            return getattr(self.inner, name)
+
+    with pytest.raises(TakeoverRefused, match="nonce of rank 0 in the round was overwritten"):
+        exchange(Overwritten(), 0, 1, "run", KEY, survivor(0, nodes=1), timedelta(seconds=5))
+
+
+def test_a_takeover_wanted_for_ranks_a_node_still_runs_is_refused(caplog) -> None:
+    """Signed for this round, but naming ranks that a node still in the round runs (its
+    keep-alive has not expired: torch's participants say so), or this node's own: no
+    takeover, whatever the key says."""
+    rounds = Rounds()
+    rounds.participants = [0, 1]
+    a, b = two_survivors(rounds)
+    rounds.next([a, b])
+    a.hold(request(1, 2))  # node 1's rank, and node 1 is a participant
+    assert a.announce(rounds.round_store()) == []
+    assert not b.should_join(rounds.round_store())
+    assert "which a node of this round still runs" in caplog.text
 
 
 # -- three nodes: two run the job, the third is the spare ---------------------------------------

@@ -23,6 +23,14 @@ right after that module is imported, so iteration k (1-based, Megatron's printed
   ``sigstop`` for one that never gets ready;
 * ``save``: inside the dying checkpoint of step k, after the first write of the rank's first
   file (``checkpoint_writer.write_torch``): the rank dies (or throws) half-way through a file.
+* the windows outside the training loop (k = 1 before the first step, else the last
+  iteration): ``startup`` once ``initialize_megatron`` returned, ``model`` once ``get_model``
+  returned, ``load`` as the checkpoint load starts (not a recovery's refill), ``final-eval`` in
+  the first forward step of pretrain's evaluation after train(), ``final-save`` inside
+  pretrain's final save once this rank wrote its first file, ``exit`` right after that save
+  completed on every rank (``mega.final_checkpoint_saved``).
+* ``log``: as ``training_log`` of iteration k starts (after its update, before its scalars and
+  the barrier before the printed line).
 
 ``TTP_FAULT_CORRUPT_REFILL=R`` (no plan needed) changes one value of what replacement rank R
 received in its refill, as a bad link or a bug would: the recovery's hash check must refuse it.
@@ -157,20 +165,22 @@ def _wrap_train_step(train_step, get_args, plan, record_dir, steps_dir=None):
     return fault_injecting_train_step
 
 
-def _wrap_evaluate(evaluate, get_args, plan, record_dir):
+def _wrap_evaluate(evaluate, get_args, plan, record_dir, trained):
     import torch
 
     from mindio_ttp.demo.faults import Phase
 
     def fault_injecting_evaluate(forward_step_func, *args, **kwargs):
-        step = get_args().curr_iteration + 1
+        margs = get_args()  # a replacement re-running pretrain trains no step: no curr_iteration
+        step = getattr(margs, "curr_iteration", margs.iteration - 1) + 1
         rank = torch.distributed.get_rank()
         fired = []
+        phase = Phase.FINAL_EVAL if trained else Phase.EVAL
 
         def forward_step(*a, **kw):
             if not fired:
                 fired.append(True)
-                plan.check(rank, step, Phase.EVAL, record_dir)
+                plan.check(rank, step, phase, record_dir)
             return forward_step_func(*a, **kw)
 
         return evaluate(forward_step, *args, **kwargs)
@@ -178,20 +188,21 @@ def _wrap_evaluate(evaluate, get_args, plan, record_dir):
     return fault_injecting_evaluate
 
 
-def _wrap_save(save_checkpoint, plan, record_dir):
+def _wrap_save(save_checkpoint, plan, record_dir, trained):
     import torch
 
     from mindio_ttp.demo.faults import Phase
 
     def fault_injecting_save(iteration, *args, **kwargs):
         rank = torch.distributed.get_rank()
-        if not plan.has(rank, iteration, Phase.PERIODIC_SAVE, record_dir):
+        phase = Phase.FINAL_SAVE if trained else Phase.PERIODIC_SAVE
+        if not plan.has(rank, iteration, phase, record_dir):
             return save_checkpoint(iteration, *args, **kwargs)
         real_save = torch.save
 
         def save(*a, **kw):
             real_save(*a, **kw)
-            plan.check(rank, iteration, Phase.PERIODIC_SAVE, record_dir)
+            plan.check(rank, iteration, phase, record_dir)
 
         torch.save = save
         try:
@@ -264,19 +275,91 @@ def _install() -> None:
     plan, record_dir = _Once(FaultPlan.from_text(text)), Path(record) if record else None
     _replacement_fault(plan, record_dir)
 
+    trained: list = []  # non-empty once train() returned in this process (pretrain's end)
+
     def wrap(module) -> None:
         module.train_step = _wrap_train_step(module.train_step, module.get_args, plan, record_dir,
                                              Path(steps) if steps else None)
-        module.evaluate = _wrap_evaluate(module.evaluate, module.get_args, plan, record_dir)
-        module.save_checkpoint = _wrap_save(module.save_checkpoint, plan, record_dir)
+        module.evaluate = _wrap_evaluate(module.evaluate, module.get_args, plan, record_dir,
+                                         trained)
+        module.save_checkpoint = _wrap_save(module.save_checkpoint, plan, record_dir, trained)
+        _wrap_windows(module, plan, record_dir, trained)
 
     def wrap_refill(module) -> None:
         module.load_in_memory = _wrap_refill(module.load_in_memory, plan, record_dir)
 
     after_import(TARGET, wrap)
     after_import("mindio_ttp.megatron_ttp.refill", wrap_refill)
+    after_import("mindio_ttp.megatron_ttp.load", lambda module: _wrap_load(module, plan,
+                                                                           record_dir))
+    after_import("mindio_ttp.megatron_ttp.completion",
+                 lambda module: _wrap_completion(module, plan, record_dir))
     after_import("mindio_ttp.faulttime.checkpoint_writer",
                  lambda module: _wrap_writer(module, plan, record_dir))
+
+
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank()
+
+
+def _after(fn, then):
+    """`fn`, running `then(result, *args)` once it returned (its attributes kept: the runtime
+    reads the patch's marks on them, e.g. get_model's `_ttp_reuses_on_recovery`)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        then(out, *args)
+        return out
+
+    return wrapper
+
+
+def _wrap_windows(module, plan, record_dir, trained) -> None:
+    """startup, model, log, and whether train() returned (final-eval / final-save after)."""
+    import functools
+
+    from mindio_ttp.demo.faults import Phase
+
+    module.initialize_megatron = _after(
+        module.initialize_megatron, lambda *_: plan.check(_rank(), 1, Phase.STARTUP, record_dir))
+    module.get_model = _after(
+        module.get_model, lambda *_: plan.check(_rank(), 1, Phase.MODEL, record_dir))
+    module.train = _after(module.train, lambda *_: trained.append(True))
+    training_log = module.training_log
+
+    @functools.wraps(training_log)
+    def fault_injecting_training_log(*args, **kwargs):
+        plan.check(_rank(), args[3], Phase.LOG, record_dir)  # args[3]: the iteration
+        return training_log(*args, **kwargs)
+
+    module.training_log = fault_injecting_training_log
+
+
+def _wrap_load(module, plan, record_dir) -> None:
+    from mindio_ttp.demo.faults import Phase
+
+    real = module.load_checkpoint
+
+    def load_checkpoint(*args, **kwargs):
+        from mindio_ttp.megatron_ttp import rejoin
+
+        if rejoin.current() is None:
+            plan.check(_rank(), 1, Phase.LOAD, record_dir)
+        return real(*args, **kwargs)
+
+    module.load_checkpoint = load_checkpoint
+
+
+def _wrap_completion(module, plan, record_dir) -> None:
+    from mindio_ttp.demo.faults import Phase
+
+    module.final_checkpoint_saved = _after(
+        module.final_checkpoint_saved,
+        lambda _, iteration: plan.check(_rank(), iteration, Phase.EXIT, record_dir))
 
 
 def _wrap_writer(module, plan, record_dir) -> None:
