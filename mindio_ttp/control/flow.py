@@ -23,8 +23,8 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple, Union
 
 from mindio_ttp.config import ENV_RECOVERY, Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
@@ -61,7 +61,30 @@ class Decision:
     seconds: float  # from the first fault to the exit orders
 
 
-RECOVERED = object()  # what _run_flow returns when the in-memory recovery committed
+@dataclass(frozen=True)
+class Verdict:
+    """What a flow that ends the job decided: every rank's exit order says it."""
+    outcome: Outcome
+    step: Optional[int] = None
+    ranks: List[int] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """The flow's in-memory recovery committed: the job trains on."""
+
+
+FlowResult = Union[Verdict, Recovered]
+
+
+@dataclass(frozen=True)
+class SaveAttempt:
+    """The last save order of a flow: who it went to, under which flow id, and how it went."""
+    savers: List[int]
+    flow_id: int
+    ok: bool
+    why: str
 
 
 class Outbox(Protocol):
@@ -175,15 +198,16 @@ class Flow:
 
     # -- the flow thread -----------------------------------------------------------------------
     def _flow(self) -> None:
+        result: FlowResult
         try:
-            result: Any = self._run_flow()
+            result = self._run_flow()
         except Exception as exc:  # a bug must still end the job, not leave it hanging
             log.exception("%s: flow failed", self.name)
-            result = (Outcome.SAVE_FAILED, None, [], f"controller error: {exc!r}")
-        if result is RECOVERED:
+            result = Verdict(Outcome.SAVE_FAILED, reason=f"controller error: {exc!r}")
+        if isinstance(result, Recovered):
             self._rearm()
             return
-        self._finish(*result)
+        self._finish(result)
 
     def _rearm(self) -> None:
         """After a committed recovery: serve again, ready for the next fault."""
@@ -247,7 +271,7 @@ class Flow:
         with self._cond:  # the I/O thread may register a rank meanwhile
             return self._ranks.alive()
 
-    def _run_flow(self) -> Tuple[Outcome, Optional[int], List[int], str]:
+    def _run_flow(self) -> FlowResult:
         cfg = self.cfg
         if self._promoted:  # let slower processors fail over before freezing the membership
             self._wait_for_failovers()
@@ -277,7 +301,8 @@ class Flow:
             try:
                 layout = self._agreed_layout()
             except ValueError as exc:
-                return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
+                return Verdict(Outcome.NO_CONSISTENT_STEP,
+                               reason=f"inconsistent DP layout: {exc}")
             reports = dict(self._reports[2])
             notes = {i.rank: i.note for i in self._ranks.values()}
             for r in range(self.world_size):
@@ -287,49 +312,49 @@ class Flow:
         states = states_from(reports, range(self.world_size), notes)
         recovered, replaced = self._try_recovery(fid, layout, states, reports)
         if recovered:
-            return RECOVERED  # type: ignore[return-value]
+            return Recovered()
         if replaced:  # a recovery ran and was abandoned
             fid = self._after_abandoned(states, replaced)
         step, reason = choose_step(layout, states, self.world_size)
         if step is None:
             log.error("%s: %s; nothing is saved", self.name, reason)
-            return Outcome.NO_CONSISTENT_STEP, None, [], reason
+            return Verdict(Outcome.NO_CONSISTENT_STEP, reason=reason)
         savers = savers_for(layout, states, step)
         self.timeline["chosen"] = time.monotonic()
         # a faulty rank answered too: it is on this controller's side of any partition
         settled, why = self._settle(fid, step, sorted(set(reports) | set(self._faulty)))
         if not settled:
             log.error("%s: not saving step %d: %s", self.name, step, why)
-            return Outcome.NOT_CLAIMED, None, [], why
+            return Verdict(Outcome.NOT_CLAIMED, reason=why)
         log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why,
                  ranksets.describe(savers))
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
-        savers, fid, ok, why = self._save(fid, step, layout, states, savers)
+        attempt = self._save(fid, step, layout, states, savers)
+        savers, fid = attempt.savers, attempt.flow_id
         self.timeline["saved"] = time.monotonic()
-        if not ok:
-            return (Outcome.SAVE_FAILED, step, savers,
-                    f"save of step {step} failed: {why}; rename not run, nothing marked latest")
+        if not attempt.ok:
+            return Verdict(Outcome.SAVE_FAILED, step, savers, f"save of step {step} failed: "
+                           f"{attempt.why}; rename not run, nothing marked latest")
         self.sm.transition_to(S.RENAMING, f"rename on rank {savers[0]}")
         if self._claim is not None:  # durably, before the order: the claim is final from here
             self._claim.update(C.RENAMING, step=step, savers=ranksets.encode(savers))
         ok, why = self._order(savers[:1], P.RenameOrder(fid, step, cfg.rename_time_limit),
                               cfg.rename_time_limit)
         if not ok:
-            return (Outcome.SAVE_FAILED, step, savers,
-                    f"rename of step {step} failed: {why}; nothing marked latest")
-        return (Outcome.SAVED, step, savers,
-                f"dying checkpoint of step {step} saved by {ranksets.describe(savers)}")
+            return Verdict(Outcome.SAVE_FAILED, step, savers,
+                           f"rename of step {step} failed: {why}; nothing marked latest")
+        return Verdict(Outcome.SAVED, step, savers,
+                       f"dying checkpoint of step {step} saved by {ranksets.describe(savers)}")
 
     def _save(self, fid: int, step: int, layout: Layout, states: Dict[int, RankState],
-              savers: List[int]) -> Tuple[List[int], int, bool, str]:
+              savers: List[int]) -> SaveAttempt:
         """Order the save of `step`; when savers fail or miss their deadline, order it again
         with each failed saver's shard moved to its other clean holder (`replacement_savers`),
         while TTP_OT leaves time for another save and the rename (the new order's limit is
         what is left, at most TTP_SAVE_TIME_LIMIT; less than a quarter of it: no new order).
         Every attempt is a new order: a new flow id (a late answer to an earlier attempt is
         ignored), its own tag, so its own staging directory (a failed attempt's files are never
-        part of the checkpoint) and store namespace. Returns (savers, flow id, ok, why) of the
-        last attempt."""
+        part of the checkpoint) and store namespace. Returns the last attempt (a SaveAttempt)."""
         cfg = self.cfg
         failed: Set[int] = set()
         limit = cfg.save_time_limit
@@ -342,18 +367,19 @@ class Flow:
             ok, why = self._order(savers, order, limit)
             self._end_save_store("the save order was answered")
             if ok:
-                return savers, fid, True, why
+                return SaveAttempt(savers, fid, True, why)
             failed.update(self._failed)
             nxt = replacement_savers(layout, states, step, savers, failed, set(self._alive()))
             if nxt is None:
-                return savers, fid, False, why + "; no other clean holder can replace them"
+                return SaveAttempt(savers, fid, False,
+                                   why + "; no other clean holder can replace them")
             # what TTP_OT leaves for another save, once the rename and the exit orders fit
             spent = time.monotonic() - (self.fault_at or time.monotonic())
             left = cfg.ot - spent - cfg.rename_time_limit - 4 * cfg.heartbeat_interval - 1.0
             if left < cfg.save_time_limit / 4:
-                return savers, fid, False, (f"{why}; TTP_OT ({cfg.ot:g} s) leaves "
-                                            f"{max(left, 0):.0f} s, too little to order the save "
-                                            "again")
+                return SaveAttempt(savers, fid, False, (
+                    f"{why}; TTP_OT ({cfg.ot:g} s) leaves {max(left, 0):.0f} s, too little to "
+                    "order the save again"))
             limit = min(cfg.save_time_limit, left)
             log.warning("%s: save of step %d failed on rank(s) %s (%s); ordering it again, "
                         "from rank(s) %s, within %.1f s", self.name, step, sorted(self._failed),
@@ -560,7 +586,9 @@ class Flow:
                  len(ranks), time.monotonic() - t0, f" with errors: {errors}" if errors else "")
         return not errors, "; ".join(errors)
 
-    def _finish(self, outcome: Outcome, step: Optional[int], ranks: List[int], reason: str) -> None:
+    def _finish(self, verdict: Verdict) -> None:
+        outcome, step, ranks, reason = (verdict.outcome, verdict.step, verdict.ranks,
+                                        verdict.reason)
         took = time.monotonic() - (self.fault_at or time.monotonic())
         self.decision = Decision(outcome, step, ranks, reason, took)
         (log.info if outcome is Outcome.SAVED else log.error)(
