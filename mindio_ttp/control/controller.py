@@ -109,24 +109,29 @@ class LogLimit:
 
 
 class MailOutbox:
-    """The flow's `Outbox` over the I/O thread's mailbox: frames are queued and written by the
-    I/O thread, the only thread that touches a connection."""
+    """The flow's `Outbox` over the I/O thread's mailbox: each call is queued as the I/O
+    thread's own method and run there, the only thread that touches a connection."""
 
-    def __init__(self, mail: Mailbox) -> None:
+    def __init__(self, mail: Mailbox, broadcast: Callable[[P.Message, Optional[int]], None],
+                 send_many: Callable[[List[int], P.Message], None],
+                 send: Callable[[int, P.Message], None],
+                 on_flushed: Callable[[threading.Event], None]) -> None:
         self._mail = mail
+        self._broadcast, self._send_many, self._send = broadcast, send_many, send
+        self._on_flushed = on_flushed
 
     def broadcast(self, msg: P.Message, exclude: Optional[int] = None) -> None:
-        self._mail.put("send_alive", msg, exclude)
+        self._mail.put(self._broadcast, msg, exclude)
 
     def send_many(self, ranks: List[int], msg: P.Message) -> None:
-        self._mail.put("send_many", ranks, msg)
+        self._mail.put(self._send_many, ranks, msg)
 
     def send(self, rank: int, msg: P.Message) -> None:
-        self._mail.put("send", rank, msg)
+        self._mail.put(self._send, rank, msg)
 
     def flush(self, timeout: float) -> bool:
         ev = threading.Event()
-        self._mail.put("flush", ev)
+        self._mail.put(self._on_flushed, ev)
         return ev.wait(timeout)
 
 
@@ -151,7 +156,8 @@ class Controller:
         self._ranks = Roster()
         self._cond = threading.Condition(threading.RLock())
         self._mail = Mailbox()
-        self._outbox = MailOutbox(self._mail)
+        self._outbox = MailOutbox(self._mail, self._send_alive_now, self._send_many_now,
+                                  self._send_to, lambda ev: self._flush_waiters.append(ev))
         self._sel = selectors.DefaultSelector()
         self._listener: Optional[socket.socket] = None
         # accepted, not registered yet (admission.py): every rank may connect at once at
@@ -287,7 +293,7 @@ class Controller:
     def close_store(self, namespace: str, why: str = "closed by the controller") -> None:
         """Drop a namespace of the authenticated store (any thread): its pending gets and
         waits fail, its memory is freed."""
-        self._mail.put("store_close", namespace, why)
+        self._mail.put(self._close_store_now, namespace, why)
 
     @property
     def flow_running(self) -> bool:
@@ -483,25 +489,21 @@ class Controller:
             self._sel.unregister(self._listener)
 
     def _on_mail(self) -> None:
-        for item in self._mail.drain():
-            kind = item[0]
-            if kind == "send":
-                self._send_to(item[1], item[2])
-            elif kind == "send_many":  # one serialisation for all: save orders to N/2 ranks
-                payload = P.encode_payload(item[2])
-                for r in item[1]:
-                    info = self._ranks.get(r)
-                    if info is not None and info.conn is not None:
-                        info.conn.queue_payload(item[2].TYPE, payload)
-                        self._flush(info.conn)
-                self.routes.to_ranks(item[1], item[2])  # one envelope for the routed ones
-            elif kind == "send_alive":
-                self._send_alive_now(item[1], item[2])
-            elif kind == "flush":
-                self._flush_waiters.append(item[1])
-            elif kind == "store_close":
-                n = self.store.close(item[1], item[2])
-                log.info("%s: store namespace %s closed (%d key(s))", self.name, item[1], n)
+        self._mail.run_all()
+
+    def _send_many_now(self, ranks: List[int], msg: P.Message) -> None:
+        """One serialisation for all (save orders to N/2 ranks); one envelope for the routed."""
+        payload = P.encode_payload(msg)
+        for r in ranks:
+            info = self._ranks.get(r)
+            if info is not None and info.conn is not None:
+                info.conn.queue_payload(msg.TYPE, payload)
+                self._flush(info.conn)
+        self.routes.to_ranks(ranks, msg)
+
+    def _close_store_now(self, namespace: str, why: str) -> None:
+        n = self.store.close(namespace, why)
+        log.info("%s: store namespace %s closed (%d key(s))", self.name, namespace, n)
 
     def _send_alive_now(self, msg: P.Message, exclude: Optional[int] = None) -> None:
         if isinstance(msg, P.Lock):

@@ -149,7 +149,7 @@ class Processor:
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
         # the fault-time stop (release.py): abort off the main thread, on every survivor
-        self.stopper = Stopper(lambda outcome: self._mail.put("stopped", outcome))
+        self.stopper = Stopper(lambda outcome: self._mail.put(self._on_stopped, outcome))
         # through this node's agent (control/agent/): what it accepts from it; None: direct
         self._agent: Optional[agent_client.AgentLink] = None
         self._controller_at: Optional[Tuple[str, int]] = None  # where ttp_start_processor said
@@ -315,7 +315,7 @@ class Processor:
             return
         self.running = False
         done = threading.Event()
-        self._mail.put("goodbye", done)
+        self._mail.put(self._say_goodbye, done)
         done.wait(timeout)
         self._stop.set()
         self._mail.wake()
@@ -332,12 +332,12 @@ class Processor:
         kind = kind or fault_kind(exc, self.fault_seen)
         tb = traceback.extract_tb(exc.__traceback__)
         where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-        self._mail.put("fault", kind, f"{type(exc).__name__}: {exc}{where}"[:2000])
+        self._mail.put(self._report_fault, kind, f"{type(exc).__name__}: {exc}{where}"[:2000])
 
     def report_preempted(self) -> None:
         if not self._preempted:
             self._preempted = True
-            self._mail.put("fault", "preempted", "SIGTERM received (preemption)")
+            self._mail.put(self._report_fault, "preempted", "SIGTERM received (preemption)")
 
     def wait_for_exit(self, timeout: float) -> bool:
         """True once the exit order was carried out (tests replace the process exit)."""
@@ -444,7 +444,7 @@ class Processor:
         if threading.current_thread() is self._thread:
             raise RuntimeError("the processor's own thread cannot wait for a store answer")
         req, done, slot = self._calls.open()
-        self._mail.put("store", dataclasses.replace(request, req=req))
+        self._mail.put(self._send_store, dataclasses.replace(request, req=req))
         if not done.wait(wait_s):
             self._calls.close(req, None)
             raise TimeoutError(f"no answer from the TTP controller within {wait_s:g} s")
@@ -545,39 +545,34 @@ class Processor:
             self.report_preempted()
 
     def _on_mail(self) -> None:
-        for item in self._mail.drain():
-            kind = item[0]
-            if kind == "fault":
-                self._note_fault()
-                STATE.lock()
-                (log.info if item[1] == "collective" else log.error)(
-                    "rank %d: reporting %s: %s", self.rank, item[1], item[2])
-                self._send(P.FaultReport(self.rank, item[1], item[2]))
-            elif kind == "state":
-                self._advanced[item[1]] = (item[2], item[3])
-                self._send(P.StateReport(item[1], 2, self.rank, item[2], item[3]))
-            elif kind == "job_done":
-                self.handlers.finished(item[1], item[2], item[3])
-            elif kind == "ready":
-                self._send(P.RecoverReady(item[1], self.rank, *item[2:]))
-            elif kind == "replace_status":
-                self._send(item[1])
-            elif kind == "goodbye":
-                self._closing = True
-                self._send(P.Goodbye(self.rank))
-                item[1].set()
-            elif kind == "stopped":
-                self._on_stopped(item[1])
-            elif kind == "store":
-                if self._conn is None:
-                    self._calls.close(item[1].req, ConnectionError(
-                        "no connection to a TTP controller (failing over)"))
-                else:
-                    self._send(item[1])
+        self._mail.run_all()
+
+    def _report_fault(self, kind: str, detail: str) -> None:
+        self._note_fault()
+        STATE.lock()
+        (log.info if kind == "collective" else log.error)(
+            "rank %d: reporting %s: %s", self.rank, kind, detail)
+        self._send(P.FaultReport(self.rank, kind, detail))
+
+    def _advanced_to(self, flow_id: int, step: Optional[int], updating: bool) -> None:
+        self._advanced[flow_id] = (step, updating)
+        self._send(P.StateReport(flow_id, 2, self.rank, step, updating))
+
+    def _say_goodbye(self, done: threading.Event) -> None:
+        self._closing = True
+        self._send(P.Goodbye(self.rank))
+        done.set()
+
+    def _send_store(self, request: P.StoreRequest) -> None:
+        if self._conn is None:
+            self._calls.close(request.req, ConnectionError(
+                "no connection to a TTP controller (failing over)"))
+        else:
+            self._send(request)
 
     def _handler_done(self, job: Job, ok: bool, err: str) -> None:
         """On a handler's thread: its result is sent from ours (only we touch the socket)."""
-        self._mail.put("job_done", job, ok, err)
+        self._mail.put(self.handlers.finished, job, ok, err)
 
     def _note_fault(self) -> None:
         self.fault_seen = True
@@ -623,7 +618,7 @@ class Processor:
 
             def advance(fid: int = m.flow_id, limit: int = m.limit, grace: float = m.grace) -> None:
                 step, updating = STATE.advance_to(limit, grace)
-                self._mail.put("state", fid, step, updating)
+                self._mail.put(self._advanced_to, fid, step, updating)
             threading.Thread(target=advance, name="ttp-advance", daemon=True).start()
         elif isinstance(m, P.SaveOrder):
             RECOVERY.abandon("the controller fell back to the dying checkpoint")
@@ -689,7 +684,8 @@ class Processor:
     def _report_ready(self, recovery_id: int, ok: bool, detail: str, digest: str,
                       seconds: float) -> None:
         """RECOVERY.reporter (training thread): sent from this thread, which owns the socket."""
-        self._mail.put("ready", recovery_id, ok, detail, digest, seconds)
+        self._mail.put(self._send, P.RecoverReady(recovery_id, self.rank, ok, detail, digest,
+                                                  seconds))
 
     def _relay_replacement(self, m: P.ReplaceOrder) -> None:
         """Ask this host's launcher for a replacement of rank `m.rank`, and forward what it
@@ -718,7 +714,7 @@ class Processor:
                 status = R.read_status(run_dir, m.recovery_id, m.rank)
                 if status is not None and status.state != seen:
                     seen = status.state
-                    self._mail.put("replace_status", P.ReplaceStatus(
+                    self._mail.put(self._send, P.ReplaceStatus(
                         m.recovery_id, m.rank, status.state, status.pid, status.detail))
                 if seen in (R.EXITED, R.FAILED) or (seen == R.STARTED and not RECOVERY.active
                                                     and RECOVERY.epoch >= m.recovery_id):

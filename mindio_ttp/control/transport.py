@@ -111,7 +111,9 @@ class Conn:
 
 
 class Mailbox:
-    """Thread-safe queue of work for a selector loop, with a wake-up socket."""
+    """Thread-safe queue of work for a selector loop, with a wake-up socket: each item is a
+    callable and its arguments, run in order on the loop's thread (`run_all`), like asyncio's
+    call_soon_threadsafe: no dispatch on strings, and the arguments are the callee's."""
 
     def __init__(self) -> None:
         self._r, self._w = socket.socketpair()
@@ -124,9 +126,9 @@ class Mailbox:
     def reader(self) -> socket.socket:
         return self._r
 
-    def put(self, *item: Any) -> None:
+    def put(self, fn: Callable[..., Any], *args: Any) -> None:
         with self._lock:
-            self._items.append(item)
+            self._items.append((fn, *args))
         self.wake()
 
     def wake(self) -> None:
@@ -145,6 +147,11 @@ class Mailbox:
             items = list(self._items)
             self._items.clear()
         return items
+
+    def run_all(self) -> None:
+        """Run every queued call, in order (on the loop's thread)."""
+        for fn, *args in self.drain():
+            fn(*args)
 
     def close(self) -> None:
         for s in (self._r, self._w):

@@ -257,8 +257,7 @@ class NodeAgent:
     def _guarded(self, data: Any, mask: int) -> None:
         try:
             if data == "wake":
-                for item in self._mail.drain():
-                    item[0](*item[1:])
+                self._mail.run_all()
             elif data == "local":
                 self._accept(self._listener, local=True)
             elif data == "relay":
