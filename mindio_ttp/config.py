@@ -740,11 +740,83 @@ class TTPConfig:
             node_agent=v[ENV_NODE_AGENT],
             fanout=v[ENV_FANOUT],
         )
-        budget = cfg.collect_timeout + cfg.save_time_limit + cfg.rename_time_limit
+        budget = Deadlines(cfg).limits_budget
         if budget >= cfg.ot:
             log.warning("%s=%g is shorter than collect + save + rename limits (%g s): processes "
                         "may exit before the dying checkpoint is renamed", ENV_OT, cfg.ot, budget)
         return cfg
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return Deadlines(self)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Every wait the control plane derives from the settings, each with the one reason for its
+    slack, so that what the flow waits for and what the start-up check adds up are the same."""
+
+    cfg: TTPConfig
+
+    @property
+    def advance_wait(self) -> float:
+        """Phase 2 (AdvanceTo): the update grace, one heartbeat for the reports to travel, and a
+        second for scheduling on a busy node."""
+        return self.cfg.update_grace + self.cfg.heartbeat_interval + 1.0
+
+    def order_wait(self, limit: float) -> float:
+        """A save or rename order of `limit` seconds: its answer comes at most one heartbeat
+        after the handler's end, the order one heartbeat after it was sent, and a second."""
+        return limit + 2 * self.cfg.heartbeat_interval + 1.0
+
+    def save_retry_left(self, spent: float) -> float:
+        """What TTP_OT leaves for ordering a save again, `spent` seconds after the fault: the
+        rename and the exit orders (about four heartbeats' travel, and a second) must fit."""
+        cfg = self.cfg
+        return cfg.ot - spent - cfg.rename_time_limit - 4 * cfg.heartbeat_interval - 1.0
+
+    @property
+    def failover_try(self) -> float:
+        """How long a failover target gets to send its challenge (a hung process accepts TCP
+        connections in the kernel): a heartbeat timeout, at most 5 s so a list of dead
+        targets is gone through quickly."""
+        return min(self.cfg.heartbeat_timeout, 5.0)
+
+    @property
+    def failover_floor(self) -> float:
+        """A promoted standby waits this long at least for the rest of the job to fail over:
+        two heartbeat intervals (every rank noticed) and half a second."""
+        return 2 * self.cfg.heartbeat_interval + 0.5
+
+    @property
+    def route_grace(self) -> float:
+        """How long ranks whose node agent or relay was lost have to register another way
+        before they count as dead (routes.py): their processors and agents re-register at once
+        on EOF; a heartbeat interval and a second cover a busy node."""
+        return self.cfg.heartbeat_interval + 1.0
+
+    @property
+    def exit_flush(self) -> float:
+        """How long the flow waits for every exit order to be written before its own rank's:
+        as long as a storm's handshakes may take (scaled without node agents), at least 2 s."""
+        return max(2.0, self.cfg.handshake_timeout)
+
+    @property
+    def limits_budget(self) -> float:
+        """The settings' own limits a flow runs through: collect, save and rename (the start-up
+        check: TTP_OT must exceed it)."""
+        cfg = self.cfg
+        return cfg.collect_timeout + cfg.save_time_limit + cfg.rename_time_limit
+
+    @property
+    def flow_budget(self) -> float:
+        """The longest a flow may wait from the fault to its exit orders: collect, advance, the
+        save order and the rename order, each with its slack, and the exit orders' flush (at
+        the defaults, 143 s against TTP_OT's 120: the derived save limit leaves 5 s for what
+        is here 33 s of slack; docs/design.md)."""
+        cfg = self.cfg
+        return (cfg.collect_timeout + self.advance_wait + self.order_wait(cfg.save_time_limit)
+                + self.order_wait(cfg.rename_time_limit) + self.exit_flush)
 
 
 # -- the table, for people ----------------------------------------------------------------------

@@ -227,7 +227,7 @@ class Flow:
         takes world_size handshakes, seconds at 10k+ ranks, and a rank frozen out of the flow
         counts as dead (both holders of a shard among them: nothing is saved). Bounded by
         TTP_HANDSHAKE_TIMEOUT (scaled with the job) past the floor."""
-        floor = 2 * self.cfg.heartbeat_interval + 0.5
+        floor = self.cfg.deadlines.failover_floor
         t0 = time.monotonic()
         deadline = t0 + floor + self.cfg.handshake_timeout
         with self._cond:
@@ -293,7 +293,7 @@ class Flow:
         advance = P.AdvanceTo(fid, limit, cfg.update_grace)
         self._expect(("report", 2), self._alive())
         self._out.broadcast(advance)
-        silent = self._await(cfg.update_grace + cfg.heartbeat_interval + 1.0)
+        silent = self._await(cfg.deadlines.advance_wait)
         with self._cond:
             for r in silent:
                 self._ranks[r].note = "did not answer the collect in time"
@@ -375,7 +375,7 @@ class Flow:
                                    why + "; no other clean holder can replace them")
             # what TTP_OT leaves for another save, once the rename and the exit orders fit
             spent = time.monotonic() - (self.fault_at or time.monotonic())
-            left = cfg.ot - spent - cfg.rename_time_limit - 4 * cfg.heartbeat_interval - 1.0
+            left = cfg.deadlines.save_retry_left(spent)
             if left < cfg.save_time_limit / 4:
                 return SaveAttempt(savers, fid, False, (
                     f"{why}; TTP_OT ({cfg.ot:g} s) leaves {max(left, 0):.0f} s, too little to "
@@ -570,7 +570,7 @@ class Flow:
             self._expect(("result", 0), ranks)
         t0 = time.monotonic()
         self._out.send_many(ranks, msg)
-        self._await(limit + 2 * self.cfg.heartbeat_interval + 1.0)
+        self._await(self.cfg.deadlines.order_wait(limit))
         errors, self._failed = [], []
         with self._cond:
             for r in ranks:
@@ -609,7 +609,7 @@ class Flow:
         self._out.broadcast(order, exclude=self.host_rank)
         # every other rank's order written before our own process may exit on its own: at
         # 100k ranks that is seconds, so as long as a storm's handshakes may take (scaled)
-        self._out.flush(max(2.0, self.cfg.handshake_timeout))
+        self._out.flush(self.cfg.deadlines.exit_flush)
         self.timeline["exit_sent"] = time.monotonic()
         self.decided.set()
         self._out.send(self.host_rank, order)

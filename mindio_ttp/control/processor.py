@@ -745,7 +745,7 @@ class Processor:
                     self.rank, why)
         ip, port = self._controller_at or ("", 0)
         conn, err = self._try_backup([self.controller_rank or 0, ip, port],
-                                     min(self.cfg.heartbeat_timeout, 5.0))
+                                     self.cfg.deadlines.failover_try)
         if conn is not None:
             self._set_conn(conn)
             return
@@ -764,7 +764,7 @@ class Processor:
         log.error("rank %d: controller lost (%s); failing over to %s", self.rank, why,
                   [b[0] for b in self._backups] or "nobody")
         deadline = self._fault_time + self.ot  # type: ignore[operator]
-        per_try = min(self.cfg.heartbeat_timeout, 5.0)  # for the challenge (see _handshake)
+        per_try = self.cfg.deadlines.failover_try  # for the challenge (see _handshake)
         tried: Dict[int, str] = {}  # backup rank -> why it failed last
         while time.monotonic() < deadline and not self._stop.is_set():
             for entry in list(self._backups):

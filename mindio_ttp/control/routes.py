@@ -9,9 +9,9 @@ rank's Register is, by the controller's own `_admit`), and turns what comes up (
 tell a routed rank from a direct one. Down, every order for routed ranks is one envelope sealed
 with the order key (wire/envelope.py) and queued once per child it reaches.
 
-A child's connection lost is not its ranks' death: they may come back another way within
-`ROUTE_GRACE_S` (their processors fall back to this controller, or their agent to another relay);
-only then are those that did not counted dead, and the flow starts.
+A child's connection lost is not its ranks' death: they may come back another way within the
+route grace (config.Deadlines: their processors fall back to this controller, or their agent to
+another relay); only then are those that did not counted dead, and the flow starts.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Routes:
         self._seq = 0
         self._local_world = 0  # ranks per node, as the agents say
         self.limbo: Dict[int, Tuple[float, str]] = {}  # rank -> (since, why): no route
-        self.grace = ctl.cfg.heartbeat_interval + 1.0  # ROUTE_GRACE_S, see the docstring
+        self.grace = ctl.cfg.deadlines.route_grace  # the route grace, see the docstring
         self.redirects = 0
 
     # -- sending ---------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class Routes:
 
     # -- losing a child ---------------------------------------------------------------------------
     def lost(self, child: Child, why: str) -> None:
-        """The child's connection is gone: its ranks get ROUTE_GRACE_S to come back."""
+        """The child's connection is gone: its ranks get the route grace to come back."""
         ranks = self.children.remove(child)
         if not ranks:
             return
@@ -264,8 +264,8 @@ class Routes:
                     "again", self.ctl.name, child.conn.peer, why, len(ranks), self.grace)
 
     def check(self, seen: float) -> List[Child]:
-        """Count ranks whose route was lost ROUTE_GRACE_S ago dead; returns the children silent
-        for TTP_HEARTBEAT_TIMEOUT (the owner drops them)."""
+        """Count ranks whose route was lost longer than the route grace ago dead; returns the
+        children silent for TTP_HEARTBEAT_TIMEOUT (the owner drops them)."""
         ctl = self.ctl
         expired = [r for r, (t, _) in self.limbo.items() if seen - t > self.grace]
         if expired:
