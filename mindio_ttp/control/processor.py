@@ -34,7 +34,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mindio_ttp.config import ENV_RECOVERY_JOIN, FLOW_FINISHED_FILE, Outcome, TTPConfig
+from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.agent import client as agent_client
 from mindio_ttp.control.controller import Controller
@@ -47,9 +47,7 @@ from mindio_ttp.control.release import Stopper
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
 from mindio_ttp.control.wire import tier as T
-from mindio_ttp.launch import replace as R
-from mindio_ttp.launch.outcome import write_recovered
-from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, RecoveryOrder
+from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder
 
 log = logging.getLogger("mindio_ttp.processor")
 
@@ -155,6 +153,8 @@ class Processor:
         self._controller_at: Optional[Tuple[str, int]] = None  # where ttp_start_processor said
         self._advanced: Dict[int, Optional[Tuple[Optional[int], bool]]] = {}  # flow -> report
         self._incarnation = ""  # of the controller that welcomed us last (through the agent)
+        # what we ask of this node's launcher (launch/desk.py): set by the API face at start
+        self.launcher: Any = None
 
     # -- start / stop ----------------------------------------------------------------------------
     def start(self, ip: str, port: int, deadline_s: Optional[float] = None) -> None:
@@ -677,7 +677,8 @@ class Processor:
         if order is not None and order.recovery_id == m.recovery_id:
             log.warning("rank %d: in-memory recovery %d committed: every rank holds iteration "
                         "%d, checked; training goes on", self.rank, m.recovery_id, order.step)
-            write_recovered(self.cfg.run_dir, m.recovery_id, order.step, order.lost)
+            if self.launcher is not None:
+                self.launcher.recovered(m.recovery_id, order.step, order.lost)
         else:
             log.warning("rank %d: in-memory recovery %d committed", self.rank, m.recovery_id)
 
@@ -688,39 +689,14 @@ class Processor:
                                                   seconds))
 
     def _relay_replacement(self, m: P.ReplaceOrder) -> None:
-        """Ask this host's launcher for a replacement of rank `m.rank`, and forward what it
-        answers until the recovery ends."""
-        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous,
-                              m.controller, m.deadline, REPLACEMENT, tuple(m.dp_ranks))
-        env = {ENV_RECOVERY_JOIN: order.to_env(m.rank)}
-        run_dir = self.cfg.run_dir
-        if not run_dir:
-            self._send(P.ReplaceStatus(m.recovery_id, m.rank, R.FAILED, 0,
-                                       "no launcher here (TTP_RUN_DIR unset: not under ttprun)"))
+        """Ask this host's launcher for a replacement (launch/desk.py, handed to us at start)."""
+        if self.launcher is None:
+            self._send(P.ReplaceStatus(m.recovery_id, m.rank, "failed", 0,
+                                       "no launcher desk in this process (not started through "
+                                       "the API)"))
             return
-        try:
-            R.write_request(run_dir, R.ReplacementRequest(m.recovery_id, m.rank, env))
-        except OSError as exc:
-            self._send(P.ReplaceStatus(m.recovery_id, m.rank, R.FAILED, 0,
-                                       f"cannot write the request into {run_dir}: {exc}"))
-            return
-        log.warning("rank %d: asked the launcher for a replacement of rank %d (recovery %d)",
-                    self.rank, m.rank, m.recovery_id)
-
-        def watch() -> None:
-            deadline = time.monotonic() + m.deadline
-            seen = None
-            while time.monotonic() < deadline and not self._stop.is_set():
-                status = R.read_status(run_dir, m.recovery_id, m.rank)
-                if status is not None and status.state != seen:
-                    seen = status.state
-                    self._mail.put(self._send, P.ReplaceStatus(
-                        m.recovery_id, m.rank, status.state, status.pid, status.detail))
-                if seen in (R.EXITED, R.FAILED) or (seen == R.STARTED and not RECOVERY.active
-                                                    and RECOVERY.epoch >= m.recovery_id):
-                    return
-                self._stop.wait(0.05)
-        threading.Thread(target=watch, name="ttp-replace-watch", daemon=True).start()
+        self.launcher.relay_replacement(m, lambda msg: self._mail.put(self._send, msg),
+                                        self._stop)
 
     # -- failover and exit -----------------------------------------------------------------------
     def _upstream_lost(self, why: str) -> None:

@@ -43,6 +43,7 @@ from mindio_ttp.faulttime import device as _device
 from mindio_ttp.faulttime import device_copy as _device_copy
 from mindio_ttp.faulttime.save_session import SaveSession
 from mindio_ttp.faulttime.save_session import current as _current_session
+from mindio_ttp.launch.desk import LauncherDesk
 from mindio_ttp.log import setup_logging
 from mindio_ttp.recovery.rank import RECOVERY as _RECOVERY
 
@@ -270,6 +271,7 @@ def start_processor_at(ip: str, port: int, deadline_s: Optional[float] = None) -
         _setup_logging(rank)
         proc = Processor(TTPConfig.from_env(world_size=world_size), rank, ranks, world_size,
                          replica)
+        proc.launcher = LauncherDesk(proc.cfg.run_dir, rank)
         proc.start(ip, port, deadline_s)
         _processor = proc
         _mark_started(proc.cfg.run_dir, rank)
