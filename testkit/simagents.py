@@ -50,7 +50,8 @@ AGENTS_PER_SOURCE = 20000
 class _Agent:
     __slots__ = ("node", "ranks", "sock", "hs", "tx", "dec", "out", "writing", "state",
                  "target", "relay", "redirected", "failover", "payloads", "recs", "bytes_in",
-                 "bytes_out", "done", "last_rx", "seq", "attempts", "paced", "exited")
+                 "bytes_out", "done", "last_rx", "seq", "attempts", "paced", "exited",
+                 "lost_controller")
 
     def __init__(self, node: int, ranks: List[int], payloads: List[bytes]) -> None:
         self.node, self.ranks, self.payloads = node, ranks, payloads
@@ -73,6 +74,7 @@ class _Agent:
         self.attempts = 0
         self.paced = False
         self.exited: set = set()
+        self.lost_controller = False  # the standbys are targets too
 
 
 class SimAgentWorker:
@@ -141,6 +143,7 @@ class SimAgentWorker:
         pause, the whole node again (like node.py and uplink.py)."""
         was_ready = a.state == "ready"
         at_relay = a.relay is not None and a.target == a.relay
+        lost_controller = was_ready and not at_relay  # its parent was the controller itself
         self._close(a)
         self._unpace(a)
         if a.done:
@@ -153,7 +156,13 @@ class SimAgentWorker:
         if a.attempts > 400:
             a.done = True
             return
-        targets = [self.controller] + [(b[1], b[2]) for b in self.backups if len(b) == 3]
+        # the standbys only once the controller itself was lost: an agent that has not
+        # registered yet, or lost a relay, keeps to the controller (node.py does the same)
+        if lost_controller:
+            a.lost_controller = True
+        standbys = [(b[1], b[2]) for b in self.backups if len(b) == 3] \
+            if a.lost_controller or why.startswith("connect") else []
+        targets = [self.controller] + standbys
         i = (a.attempts - 1) % len(targets)
         if i == 0 and a.attempts > 1:
             self.retry.append((time.monotonic() + 0.2, a))
@@ -217,7 +226,7 @@ class SimAgentWorker:
             a.out += a.hs.answer(m, reg)
             return self._flush(a)
         if isinstance(m, T.NodeAck):
-            a.state, a.attempts = "ready", 0
+            a.state, a.attempts, a.lost_controller = "ready", 0, False
             if m.backups:
                 self.backups = m.backups
             self._send(a, T.join([(r, p) for r, p in zip(a.ranks, a.payloads)

@@ -422,7 +422,12 @@ class NodeAgent:
         if self._linking or self.upstream is None or self._stop.is_set():
             return
         self._linking = True
-        targets = [self.upstream] + uplink.targets(self.backups)
+        standbys = uplink.targets(self.backups)
+        # the controller lost (or never reached): the standbys are targets as good as it; a
+        # relay lost: the controller lives, the standbys only if it cannot be reached at all
+        lost_relay = self.parent_target is not None and self.parent_target.kind == "relay"
+        targets = [self.upstream] + ([] if lost_relay else standbys)
+        fallback = standbys if lost_relay else None
         deadline = time.monotonic() + (self.s.ot if failover else self.s.connect_timeout)
         children = len(self.relay.children)
         per_try = min(self.s.heartbeat_timeout, 5.0)
@@ -434,7 +439,8 @@ class NodeAgent:
 
         def run() -> None:
             linked, tried = uplink.link(targets, self.hop_key, register, per_try,
-                                        self.s.handshake_timeout, deadline, self._stop)
+                                        self.s.handshake_timeout, deadline, self._stop,
+                                        fallback=fallback)
             self.call(self._linked, linked, tried, failover)
         threading.Thread(target=run, name="ttp-agent-uplink", daemon=True).start()
 

@@ -63,12 +63,18 @@ class Linked:
 def link(targets: List[Target], hop_key: bytes,
          register: Callable[[str, bool], T.NodeRegister], per_try: float,
          handshake_timeout: float, deadline: float, stop: threading.Event,
-         pause: float = 0.2) -> Tuple[Optional[Linked], List[str]]:
+         pause: float = 0.2, fallback: Optional[List[Target]] = None) -> Tuple[
+             Optional[Linked], List[str]]:
     """The first target (or the relay it redirects to) that takes this agent; (None, why each
     failed) when none did before `deadline`. `register(local_ip, redirected)` makes the
-    NodeRegister (the agent opens its relay listener on local_ip first)."""
+    NodeRegister (the agent opens its relay listener on local_ip first). `fallback` targets
+    (the standbys, when the agent lost a relay and not the controller) are tried in a round
+    only when every target was unreachable in it: a controller that answers slowly (a storm)
+    is kept to, and a standby is never given a job whose controller lives."""
     tried: List[str] = []
     while time.monotonic() < deadline and not stop.is_set():
+        before = len(tried)
+        unreachable = 0
         for t in list(targets):
             got = _try(t, hop_key, register, per_try, handshake_timeout, False, tried)
             if isinstance(got, T.Redirect):
@@ -81,8 +87,15 @@ def link(targets: List[Target], hop_key: bytes,
             if isinstance(got, Linked):
                 got.tried = tried
                 return got, tried
+            unreachable += any("unreachable" in w for w in tried[before:])
             if stop.is_set() or time.monotonic() >= deadline:
                 break
+        if fallback and unreachable >= len(targets):
+            got = link(fallback, hop_key, register, per_try, handshake_timeout,
+                       min(deadline, time.monotonic() + per_try * (len(fallback) + 1)), stop,
+                       pause)[0]
+            if got is not None:
+                return got, tried
         stop.wait(pause)
     return None, tried
 
