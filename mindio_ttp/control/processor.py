@@ -35,6 +35,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome, TTPConfig
+from mindio_ttp.control import failover
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.agent import client as agent_client
 from mindio_ttp.control.controller import Controller
@@ -57,7 +58,6 @@ NOT_OUR_CONTROLLER = (
     "every rank another free port in TTP_CONTROLLER_PORT")
 
 
-FAILOVER_CONNECT_S = 3.5
 RETRY_PAUSE_S = 0.1  # between two tries of a registration the listener closed (+-50 %)
 
 
@@ -740,44 +740,25 @@ class Processor:
         log.error("rank %d: controller lost (%s); failing over to %s", self.rank, why,
                   [b[0] for b in self._backups] or "nobody")
         deadline = self._fault_time + self.ot  # type: ignore[operator]
-        per_try = self.cfg.deadlines.failover_try  # for the challenge (see _handshake)
-        tried: Dict[int, str] = {}  # backup rank -> why it failed last
-        while time.monotonic() < deadline and not self._stop.is_set():
-            for entry in list(self._backups):
-                conn, err = self._try_backup(entry, per_try)
-                if conn is not None:
-                    log.warning("rank %d: now served by the standby controller on rank %s",
-                                self.rank, entry[0])
-                    self._set_conn(conn)
-                    return
-                tried[entry[0]] = err
-            self._stop.wait(0.2)
+        conn, entry, tried = failover.rounds(
+            lambda: self._backups, self.cfg.deadlines.failover_try, self._failover_handshake,
+            self.rank, deadline, self._stop)
+        if conn is not None:
+            log.warning("rank %d: now served by the standby controller on rank %s", self.rank,
+                        entry[0])  # type: ignore[index]
+            self._set_conn(conn)
+            return
         if not self._stop.is_set():
             said = "; ".join(f"rank {r}: {e}" for r, e in list(tried.items())[:4])
             self._exit(Outcome.NO_VERDICT, None, [], f"controller lost ({why}) and no backup "
                        f"controller answered{f' ({said})' if said else ''}")
 
     def _try_backup(self, entry: List[Any], per_try: float) -> Tuple[Optional[Conn], str]:
-        """Connect to one announced backup and register; (None, why) on any failure, so a
-        target that cannot be reached (a bad address, a refusal) is skipped for the next."""
-        rank, host, port = (list(entry) + [None, None, None])[:3]
-        try:
-            # long enough for two SYN retransmissions (1 s, 3 s): a backup's accept queue
-            # overflows when the whole job fails over to it at once
-            sock = connect(host, port, timeout=min(FAILOVER_CONNECT_S, per_try))
-        except Exception as exc:  # noqa: BLE001 - OSError, but also a host that cannot encode
-            log.warning("rank %d: backup controller on rank %s at %s:%s unreachable: %s",
-                        self.rank, rank, ascii(host)[:80], port, exc)
-            return None, f"unreachable ({exc})"
-        try:
-            conn = self._handshake(sock, failover=True,
-                                   timeout=min(per_try, self.cfg.handshake_timeout))
-        except (HandshakeFailed, OSError, ValueError) as exc:
-            log.warning("rank %d: backup controller on rank %s at %s:%s: %s", self.rank, rank,
-                        host, port, exc)
-            sock.close()
-            return None, str(exc)
-        return conn, ""
+        return failover.try_target(entry, per_try, self._failover_handshake, self.rank)
+
+    def _failover_handshake(self, sock: socket.socket, per_try: float) -> Conn:
+        return self._handshake(sock, failover=True,
+                               timeout=min(per_try, self.cfg.handshake_timeout))
 
     def _exit(self, outcome: Outcome, step: Optional[int], ranks: List[int], reason: str,
               code: Optional[int] = None) -> None:
