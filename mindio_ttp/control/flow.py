@@ -29,6 +29,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Protocol, Set, Tupl
 from mindio_ttp.config import ENV_RECOVERY, Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control import ranksets
+from mindio_ttp.control.recovery_coordinator import RecoveryCoordinator
+from mindio_ttp.control.recovery_plan import IN_MEMORY, plan_recovery
 from mindio_ttp.control.roster import Roster
 from mindio_ttp.control.selection import (
     Layout,
@@ -43,8 +45,6 @@ from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
 from mindio_ttp.faulttime import claim as C
 from mindio_ttp.faulttime import save_session
-from mindio_ttp.recovery.coordinator import RecoveryCoordinator
-from mindio_ttp.recovery.decision import IN_MEMORY, plan_recovery
 from mindio_ttp.recovery.rank import RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
@@ -474,7 +474,7 @@ class Flow:
 
     def _try_recovery(self, fid: int, layout: Layout, states: Dict[int, RankState],
                       reports: Dict[int, Tuple[Optional[int], bool]]) -> Tuple[bool, Set[int]]:
-        """In-memory recovery when it can work (recovery/decision.py): (committed, ranks it
+        """In-memory recovery when it can work (control/recovery_plan.py): (committed, ranks it
         replaced). Not committed: the dying checkpoint (also after an abandoned recovery)."""
         with self._cond:
             lost = ({r for r in range(self.world_size) if r not in reports} | self._raised

@@ -548,7 +548,7 @@ class StoreReply(Message):
 
 
 # -- in-memory recovery (docs/recovery.md) ------------------------------------------------------
-# "host:port" as recovery.coordinator.format_address writes it (the acting controller)
+# "host:port" as recovery.rank.format_address writes it (the acting controller)
 ADDRESS = text(80, r"(?:\[[0-9A-Fa-f:.]+\]|[0-9.]+):[0-9]{1,5}")
 REPLACE_STATES = ("started", "exited", "failed")
 
@@ -594,7 +594,7 @@ class ReplaceOrder(Message):
 class ReplaceStatus(Message):
     """Relay → controller: what the launcher did with the request (started, exited, failed).
     Taken only from the relay the recovery's plan chose for `rank`, a lost rank; from anyone
-    else it is refused and logged (recovery/coordinator.py)."""
+    else it is refused and logged (control/recovery_coordinator.py)."""
     recovery_id: int
     rank: int
     state: str
