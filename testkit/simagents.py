@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import multiprocessing as mp
 import os
 import random
 import resource
@@ -41,7 +40,7 @@ from mindio_ttp.control.session import RankHandshake, new_nonce
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import keys as K
 from mindio_ttp.control.wire import tier as T
-from testkit.simranks import IP_BIND_ADDRESS_NO_PORT, Order, RankRecord
+from testkit.simranks import IP_BIND_ADDRESS_NO_PORT, Order, ProcGroup, RankRecord
 
 INFLIGHT = 128  # agents of one process between connect and registered, at most
 AGENTS_PER_SOURCE = 20000
@@ -428,64 +427,20 @@ def _worker_main(conn: Any, args: tuple, cpus: Optional[set]) -> None:
     SimAgentWorker(*args, conn=conn).run()
 
 
-class SimAgentGroup:
+class SimAgentGroup(ProcGroup):
     """`nodes` [(node id, its ranks)] simulated as node agents, split over `procs` processes."""
+
+    what = "simulated agents"
 
     def __init__(self, nodes: Sequence[Tuple[int, List[int]]], world: int,
                  dp_of: Callable[[int], List[int]], replica: int, key: bytes, interval: float,
                  timeout: float, step: int = 10, procs: int = 2,
                  cpus: Optional[set] = None) -> None:
         nodes = list(nodes)
-        self._where = {r: i % procs for i, (_, ranks) in enumerate(nodes) for r in ranks}
-        ctx = mp.get_context("fork")
-        self.procs: List[Any] = []
-        self.pipes: List[Any] = []
-        for i in range(procs):
-            mine, theirs = ctx.Pipe()
-            source = f"127.0.0.{2 + i % 250}"
-            p = ctx.Process(target=_worker_main, daemon=True, args=(
-                theirs, (nodes[i::procs], world, dp_of, replica, key, interval, timeout, step,
-                         source), cpus))
-            p.start()
-            theirs.close()
-            self.procs.append(p)
-            self.pipes.append(mine)
-
-    @property
-    def pids(self) -> List[int]:
-        return [p.pid for p in self.procs]
-
-    def pin(self, cpus: set) -> None:
-        for pid in self.pids:
-            os.sched_setaffinity(pid, cpus)
-
-    def ask(self, cmd: str, arg: Any = None, timeout: float = 300.0) -> List[Any]:
-        for pipe in self.pipes:
-            pipe.send((cmd, arg))
-        out = []
-        for pipe in self.pipes:
-            if not pipe.poll(timeout):
-                raise TimeoutError(f"simulated agents: no answer to {cmd!r} within {timeout} s")
-            ans = pipe.recv()
-            if isinstance(ans, Exception):
-                raise ans
-            out.append(ans)
-        return out
-
-    def ask_rank(self, rank: int, cmd: str, arg: Any, timeout: float = 60.0) -> Any:
-        pipe = self.pipes[self._where[rank]]
-        pipe.send((cmd, arg))
-        if not pipe.poll(timeout):
-            raise TimeoutError(f"simulated rank {rank}: no answer to {cmd!r}")
-        return pipe.recv()
-
-    def wait_registered(self, n: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sum(self.ask("registered")) >= n:
-                return True
-            time.sleep(0.1)
-        return False
+        self._spawn(_worker_main, [
+            ((nodes[i::procs], world, dp_of, replica, key, interval, timeout, step,
+              f"127.0.0.{2 + i % 250}"), cpus) for i in range(procs)],
+            {r: i % procs for i, (_, ranks) in enumerate(nodes) for r in ranks})
 
     def summary(self, skip: Sequence[int] = ()) -> Dict[str, Any]:
         parts = self.ask("summary", list(skip))
@@ -499,23 +454,6 @@ class SimAgentGroup:
                 "bytes": sum(p["bytes"] for p in parts),
                 "registered_last": max(p["registered_last"] for p in parts),
                 "failed_over": sum(p["failed_over"] for p in parts)}
-
-    def records(self) -> Dict[int, RankRecord]:
-        return {rec.rank: rec for part in self.ask("report") for rec in part}
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            try:
-                pipe.send(("stop", None))
-            except OSError:
-                pass
-        for p in self.procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for pipe in self.pipes:
-            pipe.close()
 
 
 def nodes_of(ranks: Sequence[int], per_node: int) -> List[Tuple[int, List[int]]]:

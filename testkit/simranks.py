@@ -442,26 +442,22 @@ def loopback(i: int) -> str:
     return f"127.{hi // 256}.{hi % 256}.{2 + lo if hi == 0 else 1 + lo}"
 
 
-class SimGroup:
-    """`ranks` simulated processors split over `procs` processes (forked from the caller)."""
+class ProcGroup:
+    """Forked processes that each serve part of a simulation, talked to over pipes: send a
+    command to all (`ask`) or to the one holding a rank (`ask_rank`); `close` ends them all,
+    also when a test fails."""
 
-    def __init__(self, ranks: Sequence[int], world: int, dp_of: Callable[[int], List[int]],
-                 replica: int, key: bytes, interval: float, step: int = 10, procs: int = 2,
-                 cpus: Optional[set] = None, agents: Optional[Dict[int, str]] = None) -> None:
-        """`agents`: rank -> the socket of its node agent (those ranks register through it;
-        the others, and all of them after losing their agent, with the controller itself)."""
-        ranks = list(ranks)
-        self._where = {r: i % procs for i, r in enumerate(ranks)}
-        n_src = max(1, -(-len(ranks) // RANKS_PER_SOURCE))
-        sources = [loopback(i) for i in range(n_src)]
+    what = "simulated ranks"
+
+    def _spawn(self, target: Callable[..., None], args: List[tuple],
+               where: Dict[int, int]) -> None:
+        self._where = where
         ctx = mp.get_context("fork")
         self.procs: List[Any] = []
         self.pipes: List[Any] = []
-        for i in range(procs):
+        for part in args:
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, daemon=True, args=(
-                theirs, (ranks[i::procs], world, dp_of, replica, key, interval, step, sources),
-                cpus, agents))
+            p = ctx.Process(target=target, daemon=True, args=(theirs, *part))
             p.start()
             theirs.close()
             self.procs.append(p)
@@ -482,7 +478,7 @@ class SimGroup:
         out = []
         for pipe in self.pipes:
             if not pipe.poll(timeout):
-                raise TimeoutError(f"simulated ranks: no answer to {cmd!r} within {timeout} s")
+                raise TimeoutError(f"{self.what}: no answer to {cmd!r} within {timeout} s")
             ans = pipe.recv()
             if isinstance(ans, Exception):
                 raise ans
@@ -494,7 +490,7 @@ class SimGroup:
         pipe = self.pipes[self._where[rank]]
         pipe.send((cmd, arg))
         if not pipe.poll(timeout):
-            raise TimeoutError(f"simulated rank {rank}: no answer to {cmd!r}")
+            raise TimeoutError(f"{self.what}, rank {rank}: no answer to {cmd!r}")
         return pipe.recv()
 
     def wait_registered(self, n: int, timeout: float) -> bool:
@@ -521,6 +517,22 @@ class SimGroup:
                 p.join(5)
         for pipe in self.pipes:
             pipe.close()
+
+
+class SimGroup(ProcGroup):
+    """`ranks` simulated processors split over `procs` processes (forked from the caller)."""
+
+    def __init__(self, ranks: Sequence[int], world: int, dp_of: Callable[[int], List[int]],
+                 replica: int, key: bytes, interval: float, step: int = 10, procs: int = 2,
+                 cpus: Optional[set] = None, agents: Optional[Dict[int, str]] = None) -> None:
+        """`agents`: rank -> the socket of its node agent (those ranks register through it;
+        the others, and all of them after losing their agent, with the controller itself)."""
+        ranks = list(ranks)
+        n_src = max(1, -(-len(ranks) // RANKS_PER_SOURCE))
+        sources = [loopback(i) for i in range(n_src)]
+        self._spawn(_worker_main, [
+            ((ranks[i::procs], world, dp_of, replica, key, interval, step, sources), cpus,
+             agents) for i in range(procs)], {r: i % procs for i, r in enumerate(ranks)})
 
 
 # -- one real rank ---------------------------------------------------------------------------

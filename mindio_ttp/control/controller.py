@@ -56,7 +56,7 @@ from mindio_ttp.control.routes import Routes
 from mindio_ttp.control.session import ListenerHandshake
 from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
-from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox
+from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, deliver
 from mindio_ttp.control.wire import tier as T
 from mindio_ttp.faulttime import claim as C
 
@@ -247,7 +247,10 @@ class Controller:
         sock.setblocking(False)
         self._listener = sock
         self.address = sock.getsockname()[:2]
-        raise_fd_limit(self.world_size + 256, self.name)
+        # one socket per rank without node agents; with them, one per relay or agent it serves
+        # (and per rank that fell back): a few thousand at most
+        raise_fd_limit((self.world_size if not self.cfg.node_agent
+                        else min(self.world_size, 8192)) + 256, self.name)
         return self.address
 
     def start(self) -> None:
@@ -563,20 +566,10 @@ class Controller:
                 self._hold_pre_auth(conn)
             else:
                 msgs = conn.read()
-            while msgs:
-                for msg in msgs:
-                    if conn.closed:
-                        return
-                    self._dispatch(conn, msg)
-                # frames that came behind the Register wait in the decoder for the session key
-                msgs = conn.dec.feed(b"") if conn.dec.pending and not conn.closed else []
-            if conn.ack_due is not None and not conn.closed:
-                # one ack for all the heartbeats of this read: a loop that fell behind reads
-                # several per rank, and acking each would keep it behind (the processor needs
-                # to hear from us, not one answer per beat)
-                conn.queue(T.TierAck(conn.ack_due) if conn.child is not None
-                           else P.HeartbeatAck(conn.ack_due))
-                conn.ack_due = None
+            deliver(conn, msgs, self._dispatch)
+            ack = T.ack_due(conn)  # one for every heartbeat of this read
+            if ack is not None:
+                conn.queue(ack)
                 self._flush(conn)
         except ConnClosed as exc:
             self._drop(conn, f"connection dropped: {exc}")

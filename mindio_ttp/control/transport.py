@@ -110,6 +110,17 @@ class Conn:
         self.handshake = None
 
 
+def deliver(conn: Conn, msgs: List[Message], dispatch: Callable[[Conn, Message], None]) -> None:
+    """Hand every message of one read to `dispatch`, then the frames that came behind a
+    handshake frame (they wait in the decoder for the session key), until `conn` closes."""
+    while msgs:
+        for m in msgs:
+            if conn.closed:
+                return
+            dispatch(conn, m)
+        msgs = conn.dec.feed(b"") if conn.dec.pending and not conn.closed else []
+
+
 class Mailbox:
     """Thread-safe queue of work for a selector loop, with a wake-up socket: each item is a
     callable and its arguments, run in order on the loop's thread (`run_all`), like asyncio's

@@ -17,7 +17,6 @@ incarnation, sequence number), none plain from an agent, none refused.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Set
 
 import pytest
 import torch.distributed  # noqa: F401 - imported once here, so forked helpers start at once
@@ -26,33 +25,24 @@ from mindio_ttp.config import TTPConfig
 from mindio_ttp.control.agent.node import AgentSettings
 from mindio_ttp.control.host import ControllerProcess
 from testkit.agenthost import AgentHost
-from testkit.simranks import RankRecord, SimGroup
+from testkit.simranks import SimGroup
 
-N, TP, PP, STEP, PER_NODE = 2048, 8, 4, 10, 32
-STAGE = N // PP
-DP = STAGE // TP
-REPLICA = DP // 2
-KEY = bytes(range(32))
+from .test_scale import (  # the same job, the same layout, the same oracle
+    KEY,
+    REPLICA,
+    STAGE,
+    STEP,
+    N,
+    dp_group,
+    expected_savers,
+    records_once_all_exited,
+)
+
+PER_NODE = 32
 ENV = {"TTP_AUTH_KEY": KEY.hex(), "TTP_LOG_LEVEL": "WARNING", "TTP_OT": "120",
        "TTP_HEARTBEAT_INTERVAL": "1", "TTP_HEARTBEAT_TIMEOUT": "20", "TTP_FANOUT": "8"}
 
 pytestmark = pytest.mark.slow
-
-
-def dp_group(rank: int) -> List[int]:
-    stage, j = rank // STAGE, rank % TP
-    return list(range(stage * STAGE + j, (stage + 1) * STAGE, TP))
-
-
-def expected_savers(dead: Set[int]) -> List[int]:
-    savers = []
-    for stage in range(PP):
-        for j in range(TP):
-            group = list(range(stage * STAGE + j, (stage + 1) * STAGE, TP))
-            for shard in range(REPLICA):
-                first, partner = group[shard], group[shard + REPLICA]
-                savers.append(partner if first in dead else first)
-    return sorted(savers)
 
 
 @pytest.fixture
@@ -83,19 +73,6 @@ def job(monkeypatch):
         if ctl.proc is not None and ctl.proc.poll() is None:
             ctl.proc.kill()
         ctl.stop()
-
-
-def records_once_all_exited(sims: SimGroup, dead: Set[int],
-                            timeout: float = 60) -> Dict[int, RankRecord]:
-    deadline = time.monotonic() + timeout
-    while True:
-        records = sims.records()
-        if all(any(o.kind == "ExitOrder" for o in r.orders)
-               for rank, r in records.items() if rank not in dead):
-            return records
-        if time.monotonic() > deadline:
-            return records
-        time.sleep(0.2)
 
 
 def test_a_dead_saver_through_agents_and_relays_every_rank_gets_exactly_its_orders(job):

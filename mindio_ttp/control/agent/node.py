@@ -38,7 +38,7 @@ from mindio_ttp.control.agent.gate import Gate
 from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.relay.role import RelayRole
 from mindio_ttp.control.session import ListenerHandshake
-from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox
+from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, deliver
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import tier as T
 
@@ -321,16 +321,10 @@ class NodeAgent:
                 msgs = self._child_gate.read(conn)
             else:
                 msgs = conn.read()
-            while msgs:
-                for m in msgs:
-                    if conn.closed:
-                        return
-                    self._dispatch(conn, m)
-                msgs = conn.dec.feed(b"") if conn.dec.pending and not conn.closed else []
-            if conn.ack_due is not None and not conn.closed:
-                conn.queue(T.TierAck(conn.ack_due) if conn.child is not None
-                           else P.HeartbeatAck(conn.ack_due))
-                conn.ack_due = None
+            deliver(conn, msgs, self._dispatch)
+            ack = T.ack_due(conn)
+            if ack is not None:
+                conn.queue(ack)
                 self._flush(conn)
         except ConnClosed as exc:
             self._drop(conn, str(exc))

@@ -238,6 +238,16 @@ class Results(P.Message):
         return "" if n >= 0 and n % RESULT.size == 0 else "bad length"
 
 
+def ack_due(conn: Any) -> Optional[P.Message]:
+    """The one ack for every heartbeat of the read just handled (a loop that fell behind reads
+    several, and acking each would keep it behind): a TierAck to a child, a HeartbeatAck to a
+    rank; None when no heartbeat came. Clears the connection's due ack."""
+    seq, conn.ack_due = conn.ack_due, None
+    if seq is None or conn.closed:
+        return None
+    return TierAck(seq) if conn.child is not None else P.HeartbeatAck(seq)
+
+
 # every message a tier connection decodes: the ranks' own and the tiers'
 CODEC: Dict[int, Type[P.Message]] = {**P.MESSAGE_TYPES, **_OWN}
 TYPES: Dict[int, Type[P.Message]] = dict(_OWN)
