@@ -40,7 +40,7 @@ from mindio_ttp.control.session import RankHandshake, new_nonce
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import keys as K
 from mindio_ttp.control.wire import tier as T
-from testkit.simranks import IP_BIND_ADDRESS_NO_PORT, Order, ProcGroup, RankRecord
+from testkit.simranks import IP_BIND_ADDRESS_NO_PORT, Order, ProcGroup, RankRecord, loopback
 
 INFLIGHT = 128  # agents of one process between connect and registered, at most
 AGENTS_PER_SOURCE = 20000
@@ -50,7 +50,7 @@ class _Agent:
     __slots__ = ("node", "ranks", "sock", "hs", "tx", "dec", "out", "writing", "state",
                  "target", "relay", "redirected", "failover", "payloads", "recs", "bytes_in",
                  "bytes_out", "done", "last_rx", "seq", "attempts", "paced", "exited",
-                 "lost_controller")
+                 "lost_controller", "source")
 
     def __init__(self, node: int, ranks: List[int], payloads: List[bytes]) -> None:
         self.node, self.ranks, self.payloads = node, ranks, payloads
@@ -74,6 +74,7 @@ class _Agent:
         self.paced = False
         self.exited: set = set()
         self.lost_controller = False  # the standbys are targets too
+        self.source = "127.0.0.1"
 
 
 class SimAgentWorker:
@@ -81,17 +82,19 @@ class SimAgentWorker:
 
     def __init__(self, nodes: Sequence[Tuple[int, List[int]]], world: int,
                  dp_of: Callable[[int], List[int]], replica: int, key: bytes, interval: float,
-                 timeout: float, step: int, source: str, conn: Any) -> None:
+                 timeout: float, step: int, conn: Any) -> None:
         self.world, self.interval, self.timeout, self.step = world, interval, timeout, step
         self.hop_key, self.order_key = K.hop_key(key), K.order_key(key)
-        self.source = source
         self.agents: List[_Agent] = []
         self.by_rank: Dict[int, _Agent] = {}
         for node, ranks in nodes:
+            source = loopback(node)  # a node's own address, as on a cluster (admission.py
+            # bounds what one address may hold unregistered)
             payloads = [P.encode_payload(P.Register(
                 r, world, dp_of(r), replica, source, 0, os.getpid(), step, False, False,
                 False, challenge=new_nonce(), nonce=new_nonce())) for r in ranks]
             a = _Agent(node, ranks, payloads)
+            a.source = source
             self.agents.append(a)
             for r in ranks:
                 self.by_rank[r] = a
@@ -113,7 +116,7 @@ class SimAgentWorker:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             s.setsockopt(socket.IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, 1)
-            s.bind((self.source, 0))
+            s.bind((a.source, 0))
         except OSError:
             pass
         s.setblocking(False)
@@ -220,7 +223,7 @@ class SimAgentWorker:
     def _handle(self, a: _Agent, m: P.Message) -> None:
         now = time.monotonic()
         if isinstance(m, P.Challenge):
-            reg = T.NodeRegister(self.source, 0, os.getpid(), len(a.ranks), 0, self.world,
+            reg = T.NodeRegister(a.source, 0, os.getpid(), len(a.ranks), 0, self.world,
                                  a.failover, a.redirected)
             a.out += a.hs.answer(m, reg)
             return self._flush(a)
@@ -438,8 +441,8 @@ class SimAgentGroup(ProcGroup):
                  cpus: Optional[set] = None) -> None:
         nodes = list(nodes)
         self._spawn(_worker_main, [
-            ((nodes[i::procs], world, dp_of, replica, key, interval, timeout, step,
-              f"127.0.0.{2 + i % 250}"), cpus) for i in range(procs)],
+            ((nodes[i::procs], world, dp_of, replica, key, interval, timeout, step), cpus)
+            for i in range(procs)],
             {r: i % procs for i, (_, ranks) in enumerate(nodes) for r in ranks})
 
     def summary(self, skip: Sequence[int] = ()) -> Dict[str, Any]:
