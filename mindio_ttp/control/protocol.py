@@ -701,10 +701,11 @@ def _decode_payload(code: int, payload: bytes,
     for name in ranks_fields:  # blocks: every rank in range, checked before they are expanded
         if not ranksets.valid_wire(obj[name], MAX_RANKS):
             raise ProtocolError(f"{cls.__name__}.{name}: bad value {_show(obj[name])}")
-        obj[name] = ranksets.decode(obj[name], MAX_RANKS)
-        if len(set(obj[name])) != len(obj[name]):  # blocks overlapping, or one twice
+        try:  # blocks overlapping, or one twice: refused (the answer is cached with the list)
+            obj[name] = ranksets.decode(obj[name], MAX_RANKS, unique=True)
+        except ValueError:
             raise ProtocolError(f"{cls.__name__}.{name}: a rank named twice in "
-                                f"{_show(obj[name])}")
+                                f"{_show(obj[name])}") from None
     for name, of_type, in_range in schema:
         if name in ranks_fields:
             continue  # the blocks' check covers each rank of the list: O(blocks), not O(ranks)
