@@ -69,6 +69,7 @@ BACKUPS_COALESCE_S = 0.1  # at most one Backups broadcast per this: a fault soon
 # start must find every rank with the same list (ranks that fail over to different standbys
 # split the job), and the best two change only ~ln(N) times in a start-up storm
 PRE_AUTH_BUDGET_S = 0.05  # a handshake costs ~100 us of this thread: a storm waits its turn
+JOIN_BUDGET_S = 0.05  # admissions of ranks joining through node agents, per loop turn
 # Before registration a read takes the rest of the frame being sent (or this much, so a short
 # junk line is read whole and the peer sees a clean close, not a reset), never more.
 PRE_AUTH_READ = 4096
@@ -317,6 +318,8 @@ class Controller:
             wake = next_check
             if self._backups != self._backups_sent:  # a changed list goes out within its bound
                 wake = min(wake, next_backups)
+            if self.routes.joining:  # admissions left over from the last turn: no sleep
+                wake = time.monotonic()
             try:
                 events = self._sel.select(self._clock.waiting(
                     max(0.0, wake - time.monotonic())))
@@ -335,6 +338,9 @@ class Controller:
                     pre_auth.append((key, mask))
                 else:
                     self._on_event(key.data, mask)
+            # ranks joining through node agents: a bounded slice a turn, so that a storm of
+            # 100,000 admissions never keeps this loop from acking its children's heartbeats
+            self._guarded(None, self.routes.admit, JOIN_BUDGET_S)
             budget = time.monotonic() + PRE_AUTH_BUDGET_S
             for key, mask in pre_auth[:PRE_AUTH_EVENTS_PER_LOOP]:  # the rest: next turn
                 if time.monotonic() > budget:

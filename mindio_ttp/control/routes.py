@@ -16,10 +16,12 @@ another relay); only then are those that did not counted dead, and the flow star
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import secrets
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+import time
+from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Sequence, Tuple
 
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control import ranksets
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mindio_ttp.controller")
 
+JOIN_SLICE = 256  # members admitted between two looks at the clock
 MIN_FANOUT = 32  # agents per relay and per controller at least (TTP_FANOUT=0)
 DEFAULT_LOCAL_WORLD = 8  # ranks per node assumed until an agent says
 
@@ -50,6 +53,8 @@ class Routes:
         self.limbo: Dict[int, Tuple[float, str]] = {}  # rank -> (since, why): no route
         self.grace = ctl.cfg.deadlines.route_grace  # the route grace, see the docstring
         self.redirects = 0
+        # joins read, not admitted yet (admitted a slice per loop turn: `admit`)
+        self.joining: Deque[Tuple[Child, List[P.Register]]] = collections.deque()
 
     # -- sending ---------------------------------------------------------------------------------
     def seal(self, msg: P.Message, dst: Sequence[Sequence[int]]) -> bytes:
@@ -177,6 +182,25 @@ class Routes:
                     self.ctl.flow.report(fid, phase, rank, step, updating)
 
     def _on_join(self, child: Child, regs: List[P.Register]) -> None:
+        """Queued: the I/O loop admits a bounded slice a turn (`admit`)."""
+        self.joining.append((child, regs))
+
+    def admit(self, budget_s: float) -> None:
+        """Admit queued joins for about `budget_s` seconds of this thread, at least one."""
+        deadline = time.monotonic() + budget_s
+        while self.joining:
+            child, regs = self.joining[0]
+            take = regs[:JOIN_SLICE]
+            if len(regs) > JOIN_SLICE:
+                self.joining[0] = (child, regs[JOIN_SLICE:])
+            else:
+                self.joining.popleft()
+            if not child.conn.closed:
+                self._admit_slice(child, take)
+            if time.monotonic() > deadline:
+                return
+
+    def _admit_slice(self, child: Child, regs: List[P.Register]) -> None:
         ctl = self.ctl
         if ctl._exiting() and ctl.verdict is not None:
             return self._late(child, regs)
