@@ -13,7 +13,8 @@ The relays are real node agents (testkit/agenthost.py) that register first, so t
 controller serves them itself (TTP_FANOUT's default: the square root of the nodes, at least
 32); every other node is a simulated node agent (testkit/simagents.py: the real tier protocol
 over real sockets, split over processes so that no process holds more than a few thousand
-sockets) that the controller redirects to a relay. Layout: Megatron's for TP 8, PP 4 (DP
+sockets) that the controller redirects to a relay. Layout: Megatron's for TP 8, PP 4 (PP 5 at
+100,000 ranks, whose PP 4 would leave odd DP groups; DP
 groups of N/32 at stride 8, half of each group saves). Every setting is the default.
 CPU 0: rank 0; CPU 1: the controller, node 0's agent and rank 1, the relays and the
 simulation (also on CPU 0 while rank 0 does not train: storm and flow).
@@ -59,7 +60,7 @@ sys.path.insert(0, str(REPO))
 
 from mindio_ttp.demo.ports import pick_free_port  # noqa: E402
 
-TP, PP, STEP = 8, 4, 10
+TP, STEP = 8, 10
 PER_NODE = 8  # ranks per node
 SIM_AGENTS_PER_PROC = 3200  # per simulated-agents process (fds well under a 20,000 limit)
 RELAYS_PER_HOST = 32  # real relays per helper process
@@ -67,8 +68,17 @@ KEY = bytes(range(1, 33))
 
 
 # -- layout ---------------------------------------------------------------------------------------
+def stages(n: int) -> int:
+    """PP 4, or 5 where 4 leaves DP groups of an odd size (100,000 ranks: 3,125), which no
+    ReplicatedOptimizer holds (every shard on two ranks)."""
+    for pp in (4, 5, 2, 8, 1):
+        if n % (pp * TP) == 0 and (n // pp // TP) % 2 == 0:
+            return pp
+    raise ValueError(f"{n} ranks make no even DP groups at TP {TP}")
+
+
 def layout(n: int) -> Callable[[int], List[int]]:
-    stage = n // PP
+    stage = n // stages(n)
 
     def dp_of(rank: int) -> List[int]:
         s, j = rank // stage, rank % TP
@@ -77,7 +87,7 @@ def layout(n: int) -> Callable[[int], List[int]]:
 
 
 def victim_of(n: int) -> int:
-    return 3 * (n // PP) + TP  # DP position 1 of a group in the last stage: a saver
+    return (stages(n) - 1) * (n // stages(n)) + TP  # DP position 1, last stage: a saver
 
 
 # -- rank 0's training step -----------------------------------------------------------------------
@@ -178,7 +188,8 @@ def job(n: int, out: Dict[str, Any]) -> Tuple[Dict[str, str], Any, Callable[[int
     os.environ.update(env)
     cfg = TTPConfig.from_env(world_size=n)
     out["interval"], out["timeout"] = cfg.heartbeat_interval, cfg.heartbeat_timeout
-    return env, cfg, layout(n), n // PP // TP // 2, make_step()
+    out["pp"] = stages(n)
+    return env, cfg, layout(n), n // stages(n) // TP // 2, make_step()
 
 
 class Tiers:
@@ -556,7 +567,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(out), flush=True)
         os._exit(0)  # daemon helpers and the runtime's threads: nothing left to wait for
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load "
-          f"average {open('/proc/loadavg').read().strip()}; layout TP {TP} x PP {PP}, "
+          f"average {open('/proc/loadavg').read().strip()}; layout TP {TP} x PP 4 (100,000: 5), "
           f"{PER_NODE} ranks a node; defaults for each size", flush=True)
     results = []
     for n in a.sizes:
