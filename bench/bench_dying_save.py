@@ -70,8 +70,9 @@ _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[ttp rank (\d+
 _VERDICT = re.compile(r"mindio_ttp\.controller: .*ordering save on rank")
 _SAVE = re.compile(r"mindio_ttp\.checkpoint: dying save of step (\d+) on rank (\d+): (\d+) "
                    r"file\(s\), (\d+) bytes in ([0-9.]+) s: (.*)$")
-_LATEST = re.compile(r"mindio_ttp\.checkpoint: dying checkpoint of step (\d+) marked latest: "
-                     r"merge manifest ([0-9.]+) s, rename ([0-9.]+) s, tracker ([0-9.]+) s")
+_LATEST = re.compile(r"mindio_ttp\.checkpoint: dying checkpoint of (?:step|iteration) (\d+) "
+                     r"marked latest: merge manifest ([0-9.]+) s, rename ([0-9.]+) s, "
+                     r"tracker ([0-9.]+) s")
 _PART = re.compile(r"([a-z][a-z ]*?) ([0-9.]+)(?: \(([^)]*)\))?(?:,|$)")
 
 

@@ -16,12 +16,18 @@ fresh directory of the same filesystem (``--dir``; default the temp directory's)
 
 * ``torch.save + fsync, CRC off`` (the baseline): what Megatron's own save does, made durable,
   with torch's zip CRC-32 off as the writer has it; it computes no digest at all;
+* ``torch.save(path) + fsync, CRC off``: the same through torch's C++ file writer, as
+  Megatron's ``torch.save(state_dict, checkpoint_name)`` writes, then the file fsynced;
 * ``torch.save + fsync, CRC on``: torch's default, for reference;
 * ``writer, <digest>, inline|helper``: ``checkpoint_writer.write_torch`` (streamed into a
   ``.part`` file, digested in the same pass, fsync, rename, directory fsync), with the digest
   of an unkeyed manifest (xxh3_128) or of a signed one (blake3), or the sha256 of before,
   computed inline after each buffer's write or on the helper thread beside it. ``(default)``
-  marks what the writer picks by itself on this machine.
+  marks what the writer picks by itself (for blake3 and sha256 it depends on whether a core
+  is free: ``HashingWriter.helper_pays``). Two alternatives measured for the
+  design: ``no sync_file_range`` (no writeback started after each 16 MiB chunk) and
+  ``blake3 on all cores`` (blake3's own thread pool hashing each buffer); and ``files in
+  parallel``: the two files written at once, each on its own thread.
 
 Every file a writer wrote is re-read and its digest recomputed after the timed part
 (``verify s``: what the load's check costs per method), and must equal the one the writer
@@ -48,6 +54,7 @@ import sys
 import tempfile
 import time
 from argparse import Namespace
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict
 
@@ -151,30 +158,66 @@ def torch_save_file(path: Path, state: dict, fsync: bool, crc: bool = True) -> N
                 os.fsync(f.fileno())
 
 
-def _writer(algo: str, helper: bool) -> Callable[[Path, dict], object]:
-    return lambda p, s: checkpoint_writer.write_torch(p, s, algo=algo, helper=helper)
+def _writer(algo: str, helper: bool, writeback: bool = True,
+            blake3_threads: bool = False) -> Callable[[Path, dict], object]:
+    """The writer; `writeback=False`: without sync_file_range after each chunk;
+    `blake3_threads`: blake3 on its own thread pool (all cores) instead of one thread."""
+    def write(p: Path, s: dict) -> object:
+        start_writeback, threads = checkpoint_writer._START_WRITEBACK, digest.BLAKE3_THREADS
+        if not writeback:
+            checkpoint_writer._START_WRITEBACK = lambda fd, offset, nbytes: None
+        digest.BLAKE3_THREADS = blake3_threads
+        try:
+            return checkpoint_writer.write_torch(p, s, algo=algo, helper=helper)
+        finally:
+            checkpoint_writer._START_WRITEBACK, digest.BLAKE3_THREADS = start_writeback, threads
+
+    return write
+
+
+def torch_save_path(path: Path, state: dict) -> None:
+    """What Megatron's save does, `torch.save(state, path)` (torch's C++ file writer), then
+    the file fsynced; CRC off."""
+    with checkpoint_writer._without_torch_crc32():
+        torch.save(state, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 BASELINE = "torch.save + fsync, CRC off"  # the same bytes durably, the same CRC setting
+PARALLEL = " (files in parallel)"
 METHODS: Dict[str, Callable[[Path, dict], object]] = {
     BASELINE: lambda p, s: torch_save_file(p, s, fsync=True, crc=False),
+    "torch.save(path) + fsync, CRC off": torch_save_path,
     "torch.save + fsync, CRC on": lambda p, s: torch_save_file(p, s, fsync=True),
 }
 for _algo in (digest.XXH3_128, digest.BLAKE3, digest.SHA256):
     for _helper in (False, True):
         _name = f"writer, {_algo}, {'helper' if _helper else 'inline'}"
-        if _helper == checkpoint_writer.HashingWriter.helper_pays(_algo):
+        if _algo == digest.XXH3_128 and not _helper:
             _name += " (default)"
+        elif _algo != digest.XXH3_128:
+            _name += " (default, a core free)" if _helper else " (default, no core free)"
         METHODS[_name] = _writer(_algo, _helper)
+METHODS["writer, xxh3_128, inline, no sync_file_range"] = _writer(digest.XXH3_128, False, False)
+METHODS["writer, blake3 on all cores, inline"] = _writer(digest.BLAKE3, False, True, True)
+METHODS["writer, xxh3_128, inline" + PARALLEL] = METHODS["writer, xxh3_128, inline (default)"]
 WRITERS = [m for m in METHODS if m.startswith("writer")]
 
 
 def write_all(method: str, root: Path, states: Dict[str, dict]) -> Dict[str, object]:
-    out = {}
-    for rel, state in states.items():
+    """Both files, one after the other, or each on its own thread (methods named PARALLEL)."""
+    for rel in states:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        out[rel] = METHODS[method](root / rel, state)
-    return out
+    if method.endswith(PARALLEL):
+        write = METHODS[method]
+        with ThreadPoolExecutor(len(states)) as pool:
+            futures = {rel: pool.submit(write, root / rel, state) for rel, state in states.items()}
+            return {rel: f.result() for rel, f in futures.items()}
+    return {rel: METHODS[method](root / rel, state) for rel, state in states.items()}
 
 
 def verify_all(root: Path, written: Dict[str, object]) -> float:

@@ -1,9 +1,10 @@
 """Dying-checkpoint persist time vs a plain ``torch.save`` of the same state on the same disk.
 
-The dying checkpoint path is the demo's: every shard is hashed (sha256) in the same pass as it is
-written into a ``.part`` file, fsynced, renamed, then the rename handler writes the manifest,
-moves the directory into place and replaces ``latest``; torch's zip CRC-32 is off for its files
-(sha256 covers them). The like-for-like baseline is ``torch.save`` of the same tensors into one
+The dying checkpoint path is the demo's: every shard is digested (xxh3_128; blake3 with
+``TTP_CHECKPOINT_KEY``: mindio_ttp/faulttime/digest.py) in the same pass as it is written into a
+``.part`` file, fsynced, renamed, then the rename handler writes the manifest, moves the
+directory into place and replaces ``latest``; torch's zip CRC-32 is off for its files (the
+digest covers them). The like-for-like baseline is ``torch.save`` of the same tensors into one
 file plus ``fsync`` (durable, which is what a checkpoint written seconds before the job is killed
 needs) with the same CRC setting; torch.save with its default CRC, with and without fsync, is
 shown for reference. Runs are interleaved (ABCD DCBA ...) and the median is reported, so drift on
@@ -15,7 +16,6 @@ a shared machine hits every method alike.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import statistics
@@ -32,6 +32,7 @@ from bench_megatron_writer import torch_save_file  # noqa: E402
 
 from mindio_ttp.demo import checkpoint  # noqa: E402
 from mindio_ttp.demo.model import ShardLayout, ShardState  # noqa: E402
+from mindio_ttp.faulttime import digest  # noqa: E402
 
 BASELINE = "torch.save + fsync, CRC off"
 
@@ -67,7 +68,7 @@ def plain_state(shards: List[ShardState]) -> Dict[str, torch.Tensor]:
 
 
 def hash_only(blob: bytes) -> None:
-    hashlib.sha256(blob).hexdigest()
+    digest.of_bytes(digest.default_algo(), blob)
 
 
 def run(mparams: float, repeats: int, base_dir: Path) -> Dict[str, float]:
@@ -76,12 +77,13 @@ def run(mparams: float, repeats: int, base_dir: Path) -> Dict[str, float]:
     state = plain_state(shards)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     blob = b"".join(t.contiguous().numpy().tobytes() for t in state.values())
+    algo = digest.default_algo()
     cases: Dict[str, Callable[[Path], None]] = {
         "torch.save, CRC on": lambda d: torch_save_file(d / "plain.pt", state, fsync=False),
         "torch.save + fsync, CRC on": lambda d: torch_save_file(d / "plain.pt", state, True),
         BASELINE: lambda d: torch_save_file(d / "plain.pt", state, fsync=True, crc=False),
-        "dying checkpoint (sha256, CRC off)": lambda d: dying_checkpoint(d, shards),
-        "(sha256 of the same bytes alone, 1 core)": lambda d: hash_only(blob),
+        f"dying checkpoint ({algo}, CRC off)": lambda d: dying_checkpoint(d, shards),
+        f"({algo} of the same bytes alone, 1 core)": lambda d: hash_only(blob),
     }
     times: Dict[str, List[float]] = {name: [] for name in cases}
     for i in range(repeats + 1):  # the first round warms the page cache and allocator

@@ -220,8 +220,10 @@ class Bench:
     backend: str = GLOO
 
     def launch(self, path: str, tag: str, extra: Sequence[str] = (),
-               fault_step: int = FAULT_STEP, iters: int = ITERS) -> Run:
-        """One run of ``path``; its files stay under ``work/tag``."""
+               fault_step: int = FAULT_STEP, iters: int = ITERS,
+               plan: Optional[str] = None, env_extra: Optional[Dict[str, str]] = None) -> Run:
+        """One run of ``path``; its files stay under ``work/tag``. `plan`: another fault plan
+        than the SIGKILL of FAULT_RANK; `env_extra`: settings over the path's own."""
         out = self.work / tag
         for sub in ("logs", "records", "runs", "ckpt"):
             (out / sub).mkdir(parents=True, exist_ok=True)
@@ -238,13 +240,14 @@ class Bench:
         launcher_args: List[str] = []
         faulted = path != FRESH
         if faulted:
-            env["TTP_FAULT_PLAN"] = f"{FAULT_RANK}:{fault_step}:sigkill:before"
+            env["TTP_FAULT_PLAN"] = plan or f"{FAULT_RANK}:{fault_step}:sigkill:before"
         if path in (WARM, COLD):
             env["TTP_RECOVERY"] = "in-memory"
             launcher_args += ["--warm-spares", "1" if path == WARM else "0"]
         if path == RESTART:
             env["TTP_RECOVERY"] = "dying-checkpoint"
             launcher_args += ["--max-restarts", "1"]
+        env.update(env_extra or {})
         iters = iters if faulted else 3  # Megatron wants more iterations than warm-up ones
         ckpt = out / "ckpt"
         args = tiny_gpt_args(self.data, train_iters=iters, save=ckpt,  # type: ignore[arg-type]

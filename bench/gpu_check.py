@@ -548,7 +548,7 @@ def child_leak_loop(rounds: int = 20) -> Dict[str, Any]:
         report = abort.abort_all(10.0, binding=binding)
         if not report.ok:
             return {"round": i, "abort": report.describe(), "status": "FAIL"}
-        if not abort.destroy_groups(10.0, binding):
+        if not abort.destroy_groups(10.0):
             return {"round": i, "status": "FAIL (destroy did not return)"}
         seconds.append(time.monotonic() - t0)
         if i == 1:  # after the first round's one-time allocations
@@ -723,7 +723,7 @@ def child_dead_peer(sig: str, op: str, group: str, mode: str) -> Dict[str, Any]:
         else:
             binding = ttp_device.capture()
             peers[0].kill()  # a stopped rank 1 is killed by its launcher, then replaced
-            destroyed = abort.destroy_groups(10.0, binding)
+            destroyed = abort.destroy_groups(10.0)
             sick = ttp_device.health_check(binding, 10.0)
             second = tempfile.mktemp(prefix="ttp-gpu-check-w2-")
             peers.append(_spawn_rank1(second, "once", "world"))

@@ -67,6 +67,8 @@ ENV_NODE_AGENT = "TTP_NODE_AGENT"
 ENV_FANOUT = "TTP_FANOUT"
 # set by ttprun in its workers: the AF_UNIX socket of this node's agent (its own process)
 ENV_AGENT_SOCKET = "TTP_AGENT_SOCKET"
+# set by `ttprun --drill` for its workers (mindio_ttp/drill.py): the fire drill of this launch
+ENV_DRILL = "TTP_DRILL"
 # ttprun --max-restarts: the port (or range) node 0 gives a restarted attempt's store
 ENV_RESTART_STORE_PORTS = "TTP_RESTART_STORE_PORTS"
 
@@ -113,6 +115,9 @@ FALLBACK_PROBE_S = 5.0
 # survivors for TTP_OT only when some rank of the attempt started the runtime: before that no
 # rank holds anything a dying checkpoint could use.
 RUNTIME_STARTED_DIR = "runtime-started"
+# In TTP_RUN_DIR: the recovery mode rank 0 found its process groups allow (one line), which
+# ttprun prints once it appears (its own check at start sees the machine, not the groups).
+RECOVERY_MODE_FILE = "recovery-mode"
 # $TTP_RUN_DIR/job-complete.json: written by a rank once the job's final checkpoint is complete
 # on every rank (ttp_job_complete); a worker lost after it fails nothing (ttprun exits 0)
 JOB_COMPLETE_FILE = "job-complete.json"
@@ -380,6 +385,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "in a replacement process: the recovery it joins", text, None,
             "set by ttprun for a replacement only (its step, store, acting controller), not by "
             "you"),
+    Setting(ENV_DRILL, "JSON", "set by ttprun --drill", "",
+            "the fire drill of this launch (docs/first-day.md)", text, None,
+            "set by `ttprun --drill KIND:rank=R:iter=N` for its workers, with its run "
+            "directory, not by you: a TTP_DRILL ttprun did not set is dropped, and a worker "
+            "started otherwise ignores it"),
     Setting(ENV_WARM_SPARES, "count", "0", ">= 0",
             "ttprun: warm spares per node, processes ready to replace a lost rank", count, 0,
             "each has imported torch, the training script's imports and torch._dynamo and "

@@ -32,9 +32,11 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from mindio_ttp.config import ENV_DRILL
+
 log = logging.getLogger("mindio_ttp")
 
-ENV = "TTP_DRILL"
+ENV = ENV_DRILL
 KINDS = ("kill", "hang", "exception")
 FIRED_FILE = "drill-fired.json"  # in TTP_RUN_DIR, written by the rank as it fires
 USAGE = ("--drill KIND[:rank=R|random][:iter=N]: KIND is kill (SIGKILL), hang (SIGSTOP) or "

@@ -120,3 +120,29 @@ def test_the_demo_extra_has_what_the_demo_imports_and_no_dev_tools() -> None:
             if line.strip() and not line.strip().startswith("#")}
     assert {"psutil", "pybind11", "regex", "six"} <= demo
     assert not demo & {"ruff", "hypothesis", "pytest"}
+
+
+def test_the_quick_start_installs_what_its_next_two_commands_need() -> None:
+    """Issue 26: the quick start installed ".[demo]", which leaves out pytest, so the test
+    command right after it failed on a fresh machine. The extra it installs must hold what
+    `ttp-demo` imports and pytest; and the quick start comes before everything else."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    found = re.search(r'pip install "\.\[([a-z,]+)\]"', block)
+    assert found, block
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    extras = cfg["options.extras_require"]
+    names = set()
+    for extra in found.group(1).split(","):
+        names |= {re.split(r"[<>=\[ ]", line.strip())[0] for line in extras[extra].splitlines()
+                  if line.strip() and not line.strip().startswith("#")}
+    assert {"pytest", "psutil", "pybind11", "regex", "six"} <= names, names
+    lines = block.splitlines()
+    assert lines.index(next(ln for ln in lines if ln.startswith("pip install \".["))) < \
+        lines.index(next(ln for ln in lines if ln.startswith("ttp-demo"))) < \
+        lines.index(next(ln for ln in lines if ln.startswith("python -m pytest")))
+    sections = re.findall(r"^## (.+)$", readme, re.M)
+    order = [sections.index(s) for s in ("Install on a cluster", "What it costs",
+                                         "What survives what")]
+    assert order == sorted(order), sections

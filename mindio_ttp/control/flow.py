@@ -155,7 +155,9 @@ class Flow:
             self._raised.add(rank)
         self._preempted = self._preempted or kind == "preempted"
         if self._thread is not None:
-            log.warning("%s: further fault during the flow: %s", self.name, desc)
+            # a survivor's collective that failed on the lost rank is expected, not news
+            (log.info if kind == "collective" else log.warning)(
+                "%s: further fault during the flow: %s", self.name, desc)
             if self.sm.is_in(S.RECOVERING) and kind != "collective":  # not a casualty's report
                 self.recovery.fault(desc)
             return
@@ -333,7 +335,7 @@ class Flow:
         savers, fid = attempt.savers, attempt.flow_id
         self.timeline["saved"] = time.monotonic()
         if not attempt.ok:
-            return Verdict(Outcome.SAVE_FAILED, step, savers, f"save of step {step} failed: "
+            return Verdict(Outcome.SAVE_FAILED, step, savers, f"save of iteration {step} failed: "
                            f"{attempt.why}; rename not run, nothing marked latest")
         self.sm.transition_to(S.RENAMING, f"rename on rank {savers[0]}")
         if self._claim is not None:  # durably, before the order: the claim is final from here
@@ -342,9 +344,9 @@ class Flow:
                               cfg.rename_time_limit)
         if not ok:
             return Verdict(Outcome.SAVE_FAILED, step, savers,
-                           f"rename of step {step} failed: {why}; nothing marked latest")
+                           f"rename of iteration {step} failed: {why}; nothing marked latest")
         return Verdict(Outcome.SAVED, step, savers,
-                       f"dying checkpoint of step {step} saved by {ranksets.describe(savers)}")
+                       f"dying checkpoint of iteration {step} saved by {ranksets.describe(savers)}")
 
     def _save(self, fid: int, step: int, layout: Layout, states: Dict[int, RankState],
               savers: List[int]) -> SaveAttempt:

@@ -312,32 +312,41 @@ def _destroy(deadline: float) -> bool:
     return destroy_groups(max(1.0, deadline - time.monotonic()))
 
 
-def destroy_groups(timeout_s: float, binding: DeviceBinding = NO_DEVICE) -> bool:
-    """Destroy every process group, in a thread bound to the device, waiting at most
-    `timeout_s` (torch 2.6's graceful shutdown waits for every unfinished kernel of a group
-    that was not aborted: a group whose abort failed would hold it for good). HCCL backends
-    first release their communicator with ``abort_hccl_comm``, as torch_npu's own
-    ``reinit_process_group`` does before a new one is built (docs/stack.md says why the
-    recovery follows that part of it and not the rest). False when torch has no groups left to
-    destroy only because it failed, or the call did not return in time (logged)."""
+def destroy_groups(timeout_s: float, late: Callable[[], None] = lambda: None) -> bool:
+    """Destroy every process group, in the calling thread, watched: when it has not returned
+    within `timeout_s`, a watchdog thread calls `late()` (the recovery fails itself then, so the
+    controller goes on to the dying checkpoint while this thread waits) and this returns False
+    if it ever returns. torch 2.6's graceful shutdown waits for every unfinished kernel of a
+    group that was not aborted, so a group whose abort failed could hold it for good. In the
+    calling thread, not another: torch's destroy run elsewhere left a process that crashed at
+    exit (std::terminate, on the NCCL-like test backend after a stopped peer), and the thread
+    that waits would be stuck either way. HCCL backends first release their communicator with
+    ``abort_hccl_comm``, as torch_npu's own ``reinit_process_group`` does before a new one is
+    built (docs/stack.md says why the recovery follows that part of it and not the rest).
+    False also when the destroy raised (logged)."""
     dist = _dist()
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return False
+    returned = threading.Event()
+    overdue: List[bool] = []
 
-    def run() -> None:
-        binding.bind()
+    def watch() -> None:
+        if not returned.wait(timeout_s):
+            overdue.append(True)
+            log.warning("destroy_process_group did not return within %g s", timeout_s)
+            late()
+
+    threading.Thread(target=watch, name="ttp-destroy-watch", daemon=True).start()
+    try:
         for pg in _all_groups():
             for name, backend in _backends(pg):
                 call = _features().abort_method(name, backend) if name == "hccl" else None
                 if call is not None:
                     call()
         dist.destroy_process_group()
-
-    call = _Call(run, "ttp-destroy-groups")
-    call.start()
-    call.join(timeout_s)
-    if call.is_alive() or call.error:
-        log.warning("destroy_process_group %s", call.error or
-                    f"did not return within {timeout_s:g} s")
+    except Exception as exc:  # noqa: BLE001 - reported to the caller
+        log.warning("destroy_process_group failed: %s: %s", type(exc).__name__, exc)
         return False
-    return True
+    finally:
+        returned.set()
+    return not overdue

@@ -169,8 +169,8 @@ class HashingWriter(io.RawIOBase):
     * inline, after the buffer's write (the default for xxh3_128: ~30 GB/s per core, a few ms
       per GiB, less than a thread hand-off saves);
     * on a helper thread while the same buffer is written (`helper=True`, the default for the
-      slower cryptographic digests when this process may run on more than one core): ``write``
-      and ``update`` both release the GIL, so with a free core the hash costs no wall time;
+      slower cryptographic digests when a core is free: `helper_pays`): ``write`` and
+      ``update`` both release the GIL, so with a free core the hash costs no wall time;
       ``write`` returns only when both are done, so the buffer is never used after torch may
       free it (a device tensor's host copy lives only for the call).
 
@@ -207,8 +207,12 @@ class HashingWriter(io.RawIOBase):
     @staticmethod
     def helper_pays(algo: str) -> bool:
         """Whether hashing on a helper thread beside the write is the faster design for
-        `algo` here (measured: docs/checkpoint-writer.md, "Digest and overlap")."""
-        return algo != digest.XXH3_128 and _cores() > 1
+        `algo` now. Never for xxh3_128 (a few ms per GiB: the thread saves less than it
+        costs). For the cryptographic digests only when a core is free: measured on a 2-core
+        machine with no free core, the helper thread was slower than inline for every digest
+        (it competes with the write for the cores), docs/checkpoint-writer.md, "Digest and
+        overlap"."""
+        return algo != digest.XXH3_128 and _free_cores() >= 1.0
 
     def _hash_loop(self) -> None:
         while True:
@@ -274,9 +278,14 @@ class HashingWriter(io.RawIOBase):
             self._hasher.join(5.0)
 
 
-def _cores() -> int:
-    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+def _free_cores() -> float:
+    """CPUs this process may run on (its affinity mask) minus the 1-minute load average: how
+    many are idle, roughly; 0 where the load average cannot be read."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        return cores - os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0

@@ -71,6 +71,19 @@ class DeviceNotReady(RuntimeError):
     """The state of the step to save never completed on the device."""
 
 
+def _poll(event: Any, timeout_s: float, why: Callable[[], str]) -> None:
+    """Return once `event` has completed on the device; DeviceNotReady(why()) after
+    `timeout_s`. Polling, never a blocking wait: a device that does not get there would hold
+    a blocking one for good."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0005
+    while not event.query():
+        if time.monotonic() >= deadline:
+            raise DeviceNotReady(why())
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
 class ReadyMark:
     """The device event recorded at the end of the last optimizer update (see module doc)."""
 
@@ -118,16 +131,10 @@ class ReadyMark:
         event = self.event
         if self.module is None or event is None or self.step is None:
             return  # no device, or no update in this process: nothing in flight
-        deadline = time.monotonic() + timeout_s
-        pause = 0.0005
-        while not event.query():
-            if time.monotonic() >= deadline:
-                raise DeviceNotReady(
-                    f"the optimizer update of step {self.step} did not finish on the device "
-                    f"within {timeout_s:g} s (a kernel before it hangs): not saving a state "
-                    "that may be half-updated")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        _poll(event, timeout_s, lambda: (
+            f"the optimizer update of step {self.step} did not finish on the device within "
+            f"{timeout_s:g} s (a kernel before it hangs): not saving a state that may be "
+            "half-updated"))
 
     def reset(self) -> None:
         self.__init__()
@@ -308,6 +315,17 @@ class FaultStop:
 STOP = FaultStop()
 
 
+def _forked() -> None:
+    """A forked child aborted nothing: the parent's note and report are not its own. (No lock
+    is taken: another thread of the parent may have held one at the fork.)"""
+    STOP.__init__()
+    GATHERED.reset()
+    OFFERED.reset()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def one_work_queue() -> bool:
     """Every stream of this process shares one hardware queue: CUDA with
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron requires it; NVIDIA documents the variable only
@@ -384,16 +402,10 @@ class DeviceReader:
         the one hardware queue when the abort failed (D5). Polling, never a blocking wait."""
         probe = self._module.Event()
         probe.record(self.stream())
-        deadline = time.monotonic() + timeout_s
-        pause = 0.0005
-        while not probe.query():
-            if time.monotonic() >= deadline:
-                raise DeviceNotReady(
-                    f"the private read stream of {self._mark.binding.describe()} did not "
-                    f"{what} within {timeout_s:g} s: something queued ahead of it on the "
-                    "device hangs (an abort that failed); not reading")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        _poll(probe, timeout_s, lambda: (
+            f"the private read stream of {self._mark.binding.describe()} did not {what} "
+            f"within {timeout_s:g} s: something queued ahead of it on the device hangs (an "
+            "abort that failed); not reading"))
 
     @contextlib.contextmanager
     def reading(self, gather: Optional[GatherMark] = None) -> Iterator[Any]:

@@ -36,6 +36,10 @@ ALGOS: FrozenSet[str] = frozenset(HEX_DIGITS)
 CRYPTOGRAPHIC: FrozenSet[str] = frozenset({BLAKE3, SHA256})
 _PACKAGE = {XXH3_128: "xxhash", BLAKE3: "blake3"}
 
+# blake3 hashing one buffer on all cores (its own thread pool) instead of one: faster where
+# cores are free, slower on a loaded node (docs/checkpoint-writer.md, "Digest and overlap")
+BLAKE3_THREADS = False
+
 _said: set = set()
 _said_lock = threading.Lock()
 
@@ -92,7 +96,7 @@ def new(algo: str) -> Any:
     if algo == XXH3_128:
         return module.xxh3_128()
     if algo == BLAKE3:
-        return module.blake3()
+        return module.blake3(max_threads=module.blake3.AUTO if BLAKE3_THREADS else 1)
     return module.sha256()
 
 

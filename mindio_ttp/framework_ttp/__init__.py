@@ -20,20 +20,24 @@ import operator
 import os
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from mindio_ttp import drill as _drill
 from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
+    ENV_RECOVERY,
     ENV_RUN_DIR,
     JOB_COMPLETE_FILE,
     MAX_WORLD,
+    RECOVERY_MODE_FILE,
+    RECOVERY_MODES,
     RUNTIME_STARTED_DIR,
     ExitCode,
     Outcome,
     TTPConfig,
     _port_env,
 )
+from mindio_ttp.config import value as _config_value
 from mindio_ttp.control import hooks as _hooks
 from mindio_ttp.control.hooks import TTPError, TTPForceStop
 from mindio_ttp.control.host import ControllerProcess
@@ -189,8 +193,7 @@ def ttp_start_controller(ip: str, port: int) -> None:
                                 rank)
         claims = _claim.registered_directory()
         capable = _RECOVERY.capability()
-        log.warning("recovery mode: %s", f"in memory where the fault allows ({capable[1]})"
-                    if capable[0] else f"dying checkpoint, not in memory: {capable[1]}")
+        _say_recovery_mode(capable)
         ctl.start(ip, port, claims=None if claims is None else claims.parent, capable=capable)
         _controller = ctl
     log.info("controller process (pid %s) for %d rank(s) listening on %s:%d", _controller.pid,
@@ -282,6 +285,26 @@ def start_processor_at(ip: str, port: int, deadline_s: Optional[float] = None) -
         _hooks.RUNTIME = _RUNTIME
         if threading.current_thread() is threading.main_thread():
             proc.install_sigterm()
+
+
+def _say_recovery_mode(capable: Tuple[bool, str]) -> None:
+    """Log which recovery this job's process groups allow, and leave it for ttprun to print
+    (TTP_RUN_DIR/recovery-mode): its own check at start sees the machine, not the groups."""
+    cfg_mode = _config_value(os.environ, ENV_RECOVERY)
+    said = (f"dying checkpoint ({ENV_RECOVERY}={cfg_mode})" if cfg_mode != RECOVERY_MODES[0]
+            else f"in memory where the fault allows ({capable[1]})" if capable[0]
+            else f"dying checkpoint, not in memory: {capable[1]}")
+    log.warning("recovery mode: %s", said)
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    if not run_dir:
+        return
+    try:
+        tmp = os.path.join(run_dir, f".{RECOVERY_MODE_FILE}.{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(said + "\n")
+        os.replace(tmp, os.path.join(run_dir, RECOVERY_MODE_FILE))
+    except OSError as exc:
+        log.warning("cannot write %s in %s: %s", RECOVERY_MODE_FILE, run_dir, exc)
 
 
 def _mark_started(run_dir: Optional[str], rank: int) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -36,6 +37,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -59,6 +61,7 @@ from mindio_ttp.config import (
     ENV_WARM_SPARES,
     FLOW_FINISHED_FILE,
     JOB_COMPLETE_FILE,
+    RECOVERY_MODE_FILE,
     RUNTIME_STARTED_DIR,
     auth_key_from_env,
     warm_spares,
@@ -81,6 +84,7 @@ from mindio_ttp.launch.outcome import (
 )
 from mindio_ttp.launch.procstate import read_proc_state
 from mindio_ttp.launch.replace import ReplacementDesk, cold_start
+from mindio_ttp.launch.siblings import Siblings
 from mindio_ttp.launch.spares import pool_from_spec
 
 logger = logging.getLogger("ttprun")
@@ -95,6 +99,13 @@ RDZV_WAIT_NOTICE_S = config.BY_NAME[config.ENV_RDZV_NOTICE].value  # main() read
 # How long the monitor loop waits for one answer of the rendezvous store before it goes on
 # watching the workers (the answer is used when it comes; a healthy store answers in ms).
 RDZV_QUERY_WAIT_S = 1.0
+
+
+def _key_or_none() -> Optional[bytes]:
+    try:
+        return auth_key_from_env(os.environ)
+    except ValueError:
+        return None
 
 
 def is_multi_node(nnodes: str) -> bool:
@@ -159,11 +170,15 @@ class TTPElasticAgent(LocalElasticAgent):
             os.environ[ENV_REPLACEMENTS] = "cold,node"  # the recovery may ask for a lost node
         self._spare_waiting_said = False
         self._node_agent: Optional[NodeAgent] = None  # this node's, per attempt
+        self._mode_said = ""
+        # other ttprun of this job on this host (launch/siblings.py)
+        self._siblings = Siblings.open(_key_or_none(), self._run_dir)
         # in-memory recovery (replace.py): a warm spare when one is left, else a cold start;
-        # a lost node's ranks go to the takeover
+        # a lost node's ranks go to the takeover, a sibling's ranks to that sibling
         self._replacements = ReplacementDesk(
             self._run_dir, (self._spares.start, cold_start),
-            foreign=self._takeover.hold if self._takeover else None)
+            foreign=self._takeover.hold if self._takeover else None,
+            sibling=self._siblings.owner if self._siblings else None)
         self._guard_rendezvous()
 
     # -- the rendezvous ---------------------------------------------------------------------
@@ -299,6 +314,8 @@ class TTPElasticAgent(LocalElasticAgent):
         self._replacements = self._replacements.fresh()  # a new attempt counts recoveries anew
         self._attempt += 1
         self._start_node_agent(worker_group)
+        if self._siblings is not None:
+            self._siblings.publish([w.global_rank for w in worker_group.workers])
         if self._takeover is None or self._takeover.assignment is None:
             return super()._start_workers(worker_group)
         with takeover.replacement_workers(self._takeover.assignment, self._spares):
@@ -333,7 +350,21 @@ class TTPElasticAgent(LocalElasticAgent):
         started = self._run_dir / RUNTIME_STARTED_DIR
         return started.is_dir() and any(started.iterdir())
 
+    def _say_recovery_mode(self) -> None:
+        """Print, once it appears, the recovery mode rank 0 found its process groups allow
+        (framework_ttp writes it when the controller starts): the check at ttprun's start sees
+        the machine's stack, this one the job's own groups."""
+        try:
+            said = (self._run_dir / RECOVERY_MODE_FILE).read_text().strip()
+        except OSError:
+            return
+        if said and said != self._mode_said:
+            self._mode_said = said
+            print(f"ttprun: recovery mode (rank 0, on the job's process groups): {said}",
+                  file=sys.stderr, flush=True)
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._say_recovery_mode()
         self._spares.replenish()
         pcontext = self._pcontext
         if not isinstance(pcontext, SubprocessContext):
@@ -381,7 +412,7 @@ class TTPElasticAgent(LocalElasticAgent):
         with the lost worker never returns), then are killed."""
         logger.warning("ttprun: worker rank(s) %s failed after the job's final checkpoint was "
                        "complete on every rank (%s): nothing is lost, the job succeeds", failed,
-                       _read_marker(self._run_dir / JOB_COMPLETE_FILE))
+                       _job_complete(self._run_dir / JOB_COMPLETE_FILE))
         deadline = time.monotonic() + POST_FLOW_EXIT_S
         while time.monotonic() < deadline and any(
                 h.proc.poll() is None for h in pcontext.subprocess_handlers.values()):
@@ -431,6 +462,8 @@ class TTPElasticAgent(LocalElasticAgent):
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         self._spares.close()
+        if self._siblings is not None:
+            self._siblings.close()
         super()._shutdown(death_sig, timeout)
         self._stop_node_agent()
 
@@ -452,6 +485,8 @@ class TTPElasticAgent(LocalElasticAgent):
         finally:
             self._spares.close()
             self._stop_node_agent()
+            if self._siblings is not None:
+                self._siblings.close()
 
     # -- the grace period -------------------------------------------------------------------
     def _hold_survivors(self, pcontext: SubprocessContext,
@@ -527,6 +562,15 @@ def _restart_store(host: str, ports: Optional[Tuple[int, int]]):
     raise RuntimeError(f"ttprun: no port of {config.ENV_RESTART_STORE_PORTS}="
                        f"{ports[0]}-{ports[1]} is free for the restarted attempt's store "
                        f"({'; '.join(errors[:3])}): widen the range")
+
+
+def _job_complete(path: Path) -> str:
+    """What job-complete.json says, in words (it is written atomically; never raises)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        return f"iteration {record['step']}, {record.get('checkpoint') or 'no checkpoint named'}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{path.name} unreadable: {exc}"
 
 
 class _OffLoopQuery:
@@ -655,10 +699,13 @@ def build_parser():
 
     parser = get_args_parser()
     parser.prog = "ttprun"
-    parser.description = (
-        "torchrun with a dying-checkpoint grace period: when a worker fails or the launcher gets "
-        "SIGTERM, surviving workers get up to TTP_OT seconds (default 120) to write the "
-        "checkpoint before they are stopped. Same arguments as torchrun."
+    parser.description = textwrap.fill(
+        "torchrun for fault-tolerant training: when a worker is lost it starts the replacement "
+        "an in-memory recovery asks for (TTP_RECOVERY=in-memory, the default), and whenever "
+        "the job must stop instead (TTP_RECOVERY=dying-checkpoint, a recovery that cannot work, "
+        "SIGTERM) the survivors get up to TTP_OT seconds (default 120) to write the dying "
+        "checkpoint. Same arguments as torchrun, plus --check (pre-flight), --drill (a fault "
+        "on purpose) and --outcome-file: docs/first-day.md.", 96
     )
     from mindio_ttp import __version__
 

@@ -156,18 +156,23 @@ class ReplacementDesk:
     it, or when it will not, such a request fails at once."""
 
     def __init__(self, run_dir: Path, starters: Sequence[ReplacementStarter] = (cold_start,),
-                 foreign: Optional[Callable[[ReplacementRequest], bool]] = None):
+                 foreign: Optional[Callable[[ReplacementRequest], bool]] = None,
+                 sibling: Optional[Callable[[int], Optional[Dict[str, Any]]]] = None):
         self.dir = Path(run_dir) / REPLACE_DIR
         self.starters = list(starters)
         self.foreign = foreign
+        # another launcher of this job on this host that runs a rank (launch/siblings.py)
+        self.sibling = sibling
         self._done: Dict[str, Optional[subprocess.Popen]] = {}  # request name -> its process
         self._exit_reported: set = set()
+        self._forwarded: Dict[str, Path] = {}  # request name -> the sibling's request folder
+        self._relayed: Dict[str, bytes] = {}  # request name -> the status last copied back
 
     def fresh(self) -> ReplacementDesk:
         """The desk for a restarted worker group: its recoveries are numbered from 1 again,
         so the previous attempt's requests and statuses go."""
         shutil.rmtree(self.dir, ignore_errors=True)
-        return ReplacementDesk(self.dir.parent, self.starters, self.foreign)
+        return ReplacementDesk(self.dir.parent, self.starters, self.foreign, self.sibling)
 
     def serve(self, pcontext: Any, workers: Sequence[Any]) -> List[int]:
         """Start a replacement for every new request; report replacements that exited.
@@ -216,9 +221,13 @@ class ReplacementDesk:
         local = next((i for i, w in enumerate(workers) if w.global_rank == request.rank), None)
         if local is None and self.foreign is not None and self.foreign(request):
             return None
+        if local is None and self._forward(request):
+            return None
         if local is None:
             self._status(name, ReplacementStatus(FAILED, 0, f"rank {request.rank} is not a "
-                                                 "worker of this launcher", time.time()))
+                                                 "worker of this launcher, nor of another "
+                                                 "ttprun of this job on this host",
+                                                 time.time()))
             return None
         old = pcontext.subprocess_handlers[local]
         _kill(old.proc)  # a hung or raising worker: its sockets hold the survivors up
@@ -254,8 +263,39 @@ class ReplacementDesk:
         self._status(name, ReplacementStatus(STARTED, proc.pid, "", time.time()))
         return local
 
+    def _forward(self, request: ReplacementRequest) -> bool:
+        """Hand `request` to the sibling launcher that runs its rank; its answers are copied
+        back by `_watch`. False when no sibling runs it."""
+        owner = self.sibling(request.rank) if self.sibling is not None else None
+        if owner is None:
+            return False
+        try:
+            write_request(owner["run_dir"], request)
+        except OSError as exc:
+            logger.error("ttprun: cannot hand the replacement of rank %d to ttprun pid %s "
+                         "(%s)", request.rank, owner["pid"], exc)
+            return False
+        self._forwarded[request.name] = Path(owner["run_dir"]) / REPLACE_DIR
+        logger.warning("ttprun: rank %d is run by another ttprun of this job on this host (pid "
+                       "%s): its replacement for recovery %d is asked of it", request.rank,
+                       owner["pid"], request.recovery_id)
+        return True
+
     def _watch(self) -> None:
         """Tell the relay when a replacement dies before or during its recovery."""
+        for name, folder in self._forwarded.items():  # a sibling's answers, copied back
+            try:
+                data = (folder / f"{name}.status.json").read_bytes()[:MAX_FILE_BYTES]
+            except OSError:
+                continue
+            if data != self._relayed.get(name):
+                self._relayed[name] = data
+                tmp = self.dir / f".{name}.status.json.{os.getpid()}.tmp"
+                try:
+                    tmp.write_bytes(data)
+                    os.replace(tmp, self.dir / f"{name}.status.json")
+                except OSError:
+                    continue
         for name, proc in self._done.items():
             if proc is None or name in self._exit_reported:
                 continue

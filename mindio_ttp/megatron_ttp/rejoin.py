@@ -171,6 +171,9 @@ def in_memory_recovery(pretrain: F) -> F:
             except TTPRecovering:
                 pass  # leave the except block first: its traceback holds the old groups
             except BaseException as exc:
+                # out of the step (pretrain's own work after train(), held: completion.py):
+                # the release (control/release.py) must stop raising into this thread
+                hooks.TRAINING.leave()
                 if not _hold_for_verdict(exc):
                     raise
             else:
@@ -261,8 +264,13 @@ def _destroy_groups(rejoin: Rejoin) -> None:
     rejoin.model_groups = _detach_model_groups(rejoin.model)
     alive = [(weakref.ref(pg), name) for pg, name in
              dict(getattr(dist.distributed_c10d._world, "pg_names", {})).items()]
-    if dist.is_initialized() and not abort.destroy_groups(config.ABORT_TIMEOUT_S, binding):
-        raise RuntimeError(f"destroy_process_group did not return within "
+    def late() -> None:  # the destroy still waits: fail the recovery now, not at its bound
+        why = f"destroy_process_group did not return within {config.ABORT_TIMEOUT_S:g} s"
+        RECOVERY.report_ready(False, why)
+        RECOVERY.abandon(why)
+
+    if dist.is_initialized() and not abort.destroy_groups(config.ABORT_TIMEOUT_S, late):
+        raise RuntimeError(f"destroy_process_group failed or did not return within "
                            f"{config.ABORT_TIMEOUT_S:g} s")
     mpu.destroy_model_parallel()
     rejoin.optimizer.pair_group = None
@@ -428,7 +436,7 @@ def _fail_and_wait(exc: BaseException) -> None:
     device error may be behind it), and the controller learns it before the READY."""
     log.error("in-memory recovery failed on this rank: %r", exc)
     rt = hooks.RUNTIME
-    own = not RECOVERY.abandoned and not isinstance(exc, RecoveryRefused) \
+    own = not RECOVERY.abandoned and not isinstance(exc, (RecoveryRefused, hooks.TTPReleased)) \
         and hooks.fault_kind(exc, False) == "exception"
     if own and rt is not None and rt.running:
         hooks._shielded(rt.report_exception, exc, "exception")

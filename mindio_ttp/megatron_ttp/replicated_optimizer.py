@@ -406,7 +406,8 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
     @torch.no_grad()
     def step(self, args, timers):
         """Purely local: uses what reduce_model_grads computed; updates both stripes, and only
-        then writes the param buffers (they share memory with the grad buffers)."""
+        then writes the own stripe into the param buffer (it shares memory with the grad
+        buffer)."""
         if self._pending is None:
             raise RuntimeError("ReplicatedOptimizer.step() needs reduce_model_grads() first "
                                "(it runs the collectives of the update)")
@@ -420,7 +421,10 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
                 return self.last_update
         self.own.optimizer.step()
         self.partner.optimizer.step()
-        self._copy_main_params_to_model_params()
+        # Only the own stripe goes into the param buffer, as stock: the all-gather that follows
+        # (gather_model_params) fills every other position's range, the partner's with the
+        # partner's own copy of the same bits, so writing it here too would be overwritten.
+        self.own.copy_main_params_to_param_buffer(self.param_buffers)
         # what the step's log line prints, should train_step fail after it (log_record.py)
         self.last_update = (True, grad_norm, num_zeros)
         return self.last_update

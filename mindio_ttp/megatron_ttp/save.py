@@ -133,7 +133,8 @@ def rename_save_result(step: int, ckpt_args: tuple) -> None:
     newer = _newer_latest(save_dir, step)
     if newer is None:
         manifest.write_tracker(save_dir, step)
-    log.info("dying checkpoint of iteration %d %s: merge manifest %.3f s, rename %.3f s, "
+    # (bench/bench_dying_save.py reads this line's words)
+    log.info("dying checkpoint of step %d %s: merge manifest %.3f s, rename %.3f s, "
              "tracker %.3f s", step, "marked latest" if newer is None else
              f"kept, not marked latest (latest is the newer {newer})", merged - started,
              renamed - merged, time.perf_counter() - renamed)

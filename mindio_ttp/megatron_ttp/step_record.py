@@ -13,7 +13,7 @@ import random
 
 import numpy as np
 import torch
-from megatron import get_args
+from megatron import get_args, get_num_microbatches
 from megatron.core import tensor_parallel
 
 
@@ -39,7 +39,6 @@ class StepRecord:
             self._memory_reported = True
             print(self.memory_report(), flush=True)
         args = get_args()
-        from megatron import get_num_microbatches
         increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
         if not self._last_found_inf:
             self._sched_increments += increment

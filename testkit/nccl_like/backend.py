@@ -30,8 +30,8 @@ How "blocks like NCCL" is made true on gloo:
 * **The communicator** (the gloo group) is made at the group's first collective, in the
   calling thread, blocking and not abortable, as torch's lazy NCCL initialisation in blocking
   mode: a peer lost before it is reached leaves that thread there for good. A gloo group is
-  never destroyed (its destructor would join threads a hung op holds): it stays, leaked, for
-  the life of the process.
+  never destroyed (its destructor would join threads a hung op holds), nor is an NCCL-like
+  group (`_keep_forever`): they stay, leaked, for the life of the process.
 """
 
 from __future__ import annotations
@@ -208,14 +208,31 @@ def _seconds(timeout: Any) -> Optional[float]:
 
 
 _GROUPS: weakref.WeakSet[NcclLikeGroup] = weakref.WeakSet()
-_KEPT: List[Any] = []  # gloo groups: never destroyed (module doc)
+_KEPT: List[Any] = []  # never destroyed: these groups, their gloo groups, unfinished gloo works
 
 
 def _keep_forever(obj: Any) -> None:
-    """One reference nothing ever drops, not even the interpreter's shutdown: a gloo group's
-    destructor joins its threads, which a hung op holds until gloo's timeout."""
+    """One reference nothing ever drops, not even the interpreter's shutdown. A gloo group's
+    destructor joins its threads, which a hung op holds until gloo's timeout. A c10d object (a
+    ProcessGroup, a Work: their pybind holders release and retake the GIL to destroy them, and
+    a work's staging tensors retake it too) must not die in a daemon thread while the
+    interpreter finalizes: retaking the GIL then ends the thread with a forced unwind through
+    C++ destructors, std::terminate, SIGABRT (seen at the end of runs after a recovery: a
+    completion thread, ending, dropped the last reference to its aborted group, and before
+    that to a gloo work). So every NCCL-like group is kept; a gloo work that finished is
+    dropped by the completion thread before its op ends (the host still waits on it then), and
+    one that never finished is kept here."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     _KEPT.append(obj)
+
+
+def _bury(ops: Sequence[_Op]) -> None:
+    """Keep the gloo works of `ops`, which never finished, for good (`_keep_forever`)."""
+    works = [op.gloo_work for op in ops if op.gloo_work is not None]
+    for op in ops:
+        op.gloo_work = None
+    if works:
+        _KEPT.append(works)
 
 
 class NcclLikeGroup(dist.ProcessGroup):
@@ -244,6 +261,7 @@ class NcclLikeGroup(dist.ProcessGroup):
         self.error_handling, self.error_handling_source = self.emulated.error_handling()
         self.name_in_logs = f"nccl_like group of {size} (rank {rank})"
         _GROUPS.add(self)
+        _keep_forever(self)  # its completion thread must not be the one to destroy it
         from testkit.nccl_like import watchdog
 
         watchdog.ensure_running()
@@ -269,6 +287,7 @@ class NcclLikeGroup(dist.ProcessGroup):
             self._aborted = why
             pending = list(self._pending)
             self._pending.clear()
+            _bury(pending)
             for op in pending:
                 op.end(error, None)
             self._wake.notify_all()
@@ -290,8 +309,9 @@ class NcclLikeGroup(dist.ProcessGroup):
             if peer == self.rank():
                 continue
             try:
-                self._gloo.recv([torch.empty(1)], peer, BREAK_TAG).wait(
-                    datetime.timedelta(milliseconds=1))
+                work = self._gloo.recv([torch.empty(1)], peer, BREAK_TAG)
+                _KEPT.append(work)  # never destroyed in a daemon thread (_keep_forever)
+                work.wait(datetime.timedelta(milliseconds=1))
             except Exception:  # noqa: BLE001 - the expected timeout (or a pair already gone)
                 pass
 
@@ -391,9 +411,16 @@ class NcclLikeGroup(dist.ProcessGroup):
                 if self._aborted or self._spinning or op.finished.is_set():
                     return  # a peer said it spins first: the host may have run on already
                 if error is None:
-                    op.copy_back()
+                    op.gloo_work = None  # destroyed here, while the host waits (_keep_forever)
+                    try:
+                        op.copy_back()
+                        failed: Optional[BaseException] = None
+                    except Exception as exc:  # noqa: BLE001 - the host's to see, not this thread's
+                        failed = exc
+                    op.copy_back = _nothing
                     self._pending.remove(op)
-                    op.end(None, WorkResult.SUCCESS)
+                    op.end(failed, None if failed else WorkResult.SUCCESS)
+                    op = None
                     continue
             self.start_spinning(f"{op.describe()}: gloo: {type(error).__name__}: "
                                 f"{str(error)[:200]}", seen_here=True)
@@ -623,10 +650,15 @@ class _All:
         return True
 
 
+def _nothing() -> None:
+    pass
+
+
 def _copier(real: Sequence[torch.Tensor], staged: Sequence[torch.Tensor]) -> Callable[[], None]:
     def copy_back() -> None:
-        for dst, src in zip(real, staged):
-            dst.copy_(src)
+        with torch.no_grad():  # what a collective writes is no autograd op (Megatron's p2p
+            for dst, src in zip(real, staged):  # receives into leaves that require grad)
+                dst.copy_(src)
 
     return copy_back
 

@@ -41,6 +41,17 @@ def _run_demo(args, tmpdir: Path, timeout: float = DEMO_TIMEOUT_S):
     return done, time.monotonic() - start
 
 
+def _stages_in_order(out: str, stages) -> None:
+    """Each stage line exactly once, in order."""
+    lines = out.splitlines()
+    positions = []
+    for stage in stages:
+        found = [i for i, line in enumerate(lines) if re.fullmatch(stage, line)]
+        assert len(found) == 1, f"stage line {stage!r} missing or repeated:\n{out}"
+        positions += found
+    assert positions == sorted(positions), "stages out of order"
+
+
 def _modified_clone(megatron_dir: Path, dest: Path) -> Path:
     """A clone at 285068c whose training.py has an uncommitted edit of the user's: a tree
     ttp-patch takes only with --allow-modified, and only as it is in the work tree."""
@@ -77,13 +88,7 @@ def test_demo_megatron_kills_resumes_and_matches_leaving_nothing(megatron_dir: P
     print(out)
     print(f"ttp-demo --megatron took {elapsed:.1f} s")
     assert done.returncode == 0, out + done.stderr
-    lines = out.splitlines()
-    positions = []
-    for stage in STAGES:
-        found = [i for i, line in enumerate(lines) if re.fullmatch(stage, line)]
-        assert len(found) == 1, f"stage line {stage!r} missing or repeated:\n{out}"
-        positions += found
-    assert positions == sorted(positions), "stages out of order"
+    _stages_in_order(out, STAGES)
 
     shown = re.search(r"^      iteration (\d+) in (\S+)/ckpt/iter_(\d{7}), marked latest "
                       r"\(latest_checkpointed_iteration\.txt says (\d+)\)$", out, re.M)
@@ -134,13 +139,7 @@ def test_demo_megatron_recovers_in_memory_by_default_and_matches(megatron_dir: P
     print(f"ttp-demo --megatron (in-memory) took {elapsed:.1f} s")
     assert done.returncode == 0, out + done.stderr
     assert "TTP_RECOVERY=in-memory" in out.splitlines()[0], out
-    lines = out.splitlines()
-    positions = []
-    for stage in IN_MEMORY_STAGES:
-        found = [i for i, line in enumerate(lines) if re.fullmatch(stage, line)]
-        assert len(found) == 1, f"stage line {stage!r} missing or repeated:\n{out}"
-        positions += found
-    assert positions == sorted(positions), "stages out of order"
+    _stages_in_order(out, IN_MEMORY_STAGES)
     assert "ttprun exited 0 after" in out and "(the job went on: no restart)" in out, out
     shown = re.search(r"^      recovery 1 at iteration (\d+): rank\(s\) \[1\] replaced by a new "
                       r"process on the same node", out, re.M)

@@ -174,7 +174,7 @@ def assert_fell_back(result, ckpt: Path, reference, step: int, why: str) -> None
     assert result.returncode != 0
     abandoned = _ABANDONED.search(result.log)
     assert abandoned and why in abandoned.group(2), result.tail(8000)
-    assert f"falling back to the dying checkpoint of step {step}" in result.log
+    assert f"falling back to the dying checkpoint of iteration {step}" in result.log
     assert tracker_step(ckpt) == step, result.tail(8000)
     assert manifest.verify(ckpt / manifest.iter_dir_name(step),
                            manifest.ParallelLayout(1, 1, 4)) is None

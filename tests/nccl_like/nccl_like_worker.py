@@ -59,12 +59,12 @@ def warm_up(pg) -> dict:
     objs = [None] * WORLD
     dist.all_gather_object(objs, {"rank": RANK})
     checks["all_gather_object"] = objs == [{"rank": r} for r in range(WORLD)]
-    got = torch.empty(3)
+    got = torch.empty(3, requires_grad=True)  # as Megatron's pipeline receives
     ops = [dist.P2POp(dist.isend, torch.full((3,), float(RANK)), (RANK + 1) % WORLD),
            dist.P2POp(dist.irecv, got, (RANK - 1) % WORLD)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    checks["batch_isend_irecv"] = got.tolist() == [float((RANK - 1) % WORLD)] * 3
+    checks["batch_isend_irecv"] = got.detach().tolist() == [float((RANK - 1) % WORLD)] * 3
     sub = dist.new_group([0, 1])
     if RANK in (0, 1):
         s = torch.ones(2)

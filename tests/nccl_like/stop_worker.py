@@ -99,7 +99,7 @@ def main() -> None:
     out["aborted"] = sorted(first.abort.aborted)
     if AFTER == "reinit":
         binding = ttp_device.capture()
-        out["destroyed"] = abort.destroy_groups(10.0, binding)
+        out["destroyed"] = abort.destroy_groups(10.0)
         out["health"] = ttp_device.health_check(binding, 10.0) or "ok"
         second_store = STORE + ".2"
         peer = subprocess.Popen([sys.executable, __file__, "-", "1", second_store])

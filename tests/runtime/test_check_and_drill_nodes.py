@@ -54,13 +54,14 @@ class Cluster(TwoNodes):
         self.controller_port = 20000 + secrets.randbelow(10000)
         self.ckpt.mkdir(parents=True, exist_ok=True)
 
-    def start_all(self, ttprun: List[str], job: List[str], per_node_env=None) -> None:
+    def start_all(self, ttprun: List[str], job: List[str], per_node_env=None,
+                  rdzv: str = "static") -> None:
         """The same command on both nodes; `per_node_env(node)`: more variables for one."""
         port = 40000 + secrets.randbelow(20000)
         for n in self.nodes:
             n.lines.clear()
             cmd = [sys.executable, "-m", "mindio_ttp.launch.agent", *ttprun,
-                   *self.ttprun_args(n, nproc=2, port=port), *job]
+                   *self.ttprun_args(n, nproc=2, port=port, rdzv=rdzv), *job]
             extra = per_node_env(n) if per_node_env else {}
             self.launch(n, cmd, self.env(**extra), gloo_ifname="GLOO_SOCKET_IFNAME" not in extra)
 
@@ -93,8 +94,10 @@ def _table(text: str) -> dict:
     return rows
 
 
-def test_check_passes_on_two_healthy_nodes_and_starts_nothing(cluster: Cluster) -> None:
-    cluster.start_all(["--check"], _check_job(cluster))
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_check_passes_on_two_healthy_nodes_and_starts_nothing(cluster: Cluster,
+                                                              rdzv: str) -> None:
+    cluster.start_all(["--check"], _check_job(cluster), rdzv=rdzv)
     assert cluster.codes() == [0, 0], cluster.outputs()
     for n in cluster.nodes:
         out = n.output()
@@ -110,7 +113,7 @@ def test_check_passes_on_two_healthy_nodes_and_starts_nothing(cluster: Cluster) 
         assert f"node 1 {cluster.nodes[1].addr} (" in gloo and "reached from the others" in gloo
         assert "shared by every node" in rows["checkpoint directory"][1]
         assert "rank 0 |" not in out  # no worker ran
-    print(cluster.nodes[1].output())
+        assert f"{rdzv} rendezvous at {cluster.nodes[0].addr}:" in out
     assert not list(cluster.ckpt.glob(".ttp-check-*"))  # the probe files are removed
 
 
@@ -208,6 +211,13 @@ def test_drill_on_two_nodes_says_what_the_job_did_and_that_it_checks_out(
     assert cluster.outputs().count("DRILL: rank ") == 1, cluster.outputs()
     if mode == "in-memory":  # trained on to the end, the same as without a fault
         assert "rank 0 | finished step 30" in cluster.nodes[0].output(), cluster.outputs()
+        # the recovery path's lines say what happens, at its level: no failure words
+        text = cluster.outputs()
+        assert "starting the dying-checkpoint flow" not in text
+        assert "process is gone" not in text
+        # (the struck rank's own exception is its fault, said at ERROR; nobody else's is)
+        assert not [ln for ln in text.splitlines()
+                    if " ERROR " in ln and f"[ttp rank {struck}]" not in ln], text
 
 
 def test_a_drill_left_in_the_environment_does_nothing(cluster: Cluster) -> None:

@@ -59,6 +59,7 @@ def _new_fault() -> None:
     """No stop run, no latch, the hot state fresh (tolerant of the code before the stop, so
     that these tests show what it did: the main thread never left)."""
     hooks.STATE.reset()
+    device_copy.MARK.reset()  # no device bound (an earlier test may have registered npu:3)
     getattr(device_copy, "STOP", device_copy.GATHERED).reset()
     training = getattr(hooks, "TRAINING", None)
     if training is not None:
@@ -243,6 +244,24 @@ def test_a_recovery_whose_abort_fails_is_failed_at_once_not_after_its_bound(
     assert not ready.ok and "unhandled system error" in ready.detail
     assert time.monotonic() - t0 < 3.0  # not TTP_RECOVER_TIMEOUT (120 s)
     assert R.RECOVERY.abandoned
+
+
+def test_a_busy_main_thread_without_device_groups_does_not_fail_the_recovery(
+        fresh, monkeypatch) -> None:
+    """gloo: nothing to abort, and a main thread still in the step after the grace (a long
+    forward, a pipeline stage waiting on another) leaves it by itself; it must not fail an
+    ordered recovery (the PP2xDP2 every-kind run did, when its first stage was slow)."""
+    class Gloo:
+        group_name = "world"
+
+        def name(self) -> str:
+            return "gloo"
+
+    monkeypatch.setattr(abort, "_all_groups", lambda: [Gloo()])
+    hooks.TRAINING.enter()
+    outcome = _release().stop("test", grace_s=0.05, retry_s=0.05, timeout_s=0.2,
+                              raise_into=lambda ident, exc: pytest.fail("raised on gloo"))
+    assert not outcome.left and outcome.ok, outcome.describe()
 
 
 def test_a_rank_without_device_groups_is_neither_fenced_nor_aborted(fresh, monkeypatch) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -154,15 +155,20 @@ def test_peak_host_memory_of_a_save_is_not_a_copy_of_the_file(tmp_path: Path) ->
 
 
 def test_the_digest_follows_the_manifests_mode(tmp_path: Path, monkeypatch) -> None:
-    """Unkeyed: xxh3_128, computed inline; TTP_CHECKPOINT_KEY set: blake3 (cryptographic), on
-    the helper thread where there is more than one core."""
+    """Unkeyed: xxh3_128, always inline; TTP_CHECKPOINT_KEY set: blake3 (cryptographic), on
+    the helper thread only while a core is free."""
     monkeypatch.delenv("TTP_CHECKPOINT_KEY", raising=False)
     assert checkpoint_writer.write_torch(tmp_path / "a.pt", {"x": torch.ones(3)}).algo == \
         "xxh3_128"
-    assert not checkpoint_writer.HashingWriter.helper_pays("xxh3_128")
     monkeypatch.setenv("TTP_CHECKPOINT_KEY", "k")
     assert checkpoint_writer.write_torch(tmp_path / "b.pt", {"x": torch.ones(3)}).algo == \
         "blake3"
+    cores = len(os.sched_getaffinity(0))
+    for load, helper in ((cores - 1.5, True), (cores - 0.5, False), (3.0 * cores, False)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert checkpoint_writer.HashingWriter.helper_pays("blake3") is helper
+        assert checkpoint_writer.HashingWriter.helper_pays("sha256") is helper
+        assert not checkpoint_writer.HashingWriter.helper_pays("xxh3_128")
 
 
 def test_a_missing_package_falls_back_to_sha256_saying_so_once(monkeypatch, caplog) -> None:

@@ -400,3 +400,20 @@ def test_a_cuda_stream_outside_the_pool_falls_back_to_the_pool_with_a_warning(ca
     stream = device.private_stream(module, DeviceBinding("cuda", 1))
     assert isinstance(stream, FakeStream) and module.log == ["Stream(device=1)"]
     assert "outside torch's pool" in caplog.text
+
+
+def test_a_forked_child_starts_with_its_own_stop(gathered) -> None:
+    """Its parent's abort report and note are not the child's: it aborted nothing."""
+    import os
+
+    device_copy.MARK.install(NO_DEVICE)
+    gathered.record(4)
+    device_copy.STOP.run(timeout_s=1.0)
+    assert device_copy.STOP.ran and gathered.latched
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it sees, then leave at once
+        os.write(w, b"%d%d" % (device_copy.STOP.ran, device_copy.GATHERED.latched))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 2) == b"00"

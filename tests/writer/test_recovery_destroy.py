@@ -65,7 +65,7 @@ def _in_thread(fn, timeout_s: float) -> dict:
     thread.start()
     thread.join(timeout_s)
     box["alive"], box["seconds"] = thread.is_alive(), time.monotonic() - t0
-    return box
+    return box  # a thread still alive fills "error" when it ends
 
 
 def test_a_failed_abort_fails_the_recovery_at_once_and_destroys_nothing(survivor,
@@ -79,15 +79,29 @@ def test_a_failed_abort_fails_the_recovery_at_once_and_destroys_nothing(survivor
     assert dist.is_initialized() and survivor.calls == []  # nothing torn down beside it
 
 
-def test_a_destroy_that_does_not_return_is_given_up_within_its_bound(survivor,
-                                                                     monkeypatch) -> None:
+def test_a_destroy_that_does_not_return_fails_the_recovery_within_its_bound(survivor,
+                                                                         monkeypatch) -> None:
     """torch 2.6's graceful shutdown waits for every unfinished kernel of a group that was not
-    aborted: on the main thread, that wait had no end."""
+    aborted: that wait had no end, and the controller waited for the recovery's READY until
+    TTP_RECOVER_TIMEOUT. Now a watchdog fails the recovery once the bound has passed (the
+    controller saves meanwhile), and the survivor fails its step if the destroy ever returns."""
+    from mindio_ttp.recovery import rank as R
+
+    recovery = R.RankRecovery()
+    reports: List[tuple] = []
+    recovery.reporter = lambda *a: reports.append(a)
+    recovery.ordered(R.RecoveryOrder(1, 1, 3, (1,), "ns", "", 120.0))
+    monkeypatch.setattr(rejoin, "RECOVERY", recovery)
     hung = threading.Event()
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: hung.wait())
-    box = _in_thread(lambda: rejoin._destroy_groups(survivor), 10.0)
+    box = _in_thread(lambda: rejoin._destroy_groups(survivor), 3.0)
+    assert box["alive"], "the destroy returned although it hangs"
+    assert reports and reports[0][1] is False, reports  # failed within the bound (1 s)
+    assert "did not return within 1 s" in reports[0][2] and recovery.abandoned
     hung.set()
-    assert not box["alive"], "the destroy held the survivor"
+    deadline = time.monotonic() + 5
+    while "error" not in box and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert "did not return within 1 s" in str(box.get("error")), box
 
 

@@ -120,3 +120,21 @@ def test_ttprun_says_the_mode_at_start_and_where_the_stack_cannot_uses_the_dying
     monkeypatch.setattr(preflight, "_stack", lambda: ("gloo", None, "no GPU or NPU here"))
     said, forced = preflight.recovery_mode({})
     assert forced is None and said.startswith("recovery mode: in memory (no GPU or NPU here")
+
+
+def test_rank_0s_answer_on_the_jobs_own_groups_is_printed_by_ttprun(tmp_path, monkeypatch,
+                                                                    capsys) -> None:
+    """ttprun's check at start sees the machine; rank 0 checks the groups the job made (a
+    test backend that emulates torch 2.1 on a CPU, say) and ttprun prints that answer too."""
+    from mindio_ttp import framework_ttp
+    from mindio_ttp.launch.agent import TTPElasticAgent
+
+    monkeypatch.setenv("TTP_RUN_DIR", str(tmp_path))
+    monkeypatch.delenv("TTP_RECOVERY", raising=False)
+    framework_ttp._say_recovery_mode((False, "this torch has no group abort"))
+    agent = types.SimpleNamespace(_run_dir=tmp_path, _mode_said="")
+    for _ in range(2):  # printed once, however often the monitor loop looks
+        TTPElasticAgent._say_recovery_mode(agent)
+    assert capsys.readouterr().err == ("ttprun: recovery mode (rank 0, on the job's process "
+                                       "groups): dying checkpoint, not in memory: this torch "
+                                       "has no group abort\n")

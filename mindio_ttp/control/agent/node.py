@@ -356,7 +356,10 @@ class NodeAgent:
         elif isinstance(m, T.Upstream):
             self._on_upstream(m)
         elif isinstance(m, T.UP_TYPES):
-            if getattr(m, "rank", local.rank) != local.rank:
+            # a ReplaceStatus names the lost rank it relays for (the sender travels in `Up`,
+            # and the controller takes it only from the relay its plan chose)
+            if (not isinstance(m, P.ReplaceStatus)
+                    and getattr(m, "rank", local.rank) != local.rank):
                 raise P.ProtocolError(f"rank {local.rank} sends for rank {m.rank}")
             if isinstance(m, P.Goodbye):
                 local.goodbye = True

@@ -16,7 +16,10 @@ that calls its parent class's method of the same name is counted once). Sections
   step), ``copy main to params``, ``increase_step`` (the step record);
 * ``barrier``: torch.distributed.barrier called inside train_step (the guide's);
 * the hooks: ``ttp_start_updating_os``, ``ttp_end_updating_os``, ``ttp_offer_update``, and
-  ``ttp_set_ckpt_args`` (called by the loop after train_step: recorded with the next step).
+  ``ttp_set_ckpt_args`` (called by the loop after train_step: recorded with the next step);
+* CPU time (not wall): ``cpu: this thread, in the step`` (the training thread),
+  ``cpu: other threads, in the step`` and ``... between steps`` (gloo's threads, and the
+  runtime's: heartbeats, the processor), from ``time.thread_time`` and ``process_time``.
 """
 
 from __future__ import annotations
@@ -88,14 +91,22 @@ def _install_training(training) -> None:
     def train_step(*args, **kwargs):
         sections = _sections()
         _local.in_step = True
-        t0 = time.perf_counter()
+        now = (time.perf_counter(), time.process_time(), time.thread_time())
+        # the CPU the process used since the previous step ended, outside this thread: gloo's
+        # and the runtime's threads between steps too (heartbeats, the processor)
+        between = now[1] - now[2] - _state.get("other_cpu_at", now[1] - now[2])
         try:
             return real_step(*args, **kwargs)
         finally:
-            total = time.perf_counter() - t0
+            end = (time.perf_counter(), time.process_time(), time.thread_time())
             _local.in_step = False
             _state["iteration"] += 1
-            _write({"iteration": _state["iteration"], "step": total, "sections": dict(sections)})
+            sections["cpu: this thread, in the step"] = end[2] - now[2]
+            sections["cpu: other threads, in the step"] = (end[1] - end[2]) - (now[1] - now[2])
+            sections["cpu: other threads, between steps"] = between
+            _state["other_cpu_at"] = end[1] - end[2]
+            _write({"iteration": _state["iteration"], "step": end[0] - now[0],
+                    "sections": dict(sections)})
             sections.clear()
 
     training.train_step = train_step
