@@ -136,6 +136,31 @@ def pid_alive(pid: int) -> bool:
     return bool(rest) and rest[0] not in ("Z", "X")
 
 
+PF_EXITING = 0x4  # include/linux/sched.h: set as a task starts to exit, before its files close
+SIGKILL_BIT = 1 << (9 - 1)
+
+
+def pid_exiting(pid: int) -> bool:
+    """Whether process `pid` is dying: exited, or its main thread has begun to exit or holds
+    the SIGKILL that every thread of an exiting group is sent. A dying process's sockets close
+    before its pidfd says it exited: a rank's EOF read with this true is its death at once, so
+    that it reaches the controller before a neighbour's failed collective on the same loss
+    (the order a controller reading every rank's socket itself would see)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+    except OSError:
+        return True  # gone, or reaped already
+    rest = stat[stat.rfind(")") + 1:].split()
+    if len(rest) < 7 or rest[0] in ("Z", "X") or int(rest[6]) & PF_EXITING:
+        return True
+    pending = next((line.split()[1] for line in status.splitlines()
+                    if line.startswith("SigPnd:")), "0")
+    return bool(int(pending, 16) & SIGKILL_BIT)
+
+
 def socket_dir_ok(path: str) -> str:
     """'' when `path`'s directory is ours and private (0700), else what is wrong."""
     d = os.path.dirname(os.path.abspath(path)) or "."
@@ -621,6 +646,9 @@ class NodeAgent:
     def _watch_exit(self, lr: LocalRank, why: str) -> None:
         """EOF from a rank: dead once its pid has exited (a pidfd says so at once), alive and
         gone elsewhere if it has not within EXIT_WAIT_S."""
+        if lr.pid and pid_exiting(lr.pid):
+            self.batch.left("dead", [lr.rank], f"process {lr.pid} exited ({why})")
+            return
         fd: Optional[int] = None
         try:
             fd = os.pidfd_open(lr.pid) if lr.pid else None
