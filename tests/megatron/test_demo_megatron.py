@@ -101,8 +101,14 @@ def test_demo_megatron_kills_resumes_and_matches_leaving_nothing(megatron_dir: P
     assert "    | ttprun: rank 1 (node " in out and "was killed by SIGKILL" in out
     assert f"Megatron loads iteration {step} from {work}/ckpt" in out
     assert f"iterations {step + 1}-10" in out
-    assert (f"losses: all 10 printed values equal (1-{step} from the interrupted run, "
-            f"{step + 1}-10 from the resumed one)") in out
+    # the kill lands from outside wherever rank 1 is: when the survivors finished iteration
+    # `step` but rank 0 never printed it (Megatron prints after a barrier of every rank), the
+    # dying checkpoint keeps it and no run prints its loss: the demo says so and compares 9
+    unlogged = (f"iteration(s) {step}: finished before the fault but not logged by the "
+                "interrupted run") in out
+    assert (f"losses: all {9 if unlogged else 10} printed values equal (1-{step} from the "
+            f"interrupted run, {step + 1}-10 from the resumed one)") in out, out
+    assert not unlogged or step > 4, out  # iteration 4 was logged before the kill
     assert re.search(r"final checkpoint, iteration 10: \d+ files, \d+ tensors, \d+ leaves: "
                      r"BIT-EXACT", out), out
     assert re.search(rf"^RESULT: MATCH - SIGKILL after iteration \d+, resumed from the dying "
