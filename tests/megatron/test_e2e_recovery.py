@@ -188,7 +188,7 @@ def assert_fell_back(result, ckpt: Path, reference, step: int, why: str) -> None
 ALL_MODES = (NL, f"{NL}+dying")
 # CI: the DP4 kill and hang in both modes on the newest emulated torch, the kill on 2.1 (its
 # in-memory ask gated to the dying checkpoint: D1, D4) and the kill inside the params
-# all-gather (D2); about 3.5 min together at load 8 (docs/rehearsal.md, the matrix table).
+# all-gather (D2); with test_save_hazards's they add 2.5-4 min (docs/rehearsal.md: the matrix).
 KILL_CASES = cases(ci=["gloo", NL, f"{NL}+dying", f"{NL}@2.1"],
                    extended=[f"{NL}@2.4", f"{NL}@2.1+dying", f"{NL}@2.4+dying"])
 HANG_CASES = cases(ci=[NL, f"{NL}+dying"],
