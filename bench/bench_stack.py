@@ -58,6 +58,7 @@ class Row:
     installs: bool = False
     compat: List[str] = field(default_factory=list)
     cuda_tree: str = "not run"
+    torch_names: str = "not run"  # launch/torch_private.py: the private names ttprun uses
     rehearsal: str = "not run"
     saved: Optional[int] = None
     seconds: float = 0.0
@@ -98,6 +99,9 @@ def describe(python: Path, row: Row) -> None:
         _run([str(python), "-c", code], 300, check=True).stdout)
     done = _run([str(python), "-m", "mindio_ttp.compat"], 300, check=True)
     row.compat = json.loads(done.stdout)["applied"]
+    done = _run([str(python), "-m", "mindio_ttp.launch.torch_private"], 300)
+    row.torch_names = "all there" if done.returncode == 0 else \
+        "; ".join(done.stdout.strip().splitlines())[:200] or f"exit {done.returncode}"
 
 
 def cuda_tree(python: Path, megatron: Path, work: Path) -> str:
@@ -162,17 +166,18 @@ def measure(version: str, venvs: Path, megatron: Path, work: Path) -> Row:
 
 
 def table(rows: List[Row]) -> str:
-    lines = ["| torch | Python | numpy | build | drift fixes applied (compat) | `--device cuda` "
-             "tree on CPU | kill rank 1, dying checkpoint, resume (real Megatron, 4 CPU ranks) "
-             "| s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| torch | Python | numpy | build | drift fixes applied (compat) | private names "
+             "ttprun overrides | `--device cuda` tree on CPU | kill rank 1, dying checkpoint, "
+             "resume (real Megatron, 4 CPU ranks) | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         build = "CPU" if r.cuda == "cpu" else f"CUDA {r.cuda}"
         fixes = ", ".join(r.compat) or "none needed"
         what = (f"{r.rehearsal}: bit-exact from iteration {r.saved}" if r.rehearsal == "MATCH"
                 else f"{r.rehearsal} {r.note}".strip())
         lines.append(f"| {r.torch} | {r.python} | {r.numpy} | {build if r.installs else '-'} | "
-                     f"{fixes if r.installs else '-'} | {r.cuda_tree} | {what} | "
+                     f"{fixes if r.installs else '-'} | {r.torch_names} | {r.cuda_tree} | "
+                     f"{what} | "
                      f"{r.seconds:.0f} |")
     return "\n".join(lines)
 

@@ -60,6 +60,13 @@ ENV_RECOVER_TIMEOUT = "TTP_RECOVER_TIMEOUT"
 ENV_REPLACEMENTS = "TTP_REPLACEMENTS"
 # set by ttprun in a replacement's environment: the recovery it joins (recovery/rank.py)
 ENV_RECOVERY_JOIN = "TTP_RECOVERY_JOIN"
+# the control plane's tiers (docs/design.md, "The control plane in tiers"): "1" (default) each
+# node's ranks reach the controller through that node's agent; "0" every rank connects itself
+ENV_NODE_AGENT = "TTP_NODE_AGENT"
+# agents per relay and per controller (0: the square root of the job's nodes, at least 32)
+ENV_FANOUT = "TTP_FANOUT"
+# set by ttprun in its workers: the AF_UNIX socket of this node's agent (its own process)
+ENV_AGENT_SOCKET = "TTP_AGENT_SOCKET"
 # set by `ttprun --drill` for its workers (mindio_ttp/drill.py): the fire drill of this launch
 ENV_DRILL = "TTP_DRILL"
 # ttprun --max-restarts: the port (or range) node 0 gives a restarted attempt's store
@@ -315,10 +322,14 @@ SETTINGS: Tuple[Setting, ...] = (
             port_or_range, None,
             "the first free port of the range, on node 0 (the static rendezvous' MASTER_ADDR, "
             "or the c10d round's first node); open it between nodes, as MASTER_PORT"),
-    Setting(ENV_HEARTBEAT_INTERVAL, "seconds", "2, or world size / 8192 when larger",
-            "(0, 604800]", "between a rank's heartbeats and the controller's acks", seconds, 2.0,
-            "the default keeps the controller under ~8,000 heartbeats a second: 2 s up to "
-            "16,384 ranks, 12.2 s at 100,000 (docs/design.md, how the control plane scales)"),
+    Setting(ENV_HEARTBEAT_INTERVAL, "seconds", "2 (without node agents: world size / 8192 "
+            "when larger)", "(0, 604800]",
+            "between a rank's heartbeats and its agent's (or controller's) acks, and between "
+            "tiers", seconds, 2.0,
+            "with node agents (the default) a rank heartbeats to its own node and each node once "
+            "per interval up the tree, at any job size; with TTP_NODE_AGENT=0 the default keeps "
+            "the controller under ~8,000 heartbeats a second: 12.2 s at 100,000 ranks "
+            "(docs/design.md, how the control plane scales)"),
     Setting(ENV_HEARTBEAT_TIMEOUT, "seconds", f"6, or 3 x {ENV_HEARTBEAT_INTERVAL} when larger",
             f"> {ENV_HEARTBEAT_INTERVAL}",
             "silence after which a rank is hung (or the controller lost)", seconds, 6.0,
@@ -346,7 +357,8 @@ SETTINGS: Tuple[Setting, ...] = (
     # ack) within this; a rank gives up on a listener that has not. Long enough for every rank
     # of a large job connecting at once, short enough that a port held by another program ends
     # every rank within seconds instead of after TTP_CONNECT_TIMEOUT.
-    Setting(ENV_HANDSHAKE_TIMEOUT, "seconds", "10, or world size / 4096 when larger",
+    Setting(ENV_HANDSHAKE_TIMEOUT, "seconds", "10 (without node agents: world size / 4096 "
+            "when larger)",
             "(0, 604800]", "a connection must finish its handshake within this", seconds, 10.0,
             "long enough for the controller (or a standby, on a failover) to register every "
             "rank of a storm"),
@@ -394,6 +406,19 @@ SETTINGS: Tuple[Setting, ...] = (
             "each rank logs to ttp-rank<R>.log here", text),
     Setting(ENV_CPU_BUILD_DIR, "directory", "<tmp>/ttp_cpu_adaptor_build", "",
             "CPU rehearsals: where Megatron's dataset helpers are built", text),
+    Setting(ENV_NODE_AGENT, "0/1", "1", "0 or 1",
+            "1: each node's ranks reach the controller through one node agent; 0: every rank "
+            "connects to the controller itself", flag, True,
+            "the agent is ttprun's own process, or one the node's first rank starts under "
+            "another launcher; it sees a local rank die or hang at once, whatever the job's "
+            "size, and the controller serves one connection per relay (docs/design.md)"),
+    Setting(ENV_FANOUT, "count", "0 (auto)", ">= 0",
+            "node agents per relay and per controller", count, 0,
+            "0: the square root of the job's nodes, at least 32; the controller takes that many "
+            "agents itself and sends the rest to them as relays"),
+    Setting(ENV_AGENT_SOCKET, "path", "set by ttprun", "",
+            "the AF_UNIX socket of this node's agent", text, None,
+            "set by ttprun for its workers, not by you"),
     Setting(ENV_RDZV_NOTICE, "seconds", "10", "(0, 604800]",
             "how often ttprun says it waits for other nodes", seconds, 10.0),
 )
@@ -412,7 +437,8 @@ REGISTRATIONS_PER_S = 4096.0  # handshake timeout >= world_size / this
 
 
 def scaled_defaults(world_size: Optional[int]) -> Dict[str, float]:
-    """The defaults of the settings that depend on the job's size."""
+    """The defaults of the settings that depend on the job's size (without node agents: with
+    them no connection serves more than a node's ranks or a relay's agents)."""
     interval = max(BY_NAME[ENV_HEARTBEAT_INTERVAL].value, (world_size or 0) / HEARTBEATS_PER_S)
     return {
         ENV_HEARTBEAT_INTERVAL: interval,
@@ -443,7 +469,11 @@ def _parse_all(env: Mapping[str, str],
                world_size: Optional[int] = None) -> Tuple[Dict[str, Any], List[str]]:
     values: Dict[str, Any] = {}
     problems: List[str] = []
-    scaled = scaled_defaults(world_size)
+    try:
+        tiers = flag(_raw(env, ENV_NODE_AGENT) or "1")
+    except ValueError:
+        tiers = True  # reported with the rest below
+    scaled = scaled_defaults(None if tiers else world_size)
     for s in SETTINGS:
         raw = _raw(env, s.name)
         if raw is None:
@@ -672,6 +702,8 @@ class TTPConfig:
     recovery: str = RECOVERY_MODES[0]
     recover_timeout: float = 120.0
     replacements: str = ""  # what the launcher offers (ENV_REPLACEMENTS); "": none
+    node_agent: bool = True  # ENV_NODE_AGENT
+    fanout: int = 0  # ENV_FANOUT; 0: auto
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None,
@@ -715,12 +747,86 @@ class TTPConfig:
             recovery=v[ENV_RECOVERY],
             recover_timeout=v[ENV_RECOVER_TIMEOUT],
             replacements=(v[ENV_REPLACEMENTS] or "").strip(),
+            node_agent=v[ENV_NODE_AGENT],
+            fanout=v[ENV_FANOUT],
         )
-        budget = cfg.collect_timeout + cfg.save_time_limit + cfg.rename_time_limit
+        budget = Deadlines(cfg).limits_budget
         if budget >= cfg.ot:
             log.warning("%s=%g is shorter than collect + save + rename limits (%g s): processes "
                         "may exit before the dying checkpoint is renamed", ENV_OT, cfg.ot, budget)
         return cfg
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return Deadlines(self)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Every wait the control plane derives from the settings, each with the one reason for its
+    slack, so that what the flow waits for and what the start-up check adds up are the same."""
+
+    cfg: TTPConfig
+
+    @property
+    def advance_wait(self) -> float:
+        """Phase 2 (AdvanceTo): the update grace, one heartbeat for the reports to travel, and a
+        second for scheduling on a busy node."""
+        return self.cfg.update_grace + self.cfg.heartbeat_interval + 1.0
+
+    def order_wait(self, limit: float) -> float:
+        """A save or rename order of `limit` seconds: its answer comes at most one heartbeat
+        after the handler's end, the order one heartbeat after it was sent, and a second."""
+        return limit + 2 * self.cfg.heartbeat_interval + 1.0
+
+    def save_retry_left(self, spent: float) -> float:
+        """What TTP_OT leaves for ordering a save again, `spent` seconds after the fault: the
+        rename and the exit orders (about four heartbeats' travel, and a second) must fit."""
+        cfg = self.cfg
+        return cfg.ot - spent - cfg.rename_time_limit - 4 * cfg.heartbeat_interval - 1.0
+
+    @property
+    def failover_try(self) -> float:
+        """How long a failover target gets to send its challenge (a hung process accepts TCP
+        connections in the kernel): a heartbeat timeout, at most 5 s so a list of dead
+        targets is gone through quickly."""
+        return min(self.cfg.heartbeat_timeout, 5.0)
+
+    @property
+    def failover_floor(self) -> float:
+        """A promoted standby waits this long at least for the rest of the job to fail over:
+        two heartbeat intervals (every rank noticed) and half a second."""
+        return 2 * self.cfg.heartbeat_interval + 0.5
+
+    @property
+    def route_grace(self) -> float:
+        """How long ranks whose node agent or relay was lost have to register another way
+        before they count as dead (routes.py): their processors and agents re-register at once
+        on EOF; a heartbeat interval and a second cover a busy node."""
+        return self.cfg.heartbeat_interval + 1.0
+
+    @property
+    def exit_flush(self) -> float:
+        """How long the flow waits for every exit order to be written before its own rank's:
+        as long as a storm's handshakes may take (scaled without node agents), at least 2 s."""
+        return max(2.0, self.cfg.handshake_timeout)
+
+    @property
+    def limits_budget(self) -> float:
+        """The settings' own limits a flow runs through: collect, save and rename (the start-up
+        check: TTP_OT must exceed it)."""
+        cfg = self.cfg
+        return cfg.collect_timeout + cfg.save_time_limit + cfg.rename_time_limit
+
+    @property
+    def flow_budget(self) -> float:
+        """The longest a flow may wait from the fault to its exit orders: collect, advance, the
+        save order and the rename order, each with its slack, and the exit orders' flush (at
+        the defaults, 143 s against TTP_OT's 120: the derived save limit leaves 5 s for what
+        is here 33 s of slack; docs/design.md)."""
+        cfg = self.cfg
+        return (cfg.collect_timeout + self.advance_wait + self.order_wait(cfg.save_time_limit)
+                + self.order_wait(cfg.rename_time_limit) + self.exit_flush)
 
 
 # -- the table, for people ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from .errors import (
     Interrupted,
@@ -33,15 +33,21 @@ from .errors import (
     WriteFailed,
 )
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .journal import Journal
-
 TEMP_SUFFIX = ".ttp-tmp"
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+class Journal(Protocol):
+    """What a write needs of the journal (journal.py, which builds on this module): a record of
+    the originals before the first replace, dropped once every file is written or restored."""
+
+    def begin(self, entries: Sequence[Tuple[Path, Snapshot, Optional[bytes]]]) -> None: ...
+
+    def end(self) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.session import RankHandshake
+from mindio_ttp.control.wire import envelope as E
+from mindio_ttp.control.wire import keys as K
+from mindio_ttp.control.wire import tier as T
 
 IP_BIND_ADDRESS_NO_PORT = 24  # linux/in.h
 INFLIGHT = 256
@@ -71,7 +74,8 @@ class RankRecord:
 
 class _Rank:
     __slots__ = ("rank", "dp", "sock", "hs", "tx", "dec", "rec", "live", "out", "failover",
-                 "backup_idx", "done", "source", "writing", "gen", "attempts", "paced")
+                 "backup_idx", "done", "source", "writing", "gen", "attempts", "paced", "agent",
+                 "inbox", "via_agent")
 
     def __init__(self, rank: int, dp: List[int], source: str) -> None:
         self.rank, self.dp, self.source = rank, dp, source
@@ -89,6 +93,9 @@ class _Rank:
         self.gen = 0  # registrations so far: a heartbeat slot of an older one is dropped
         self.attempts = 0  # failover connection attempts
         self.paced = False  # counted in the worker's in-flight connects
+        self.agent: Optional[str] = None  # its node agent's socket (None: direct)
+        self.inbox: Any = None  # envelopes it accepts (through its agent)
+        self.via_agent = False
 
 
 class SimWorker:
@@ -96,7 +103,7 @@ class SimWorker:
 
     def __init__(self, ranks: Sequence[int], world: int, dp_of: Callable[[int], List[int]],
                  replica: int, key: bytes, interval: float, step: int, sources: List[str],
-                 conn: Any) -> None:
+                 conn: Any, agents: Optional[Dict[int, str]] = None) -> None:
         self.world, self.replica, self.key = world, replica, key
         self.interval, self.step = interval, step
         self.ranks = {r: _Rank(r, dp_of(r), sources[i % len(sources)])
@@ -111,9 +118,16 @@ class SimWorker:
         self.fd_of: Dict[int, _Rank] = {}
         self.queued: Deque[_Rank] = collections.deque()  # to connect, at most INFLIGHT at once
         self.inflight = 0
+        self.hop_key, self.order_key = K.hop_key(key), K.order_key(key)
+        for r, path in (agents or {}).items():
+            if r in self.ranks:
+                self.ranks[r].agent = path
 
     # -- connections ------------------------------------------------------------------------
     def _connect(self, r: _Rank, addr: Tuple[str, int]) -> None:
+        if r.agent is not None and not r.failover:
+            return self._connect_agent(r)
+        r.via_agent = False
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
@@ -128,6 +142,22 @@ class SimWorker:
             self._lost(r, f"connect: {os.strerror(err)}")
             return
         r.sock, r.hs = s, RankHandshake(self.key)
+        r.tx, r.dec, r.live, r.out, r.writing = r.hs.tx, r.hs.dec, False, bytearray(), False
+        self.fd_of[s.fileno()] = r
+        self.sel.register(s, selectors.EVENT_READ, r)
+
+    def _connect_agent(self, r: _Rank) -> None:
+        """Through its node agent (AF_UNIX, the hop key), as a processor does by default."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        err = s.connect_ex(r.agent)  # type: ignore[arg-type]
+        if err not in (0, errno.EINPROGRESS, errno.EAGAIN):
+            s.close()
+            self._lost(r, f"connect: {os.strerror(err)}")
+            return
+        r.sock, r.hs, r.via_agent = s, RankHandshake(self.hop_key, registry=T.CODEC), True
+        if r.inbox is None:
+            r.inbox = E.Inbox(self.order_key, r.rank, T.CODEC)
         r.tx, r.dec, r.live, r.out, r.writing = r.hs.tx, r.hs.dec, False, bytearray(), False
         self.fd_of[s.fileno()] = r
         self.sel.register(s, selectors.EVENT_READ, r)
@@ -148,8 +178,14 @@ class SimWorker:
     def _lost(self, r: _Rank, why: str) -> None:
         """The controller went away: fail over to the backups in order, as processors do
         (a round over all of them, then 0.2 s, then the next round)."""
+        was_agent = r.via_agent and r.sock is not None
         self._close(r)
         self._unpace(r)
+        if was_agent and not r.done and self.target is not None:
+            # its node agent is gone: the controller itself, as processor.py does
+            r.failover, r.via_agent, r.backup_idx = True, False, 0
+            self._connect(r, self.target)
+            return
         if r.done or not self.backups or r.attempts >= 200:
             r.done = True
             return
@@ -218,9 +254,41 @@ class SimWorker:
             reg = P.Register(r.rank, self.world, r.dp, self.replica, r.source, 0, os.getpid(),
                              self.step, False, r.failover, r.failover)
             data = r.hs.answer(m, reg)  # type: ignore[union-attr]
+            if r.via_agent:
+                r.inbox.nonces.add(r.hs.nonce)
+                host, port = self.target  # type: ignore[misc]
+                data += r.hs.tx.seal(T.Upstream(host, port, 0))
             r.out += data
             self._flush(r)
             return
+        if r.via_agent:
+            if isinstance(m, P.RegisterAck):  # the agent took it; the controller's Welcome comes
+                r.live = True
+                self._unpace(r)
+                r.gen += 1
+                self.wheel.append((now + random.random() * self.interval, r, r.gen))
+                return
+            if isinstance(m, T.UpstreamLost):
+                r.rec.orders.append(Order("UpstreamLost", now, -1, outcome=m.reason))
+                return
+            if isinstance(m, T.Sealed):
+                status, inner, why = r.inbox.open(m.data)
+                if status == E.REFUSED:
+                    r.rec.orders.append(Order("RefusedEnvelope", now, -1, outcome=why))
+                    return
+                if isinstance(inner, T.Welcome):
+                    if r.rec.registered_at is None:
+                        r.rec.registered_at = now
+                    if inner.backups:
+                        self.backups = inner.backups
+                    return
+                if status == E.DUPLICATE and not isinstance(inner, (P.Lock, P.AdvanceTo)):
+                    return
+                m = inner  # type: ignore[assignment]
+            elif not isinstance(m, (P.HeartbeatAck, P.Reject)):
+                r.rec.orders.append(Order("PlainFromAgent", now, -1,
+                                          outcome=type(m).__name__))
+                return
         if isinstance(m, P.RegisterAck):
             r.live = True
             self._unpace(r)
@@ -296,8 +364,8 @@ class SimWorker:
             self._start_queued()
             return len(self.ranks)
         if cmd == "registered":
-            return sum(1 for r in self.ranks.values()
-                       if r.live or r.rec.registered_at is not None)
+            return sum(1 for r in self.ranks.values()  # through an agent: once welcomed
+                       if (r.live and not r.via_agent) or r.rec.registered_at is not None)
         if cmd == "mark":  # count bytes from now on
             self.counting = True
             for r in self.ranks.values():
@@ -358,13 +426,14 @@ class SimWorker:
             self._beat(time.monotonic())
 
 
-def _worker_main(conn: Any, args: tuple, cpus: Optional[set]) -> None:
+def _worker_main(conn: Any, args: tuple, cpus: Optional[set],
+                 agents: Optional[Dict[int, str]] = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cpus:
         os.sched_setaffinity(0, cpus)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    SimWorker(*args, conn=conn).run()
+    SimWorker(*args, conn=conn, agents=agents).run()
 
 
 def loopback(i: int) -> str:
@@ -373,24 +442,22 @@ def loopback(i: int) -> str:
     return f"127.{hi // 256}.{hi % 256}.{2 + lo if hi == 0 else 1 + lo}"
 
 
-class SimGroup:
-    """`ranks` simulated processors split over `procs` processes (forked from the caller)."""
+class ProcGroup:
+    """Forked processes that each serve part of a simulation, talked to over pipes: send a
+    command to all (`ask`) or to the one holding a rank (`ask_rank`); `close` ends them all,
+    also when a test fails."""
 
-    def __init__(self, ranks: Sequence[int], world: int, dp_of: Callable[[int], List[int]],
-                 replica: int, key: bytes, interval: float, step: int = 10, procs: int = 2,
-                 cpus: Optional[set] = None) -> None:
-        ranks = list(ranks)
-        self._where = {r: i % procs for i, r in enumerate(ranks)}
-        n_src = max(1, -(-len(ranks) // RANKS_PER_SOURCE))
-        sources = [loopback(i) for i in range(n_src)]
+    what = "simulated ranks"
+
+    def _spawn(self, target: Callable[..., None], args: List[tuple],
+               where: Dict[int, int]) -> None:
+        self._where = where
         ctx = mp.get_context("fork")
         self.procs: List[Any] = []
         self.pipes: List[Any] = []
-        for i in range(procs):
+        for part in args:
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, daemon=True, args=(
-                theirs, (ranks[i::procs], world, dp_of, replica, key, interval, step, sources),
-                cpus))
+            p = ctx.Process(target=target, daemon=True, args=(theirs, *part))
             p.start()
             theirs.close()
             self.procs.append(p)
@@ -411,7 +478,7 @@ class SimGroup:
         out = []
         for pipe in self.pipes:
             if not pipe.poll(timeout):
-                raise TimeoutError(f"simulated ranks: no answer to {cmd!r} within {timeout} s")
+                raise TimeoutError(f"{self.what}: no answer to {cmd!r} within {timeout} s")
             ans = pipe.recv()
             if isinstance(ans, Exception):
                 raise ans
@@ -423,7 +490,7 @@ class SimGroup:
         pipe = self.pipes[self._where[rank]]
         pipe.send((cmd, arg))
         if not pipe.poll(timeout):
-            raise TimeoutError(f"simulated rank {rank}: no answer to {cmd!r}")
+            raise TimeoutError(f"{self.what}, rank {rank}: no answer to {cmd!r}")
         return pipe.recv()
 
     def wait_registered(self, n: int, timeout: float) -> bool:
@@ -452,6 +519,22 @@ class SimGroup:
             pipe.close()
 
 
+class SimGroup(ProcGroup):
+    """`ranks` simulated processors split over `procs` processes (forked from the caller)."""
+
+    def __init__(self, ranks: Sequence[int], world: int, dp_of: Callable[[int], List[int]],
+                 replica: int, key: bytes, interval: float, step: int = 10, procs: int = 2,
+                 cpus: Optional[set] = None, agents: Optional[Dict[int, str]] = None) -> None:
+        """`agents`: rank -> the socket of its node agent (those ranks register through it;
+        the others, and all of them after losing their agent, with the controller itself)."""
+        ranks = list(ranks)
+        n_src = max(1, -(-len(ranks) // RANKS_PER_SOURCE))
+        sources = [loopback(i) for i in range(n_src)]
+        self._spawn(_worker_main, [
+            ((ranks[i::procs], world, dp_of, replica, key, interval, step, sources), cpus,
+             agents) for i in range(procs)], {r: i % procs for i, r in enumerate(ranks)})
+
+
 # -- one real rank ---------------------------------------------------------------------------
 def _real_rank_main(conn: Any, env: Dict[str, str], rank: int, dp: List[int], world: int,
                     replica: int, addr: Tuple[str, int], step: int, cpus: Optional[set]) -> None:
@@ -464,6 +547,9 @@ def _real_rank_main(conn: Any, env: Dict[str, str], rank: int, dp: List[int], wo
     from mindio_ttp.control import hooks
     from mindio_ttp.control.handlers import HANDLERS
     from mindio_ttp.control.processor import Processor
+    from mindio_ttp.log import setup_logging
+
+    setup_logging(rank)  # its own handler on its own stderr (a forked parent's may be gone)
 
     hooks.STATE.reset()
     hooks.start_updating_os(-1)

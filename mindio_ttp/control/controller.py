@@ -52,10 +52,12 @@ from mindio_ttp.control.hooks import TTPError
 from mindio_ttp.control.keyspace import KeySpace
 from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.roster import RankInfo, Roster
+from mindio_ttp.control.routes import Routes
 from mindio_ttp.control.session import ListenerHandshake
 from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
-from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox
+from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, deliver
+from mindio_ttp.control.wire import tier as T
 from mindio_ttp.faulttime import claim as C
 
 log = logging.getLogger("mindio_ttp.controller")
@@ -67,6 +69,7 @@ BACKUPS_COALESCE_S = 0.1  # at most one Backups broadcast per this: a fault soon
 # start must find every rank with the same list (ranks that fail over to different standbys
 # split the job), and the best two change only ~ln(N) times in a start-up storm
 PRE_AUTH_BUDGET_S = 0.05  # a handshake costs ~100 us of this thread: a storm waits its turn
+JOIN_BUDGET_S = 0.05  # admissions of ranks joining through node agents, per loop turn
 # Before registration a read takes the rest of the frame being sent (or this much, so a short
 # junk line is read whole and the peer sees a clean close, not a reset), never more.
 PRE_AUTH_READ = 4096
@@ -107,24 +110,29 @@ class LogLimit:
 
 
 class MailOutbox:
-    """The flow's `Outbox` over the I/O thread's mailbox: frames are queued and written by the
-    I/O thread, the only thread that touches a connection."""
+    """The flow's `Outbox` over the I/O thread's mailbox: each call is queued as the I/O
+    thread's own method and run there, the only thread that touches a connection."""
 
-    def __init__(self, mail: Mailbox) -> None:
+    def __init__(self, mail: Mailbox, broadcast: Callable[[P.Message, Optional[int]], None],
+                 send_many: Callable[[List[int], P.Message], None],
+                 send: Callable[[int, P.Message], None],
+                 on_flushed: Callable[[threading.Event], None]) -> None:
         self._mail = mail
+        self._broadcast, self._send_many, self._send = broadcast, send_many, send
+        self._on_flushed = on_flushed
 
     def broadcast(self, msg: P.Message, exclude: Optional[int] = None) -> None:
-        self._mail.put("send_alive", msg, exclude)
+        self._mail.put(self._broadcast, msg, exclude)
 
     def send_many(self, ranks: List[int], msg: P.Message) -> None:
-        self._mail.put("send_many", ranks, msg)
+        self._mail.put(self._send_many, ranks, msg)
 
     def send(self, rank: int, msg: P.Message) -> None:
-        self._mail.put("send", rank, msg)
+        self._mail.put(self._send, rank, msg)
 
     def flush(self, timeout: float) -> bool:
         ev = threading.Event()
-        self._mail.put("flush", ev)
+        self._mail.put(self._on_flushed, ev)
         return ev.wait(timeout)
 
 
@@ -149,7 +157,8 @@ class Controller:
         self._ranks = Roster()
         self._cond = threading.Condition(threading.RLock())
         self._mail = Mailbox()
-        self._outbox = MailOutbox(self._mail)
+        self._outbox = MailOutbox(self._mail, self._send_alive_now, self._send_many_now,
+                                  self._send_to, lambda ev: self._flush_waiters.append(ev))
         self._sel = selectors.DefaultSelector()
         self._listener: Optional[socket.socket] = None
         # accepted, not registered yet (admission.py): every rank may connect at once at
@@ -176,6 +185,9 @@ class Controller:
         # registering while the flow collects or saves gets exactly these, and the broadcast it
         # missed, never twice (`_replayed_on_register`)
         self._phase_msgs: List[P.Message] = []
+        # the flow's exit order once sent: a rank that registers after it (its failover or its
+        # node agent's took longer than the flow) gets the verdict instead of a refusal
+        self.verdict: Optional[P.ExitOrder] = None
         self._progress_at: Optional[float] = None  # last heartbeat showing a step change
         self._clock = LookingClock()  # silences count only while the I/O loop runs
         self.store = KeySpace()  # the authenticated store; only the I/O thread touches it
@@ -183,6 +195,8 @@ class Controller:
                          self._ranks, self._outbox, self.close_store,
                          claims or (lambda: C.registered(self.fault_id)),
                          address=lambda: self.address, rearmed=self._refresh_backups)
+        # ranks served through node agents and relays (docs/design.md, the tiers)
+        self.routes = Routes(self)
 
     # -- what the flow found (read by tests, benchmarks and the API) ---------------------------
     @property
@@ -234,7 +248,10 @@ class Controller:
         sock.setblocking(False)
         self._listener = sock
         self.address = sock.getsockname()[:2]
-        raise_fd_limit(self.world_size + 256, self.name)
+        # one socket per rank without node agents; with them, one per relay or agent it serves
+        # (and per rank that fell back): a few thousand at most
+        raise_fd_limit((self.world_size if not self.cfg.node_agent
+                        else min(self.world_size, 8192)) + 256, self.name)
         return self.address
 
     def start(self) -> None:
@@ -280,7 +297,7 @@ class Controller:
     def close_store(self, namespace: str, why: str = "closed by the controller") -> None:
         """Drop a namespace of the authenticated store (any thread): its pending gets and
         waits fail, its memory is freed."""
-        self._mail.put("store_close", namespace, why)
+        self._mail.put(self._close_store_now, namespace, why)
 
     @property
     def flow_running(self) -> bool:
@@ -301,6 +318,8 @@ class Controller:
             wake = next_check
             if self._backups != self._backups_sent:  # a changed list goes out within its bound
                 wake = min(wake, next_backups)
+            if self.routes.joining:  # admissions left over from the last turn: no sleep
+                wake = time.monotonic()
             try:
                 events = self._sel.select(self._clock.waiting(
                     max(0.0, wake - time.monotonic())))
@@ -319,6 +338,9 @@ class Controller:
                     pre_auth.append((key, mask))
                 else:
                     self._on_event(key.data, mask)
+            # ranks joining through node agents: a bounded slice a turn, so that a storm of
+            # 100,000 admissions never keeps this loop from acking its children's heartbeats
+            self._guarded(None, self.routes.admit, JOIN_BUDGET_S)
             budget = time.monotonic() + PRE_AUTH_BUDGET_S
             for key, mask in pre_auth[:PRE_AUTH_EVENTS_PER_LOOP]:  # the rest: next turn
                 if time.monotonic() > budget:
@@ -413,7 +435,9 @@ class Controller:
                 continue
             if victim is not None:
                 self._evict(victim, f"{source} had {self._pending.per_source} waiting")
-            hs = ListenerHandshake(self.cfg.auth_key, P.pre_auth_max_payload(self.world_size))
+            hs = ListenerHandshake(self.cfg.auth_key, P.pre_auth_max_payload(self.world_size),
+                                   {P.Register: self.cfg.auth_key,
+                                    T.NodeRegister: self.routes.hop_key}, T.CODEC)
             conn = Conn(sock, hs.tx, hs.dec, f"{source}:{addr[1]}")
             conn.handshake = hs
             self._conns[sock.fileno()] = conn
@@ -474,39 +498,47 @@ class Controller:
             self._sel.unregister(self._listener)
 
     def _on_mail(self) -> None:
-        for item in self._mail.drain():
-            kind = item[0]
-            if kind == "send":
-                info = self._ranks.get(item[1])
-                if info is not None and info.conn is not None:
-                    info.conn.queue(item[2])
-                    self._flush(info.conn)
-            elif kind == "send_many":  # one serialisation for all: save orders to N/2 ranks
-                payload = P.encode_payload(item[2])
-                for r in item[1]:
-                    info = self._ranks.get(r)
-                    if info is not None and info.conn is not None:
-                        info.conn.queue_payload(item[2].TYPE, payload)
-                        self._flush(info.conn)
-            elif kind == "send_alive":
-                self._send_alive_now(item[1], item[2])
-            elif kind == "flush":
-                self._flush_waiters.append(item[1])
-            elif kind == "store_close":
-                n = self.store.close(item[1], item[2])
-                log.info("%s: store namespace %s closed (%d key(s))", self.name, item[1], n)
+        self._mail.run_all()
+
+    def _send_many_now(self, ranks: List[int], msg: P.Message) -> None:
+        """One serialisation for all (save orders to N/2 ranks); one envelope for the routed."""
+        payload = P.encode_payload(msg)
+        for r in ranks:
+            info = self._ranks.get(r)
+            if info is not None and info.conn is not None:
+                info.conn.queue_payload(msg.TYPE, payload)
+                self._flush(info.conn)
+        self.routes.to_ranks(ranks, msg)
+
+    def _close_store_now(self, namespace: str, why: str) -> None:
+        n = self.store.close(namespace, why)
+        log.info("%s: store namespace %s closed (%d key(s))", self.name, namespace, n)
 
     def _send_alive_now(self, msg: P.Message, exclude: Optional[int] = None) -> None:
         if isinstance(msg, P.Lock):
             self._phase_msgs = [msg]
         elif isinstance(msg, P.AdvanceTo):
             self._phase_msgs.append(msg)
+        elif isinstance(msg, P.ExitOrder):
+            self.verdict = msg
         payload = None
-        for info in self._ranks.values():
-            if info.status == "alive" and info.conn is not None and info.rank != exclude:
+        for conn in list(self._conns.values()):  # the direct ranks; routed ones below
+            info = self._ranks.get(conn.rank) if conn.rank is not None else None
+            if info is not None and info.conn is conn and info.status == "alive" \
+                    and info.rank != exclude:
                 payload = payload or P.encode_payload(msg)
-                info.conn.queue_payload(msg.TYPE, payload)
-                self._flush(info.conn)
+                conn.queue_payload(msg.TYPE, payload)
+                self._flush(conn)
+        self.routes.broadcast(msg, exclude)
+
+    def _send_to(self, rank: int, msg: P.Message) -> None:
+        """One rank, directly or in an envelope through its node agent."""
+        info = self._ranks.get(rank)
+        if info is not None and info.conn is not None:
+            info.conn.queue(msg)
+            self._flush(info.conn)
+        else:
+            self.routes.to_rank(rank, msg)
 
     def _flush(self, conn: Conn) -> None:
         if conn.closed:
@@ -540,19 +572,10 @@ class Controller:
                 self._hold_pre_auth(conn)
             else:
                 msgs = conn.read()
-            while msgs:
-                for msg in msgs:
-                    if conn.closed:
-                        return
-                    self._dispatch(conn, msg)
-                # frames that came behind the Register wait in the decoder for the session key
-                msgs = conn.dec.feed(b"") if conn.dec.pending and not conn.closed else []
-            if conn.ack_due is not None and not conn.closed:
-                # one ack for all the heartbeats of this read: a loop that fell behind reads
-                # several per rank, and acking each would keep it behind (the processor needs
-                # to hear from us, not one answer per beat)
-                conn.queue(P.HeartbeatAck(conn.ack_due))
-                conn.ack_due = None
+            deliver(conn, msgs, self._dispatch)
+            ack = T.ack_due(conn)  # one for every heartbeat of this read
+            if ack is not None:
+                conn.queue(ack)
                 self._flush(conn)
         except ConnClosed as exc:
             self._drop(conn, f"connection dropped: {exc}")
@@ -590,6 +613,9 @@ class Controller:
             self._watch_listener(True)
         self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
         conn.close()  # frees its buffers now
+        if conn.child is not None:
+            self.routes.lost(conn.child, why)
+            conn.child = None
         if conn.rank is not None:
             self.store.forget(conn.rank)
         with self._cond:
@@ -634,8 +660,17 @@ class Controller:
             with self._cond:  # every rank alive yet none advanced: a job-wide stall
                 self.flow.fault(f"no training progress for {seen - self._progress_at:.1f} s "
                             f"(TTP_STEP_TIMEOUT={stall:g}) while every processor heartbeats")
+        for child in self.routes.check(seen):
+            self._warn_pre_auth.warning("%s: node agent %s silent for TTP_HEARTBEAT_TIMEOUT="
+                                        "%g s; closing", self.name, child.conn.peer,
+                                        self.cfg.heartbeat_timeout)
+            self._drop(child.conn, "silent")
         limit = self.cfg.heartbeat_timeout
-        for info in self._ranks.values():
+        direct = [self._ranks.get(c.rank) for c in list(self._conns.values())
+                  if c.rank is not None]
+        for info in direct:
+            if info is None:
+                continue
             if info.status == "alive" and seen - info.last_seen > limit:
                 if info.conn is not None and not info.conn.closed:
                     self._on_readable(info.conn)  # a heartbeat may wait unread: read it first
@@ -655,8 +690,14 @@ class Controller:
         if isinstance(msg, P.Register):
             self._on_register(conn, msg)
             return
+        if isinstance(msg, T.NodeRegister):
+            self.routes.on_node_register(conn, msg)
+            return
+        if conn.child is not None:
+            self.routes.on_message(conn.child, msg)
+            return
         info = self._ranks.get(conn.rank) if conn.rank is not None else None
-        if info is None or info.conn is not conn:
+        if info is None or info.conn is not conn or type(msg).TYPE in T.TYPES:
             self.rejected_frames += 1
             self._warn_pre_auth.warning("%s: %s from unregistered peer %s; closing", self.name,
                                         type(msg).__name__, conn.peer)
@@ -668,16 +709,22 @@ class Controller:
                 self._progress_at = info.last_seen  # armed by the first change seen
             info.step, info.updating = msg.step, msg.updating
             conn.ack_due = msg.seq  # acked once the read is done (_on_readable)
-        elif isinstance(msg, P.FaultReport):
+            return
+        self._on_rank_msg(info, msg, lambda reply: self._reply(conn, reply), conn.peer)
+
+    def _on_rank_msg(self, info: RankInfo, msg: P.Message, reply: Callable[[P.Message], None],
+                     peer: str = "") -> None:
+        """What a registered rank said, directly or through its node agent (routes.py)."""
+        if isinstance(msg, P.FaultReport):
             with self._cond:
                 self.flow.fault(f"rank {info.rank} reported {msg.kind}: {msg.detail}",
                                 rank=info.rank, kind=msg.kind)
         elif isinstance(msg, P.RecoverReady):
             with self._cond:
-                self.flow.recovery.ready(msg, info.rank, conn.peer)
+                self.flow.recovery.ready(msg, info.rank, peer)
         elif isinstance(msg, P.ReplaceStatus):
             with self._cond:
-                self.flow.recovery.replace_status(msg, info.rank, conn.peer)
+                self.flow.recovery.replace_status(msg, info.rank, peer)
         elif isinstance(msg, P.StateReport):
             with self._cond:
                 self.flow.report(msg.flow_id, msg.phase, info.rank, msg.step, msg.updating)
@@ -685,7 +732,7 @@ class Controller:
             with self._cond:
                 self.flow.result(msg.flow_id, info.rank, msg)
         elif isinstance(msg, P.StoreRequest):
-            self.store.handle(info.rank, msg, lambda reply: self._reply(conn, reply), conn.peer)
+            self.store.handle(info.rank, msg, reply, peer)
         elif isinstance(msg, P.Goodbye):
             with self._cond:
                 self._set_status(info, "gone", "finished training")
@@ -707,25 +754,43 @@ class Controller:
         self._drop(conn, reason)
 
     def _on_register(self, conn: Conn, m: P.Register) -> None:
-        if conn.rank is not None:
+        if conn.rank is not None or conn.child is not None:
             return self._refuse(conn, "registered twice on one connection")
         # a Register recorded on another connection raises ProtocolError here (a rejected
         # frame); from here on both directions use this connection's session keys
         conn.handshake.accept(m)
+        if self._exiting() and self.verdict is not None:
+            return self._late(conn, m)
+        why = self._admit(m, conn=conn)
+        if why is not None:
+            return self._refuse(conn, why)
+        conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
+                                 self._backups, self.fault_id or ""))
+        for phase_msg in self._replayed_on_register():
+            conn.queue(phase_msg)
+        self._flush(conn)
+        if m.failover or m.locked:
+            log.info("%s: rank %d registered (failover=%s)", self.name, m.rank, m.failover)
+        self._after_registration()
+
+    def _admit(self, m: P.Register, conn: Optional[Conn] = None,
+               child: Optional[object] = None) -> Optional[str]:
+        """Check and record one rank's registration, on its own connection `conn` or through
+        the node agent `child` (routes.py); None when it is admitted, else why not."""
         if m.world_size != self.world_size or not 0 <= m.rank < self.world_size:
-            return self._refuse(conn, f"rank {m.rank} / world_size {m.world_size} do not match "
-                                f"this job's world_size {self.world_size}")
+            return (f"rank {m.rank} / world_size {m.world_size} do not match this job's "
+                    f"world_size {self.world_size}")
         if m.rank not in m.dp_ranks or m.replica != self.replica:
-            return self._refuse(conn, f"rank {m.rank}: dp_ranks {m.dp_ranks[:8]} / replica "
-                                f"{m.replica} do not match (controller replica {self.replica})")
-        if self.sm.is_in(S.EXITING, S.STOPPED):
-            return self._refuse(conn, "controller is exiting")
+            return (f"rank {m.rank}: dp_ranks {m.dp_ranks[:8]} / replica {m.replica} do not "
+                    f"match (controller replica {self.replica})")
+        if self._exiting():
+            return "controller is exiting"
         now = self._clock.now()
         with self._cond:
             old = self._ranks.get(m.rank)
             joining = self.sm.is_in(S.RECOVERING) and m.rank in self.flow.recovery.expecting
             if old is not None and old.status in ("dead", "hung", "replaced") and not joining:
-                return self._refuse(conn, f"rank {m.rank} was already declared {old.note}")
+                return f"rank {m.rank} was already declared {old.note}"
             if joining:
                 self.flow.recovery.replacement_registered(m.rank)
             if old is not None and old.conn is not None and old.conn is not conn:
@@ -734,18 +799,21 @@ class Controller:
                     # for it is a replay or an impostor, never a reason to drop the real one
                     log.warning("%s: refused a Register for rank %d from %s: that rank is "
                                 "connected from %s and heartbeating", self.name, m.rank,
-                                conn.peer, old.conn.peer)
-                    return self._refuse(conn, f"rank {m.rank} is already connected")
+                                conn.peer if conn is not None else "a node agent",
+                                old.conn.peer)
+                    return f"rank {m.rank} is already connected"
                 stale, old.conn = old.conn, None
                 self._drop(stale, "replaced by a new connection")
-            if self._pending.remove(conn):
-                self._watch_listener(True)
-            self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
-            conn.dec.authenticated()
-            conn.rank = m.rank
-            self._ranks.register(RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port,
-                                          conn, now, m.step, m.updating))
-            self.flow.joined(m.rank)  # if mid-flow: it gets the phase orders below
+            if conn is not None:
+                self._authenticated(conn)
+                conn.rank = m.rank
+                self.routes.children.detach([m.rank])  # it left its node agent
+                self.routes.limbo.pop(m.rank, None)
+            info = RankInfo(m.rank, tuple(m.dp_ranks), m.host, m.standby_port, conn, now,
+                            m.step, m.updating)
+            info.route = child
+            self._ranks.register(info)
+            self.flow.joined(m.rank)  # if mid-flow: it gets the phase orders
             self._cond.notify_all()
         if self.sm.is_in(S.SERVING) and m.standby_port > 0 and m.rank != self.host_rank:
             # before the ack, so the list it carries counts this rank too: a rank that is
@@ -753,13 +821,31 @@ class Controller:
             # on a later broadcast reaching it before the controller is lost
             with self._cond:  # the flow thread refreshes the list after a recovery
                 self._consider_backup(m.rank, m.host, m.standby_port)
+        return None
+
+    def _late(self, conn: Conn, m: P.Register) -> None:
+        """A rank registers after the verdict: it gets the verdict (it took part in the flow's
+        fault, or it would be waiting TTP_OT for an exit order that was sent before it came)."""
+        log.warning("%s: rank %d registered after the verdict; sending it the exit order",
+                    self.name, m.rank)
+        self._authenticated(conn)
         conn.queue(P.RegisterAck("standby" if self.standby else "primary", self.host_rank,
                                  self._backups, self.fault_id or ""))
-        for phase_msg in self._replayed_on_register():
-            conn.queue(phase_msg)
+        conn.queue(self.verdict)  # type: ignore[arg-type]
         self._flush(conn)
-        if m.failover or m.locked:
-            log.info("%s: rank %d registered (failover=%s)", self.name, m.rank, m.failover)
+
+    def _authenticated(self, conn: Conn) -> None:
+        """`conn` registered (a rank or a node agent): no longer counted before authentication."""
+        if self._pending.remove(conn):
+            self._watch_listener(True)
+        self._pre_auth_total -= self._pre_auth_held.pop(conn, 0)
+        conn.dec.authenticated()
+
+    def _exiting(self) -> bool:
+        return self.sm.is_in(S.EXITING, S.STOPPED)
+
+    def _after_registration(self) -> None:
+        """A standby takes over once half of the world's ranks registered with it."""
         if self.sm.is_in(S.STANDBY):
             alive = self._ranks.n_alive
             if 2 * alive >= self.world_size:  # exactly half: the fault claim decides

@@ -23,12 +23,14 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple, Union
 
 from mindio_ttp.config import ENV_RECOVERY, Outcome, TTPConfig
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control import ranksets
+from mindio_ttp.control.recovery_coordinator import RecoveryCoordinator
+from mindio_ttp.control.recovery_plan import IN_MEMORY, plan_recovery
 from mindio_ttp.control.roster import Roster
 from mindio_ttp.control.selection import (
     Layout,
@@ -43,8 +45,6 @@ from mindio_ttp.control.state import ControllerState as S
 from mindio_ttp.control.state import StateMachine
 from mindio_ttp.faulttime import claim as C
 from mindio_ttp.faulttime import save_session
-from mindio_ttp.recovery.coordinator import RecoveryCoordinator
-from mindio_ttp.recovery.decision import IN_MEMORY, plan_recovery
 from mindio_ttp.recovery.rank import RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
@@ -61,7 +61,30 @@ class Decision:
     seconds: float  # from the first fault to the exit orders
 
 
-RECOVERED = object()  # what _run_flow returns when the in-memory recovery committed
+@dataclass(frozen=True)
+class Verdict:
+    """What a flow that ends the job decided: every rank's exit order says it."""
+    outcome: Outcome
+    step: Optional[int] = None
+    ranks: List[int] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """The flow's in-memory recovery committed: the job trains on."""
+
+
+FlowResult = Union[Verdict, Recovered]
+
+
+@dataclass(frozen=True)
+class SaveAttempt:
+    """The last save order of a flow: who it went to, under which flow id, and how it went."""
+    savers: List[int]
+    flow_id: int
+    ok: bool
+    why: str
 
 
 class Outbox(Protocol):
@@ -177,15 +200,16 @@ class Flow:
 
     # -- the flow thread -----------------------------------------------------------------------
     def _flow(self) -> None:
+        result: FlowResult
         try:
-            result: Any = self._run_flow()
+            result = self._run_flow()
         except Exception as exc:  # a bug must still end the job, not leave it hanging
             log.exception("%s: flow failed", self.name)
-            result = (Outcome.SAVE_FAILED, None, [], f"controller error: {exc!r}")
-        if result is RECOVERED:
+            result = Verdict(Outcome.SAVE_FAILED, reason=f"controller error: {exc!r}")
+        if isinstance(result, Recovered):
             self._rearm()
             return
-        self._finish(*result)
+        self._finish(result)
 
     def _rearm(self) -> None:
         """After a committed recovery: serve again, ready for the next fault."""
@@ -205,7 +229,7 @@ class Flow:
         takes world_size handshakes, seconds at 10k+ ranks, and a rank frozen out of the flow
         counts as dead (both holders of a shard among them: nothing is saved). Bounded by
         TTP_HANDSHAKE_TIMEOUT (scaled with the job) past the floor."""
-        floor = 2 * self.cfg.heartbeat_interval + 0.5
+        floor = self.cfg.deadlines.failover_floor
         t0 = time.monotonic()
         deadline = t0 + floor + self.cfg.handshake_timeout
         with self._cond:
@@ -249,7 +273,7 @@ class Flow:
         with self._cond:  # the I/O thread may register a rank meanwhile
             return self._ranks.alive()
 
-    def _run_flow(self) -> Tuple[Outcome, Optional[int], List[int], str]:
+    def _run_flow(self) -> FlowResult:
         cfg = self.cfg
         if self._promoted:  # let slower processors fail over before freezing the membership
             self._wait_for_failovers()
@@ -271,7 +295,7 @@ class Flow:
         advance = P.AdvanceTo(fid, limit, cfg.update_grace)
         self._expect(("report", 2), self._alive())
         self._out.broadcast(advance)
-        silent = self._await(cfg.update_grace + cfg.heartbeat_interval + 1.0)
+        silent = self._await(cfg.deadlines.advance_wait)
         with self._cond:
             for r in silent:
                 self._ranks[r].note = "did not answer the collect in time"
@@ -279,7 +303,8 @@ class Flow:
             try:
                 layout = self._agreed_layout()
             except ValueError as exc:
-                return Outcome.NO_CONSISTENT_STEP, None, [], f"inconsistent DP layout: {exc}"
+                return Verdict(Outcome.NO_CONSISTENT_STEP,
+                               reason=f"inconsistent DP layout: {exc}")
             reports = dict(self._reports[2])
             notes = {i.rank: i.note for i in self._ranks.values()}
             for r in range(self.world_size):
@@ -289,50 +314,49 @@ class Flow:
         states = states_from(reports, range(self.world_size), notes)
         recovered, replaced = self._try_recovery(fid, layout, states, reports)
         if recovered:
-            return RECOVERED  # type: ignore[return-value]
+            return Recovered()
         if replaced:  # a recovery ran and was abandoned
             fid = self._after_abandoned(states, replaced)
         step, reason = choose_step(layout, states, self.world_size)
         if step is None:
             log.error("%s: %s; nothing is saved", self.name, reason)
-            return Outcome.NO_CONSISTENT_STEP, None, [], reason
+            return Verdict(Outcome.NO_CONSISTENT_STEP, reason=reason)
         savers = savers_for(layout, states, step)
         self.timeline["chosen"] = time.monotonic()
         # a faulty rank answered too: it is on this controller's side of any partition
         settled, why = self._settle(fid, step, sorted(set(reports) | set(self._faulty)))
         if not settled:
             log.error("%s: not saving step %d: %s", self.name, step, why)
-            return Outcome.NOT_CLAIMED, None, [], why
+            return Verdict(Outcome.NOT_CLAIMED, reason=why)
         log.info("%s: %s; %s; ordering save on rank(s) %s", self.name, reason, why,
                  ranksets.describe(savers))
         self.sm.transition_to(S.SAVING, f"step {step} on {len(savers)} rank(s)")
-        savers, fid, ok, why = self._save(fid, step, layout, states, savers)
+        attempt = self._save(fid, step, layout, states, savers)
+        savers, fid = attempt.savers, attempt.flow_id
         self.timeline["saved"] = time.monotonic()
-        if not ok:
-            return (Outcome.SAVE_FAILED, step, savers,
-                    f"save of iteration {step} failed: {why}; rename not run, nothing marked "
-                    "latest")
+        if not attempt.ok:
+            return Verdict(Outcome.SAVE_FAILED, step, savers, f"save of iteration {step} failed: "
+                           f"{attempt.why}; rename not run, nothing marked latest")
         self.sm.transition_to(S.RENAMING, f"rename on rank {savers[0]}")
         if self._claim is not None:  # durably, before the order: the claim is final from here
             self._claim.update(C.RENAMING, step=step, savers=ranksets.encode(savers))
         ok, why = self._order(savers[:1], P.RenameOrder(fid, step, cfg.rename_time_limit),
                               cfg.rename_time_limit)
         if not ok:
-            return (Outcome.SAVE_FAILED, step, savers,
-                    f"rename of iteration {step} failed: {why}; nothing marked latest")
-        return (Outcome.SAVED, step, savers,
-                f"dying checkpoint of iteration {step} saved by {ranksets.describe(savers)}")
+            return Verdict(Outcome.SAVE_FAILED, step, savers,
+                           f"rename of iteration {step} failed: {why}; nothing marked latest")
+        return Verdict(Outcome.SAVED, step, savers,
+                       f"dying checkpoint of iteration {step} saved by {ranksets.describe(savers)}")
 
     def _save(self, fid: int, step: int, layout: Layout, states: Dict[int, RankState],
-              savers: List[int]) -> Tuple[List[int], int, bool, str]:
+              savers: List[int]) -> SaveAttempt:
         """Order the save of `step`; when savers fail or miss their deadline, order it again
         with each failed saver's shard moved to its other clean holder (`replacement_savers`),
         while TTP_OT leaves time for another save and the rename (the new order's limit is
         what is left, at most TTP_SAVE_TIME_LIMIT; less than a quarter of it: no new order).
         Every attempt is a new order: a new flow id (a late answer to an earlier attempt is
         ignored), its own tag, so its own staging directory (a failed attempt's files are never
-        part of the checkpoint) and store namespace. Returns (savers, flow id, ok, why) of the
-        last attempt."""
+        part of the checkpoint) and store namespace. Returns the last attempt (a SaveAttempt)."""
         cfg = self.cfg
         failed: Set[int] = set()
         limit = cfg.save_time_limit
@@ -345,18 +369,19 @@ class Flow:
             ok, why = self._order(savers, order, limit)
             self._end_save_store("the save order was answered")
             if ok:
-                return savers, fid, True, why
+                return SaveAttempt(savers, fid, True, why)
             failed.update(self._failed)
             nxt = replacement_savers(layout, states, step, savers, failed, set(self._alive()))
             if nxt is None:
-                return savers, fid, False, why + "; no other clean holder can replace them"
+                return SaveAttempt(savers, fid, False,
+                                   why + "; no other clean holder can replace them")
             # what TTP_OT leaves for another save, once the rename and the exit orders fit
             spent = time.monotonic() - (self.fault_at or time.monotonic())
-            left = cfg.ot - spent - cfg.rename_time_limit - 4 * cfg.heartbeat_interval - 1.0
+            left = cfg.deadlines.save_retry_left(spent)
             if left < cfg.save_time_limit / 4:
-                return savers, fid, False, (f"{why}; TTP_OT ({cfg.ot:g} s) leaves "
-                                            f"{max(left, 0):.0f} s, too little to order the save "
-                                            "again")
+                return SaveAttempt(savers, fid, False, (
+                    f"{why}; TTP_OT ({cfg.ot:g} s) leaves {max(left, 0):.0f} s, too little to "
+                    "order the save again"))
             limit = min(cfg.save_time_limit, left)
             log.warning("%s: save of step %d failed on rank(s) %s (%s); ordering it again, "
                         "from rank(s) %s, within %.1f s", self.name, step, sorted(self._failed),
@@ -451,7 +476,7 @@ class Flow:
 
     def _try_recovery(self, fid: int, layout: Layout, states: Dict[int, RankState],
                       reports: Dict[int, Tuple[Optional[int], bool]]) -> Tuple[bool, Set[int]]:
-        """In-memory recovery when it can work (recovery/decision.py): (committed, ranks it
+        """In-memory recovery when it can work (control/recovery_plan.py): (committed, ranks it
         replaced). Not committed: the dying checkpoint (also after an abandoned recovery)."""
         with self._cond:
             lost = ({r for r in range(self.world_size) if r not in reports} | self._raised
@@ -547,7 +572,7 @@ class Flow:
             self._expect(("result", 0), ranks)
         t0 = time.monotonic()
         self._out.send_many(ranks, msg)
-        self._await(limit + 2 * self.cfg.heartbeat_interval + 1.0)
+        self._await(self.cfg.deadlines.order_wait(limit))
         errors, self._failed = [], []
         with self._cond:
             for r in ranks:
@@ -563,7 +588,9 @@ class Flow:
                  len(ranks), time.monotonic() - t0, f" with errors: {errors}" if errors else "")
         return not errors, "; ".join(errors)
 
-    def _finish(self, outcome: Outcome, step: Optional[int], ranks: List[int], reason: str) -> None:
+    def _finish(self, verdict: Verdict) -> None:
+        outcome, step, ranks, reason = (verdict.outcome, verdict.step, verdict.ranks,
+                                        verdict.reason)
         took = time.monotonic() - (self.fault_at or time.monotonic())
         self.decision = Decision(outcome, step, ranks, reason, took)
         (log.info if outcome is Outcome.SAVED else log.error)(
@@ -584,7 +611,7 @@ class Flow:
         self._out.broadcast(order, exclude=self.host_rank)
         # every other rank's order written before our own process may exit on its own: at
         # 100k ranks that is seconds, so as long as a storm's handshakes may take (scaled)
-        self._out.flush(max(2.0, self.cfg.handshake_timeout))
+        self._out.flush(self.cfg.deadlines.exit_flush)
         self.timeline["exit_sent"] = time.monotonic()
         self.decided.set()
         self._out.send(self.host_rank, order)

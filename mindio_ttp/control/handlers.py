@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable, Mapping, Optional, Tuple
 
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control.authstore import AuthStore
 from mindio_ttp.control.hooks import STATE, HotState
 from mindio_ttp.faulttime import save_session
 from mindio_ttp.faulttime.device import NO_DEVICE
@@ -66,7 +67,8 @@ class Handlers:
             return
         # the order's fields were validated by the protocol layer (store namespace, tag)
         session = save_session.SaveSession(m.flow_id, m.step, tuple(m.save_ranks), m.store,
-                                           m.tag, m.time_limit, channel=self._channel)
+                                           m.tag, m.time_limit, channel=self._channel,
+                                           opener=AuthStore)
         self._session = session
         self._start_job("save", m.flow_id, m.time_limit, self._registry["save"],
                         (m.step, list(m.save_ranks), self._state.ckpt_args), session)

@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from mindio_ttp.config import TTPConfig
 from mindio_ttp.control.hooks import TTPError
 from mindio_ttp.faulttime import claim as C
+from mindio_ttp.log import setup_logging
 from mindio_ttp.recovery.rank import NO_HOOKS, RECOVERY
 
 log = logging.getLogger("mindio_ttp.controller")
@@ -198,7 +199,6 @@ class ControllerProcess:
 # -- the child ------------------------------------------------------------------------------------
 def serve(fd: int) -> int:
     from mindio_ttp.control.controller import Controller
-    from mindio_ttp.framework_ttp import _setup_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -208,7 +208,7 @@ def serve(fd: int) -> int:
         return 2
     p = first[0]
     try:
-        _setup_logging(p["host_rank"])
+        setup_logging(p["host_rank"])
         cfg = TTPConfig.from_env(world_size=p["world_size"])
         if p.get("claims"):
             C.register(p["claims"])
@@ -250,8 +250,11 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
             if "claims" in m and m["claims"]:
                 C.register(m["claims"])
             if "status" in m:
+                children, routed = ctl.routes.describe()
                 chan.send(status={"state": ctl.sm.state.value, "registered": len(ctl.registered),
-                                  "faults": ctl.faults[:100], "n_faults": len(ctl.faults)})
+                                  "faults": ctl.faults[:100], "n_faults": len(ctl.faults),
+                                  "children": children, "routed": routed,
+                                  "redirects": ctl.routes.redirects})
             if "stop" in m:
                 ctl.stop(wait_goodbyes=float(m["stop"]))
                 return 0

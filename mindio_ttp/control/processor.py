@@ -34,8 +34,10 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mindio_ttp.config import ENV_RECOVERY_JOIN, FLOW_FINISHED_FILE, Outcome, TTPConfig
+from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome, TTPConfig
+from mindio_ttp.control import failover
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control.agent import client as agent_client
 from mindio_ttp.control.controller import Controller
 from mindio_ttp.control.flow_record import FlowRecord
 from mindio_ttp.control.handlers import HANDLERS, Handlers, Job
@@ -45,9 +47,8 @@ from mindio_ttp.control.release import Outcome as StopOutcome
 from mindio_ttp.control.release import Stopper
 from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
-from mindio_ttp.launch import replace as R
-from mindio_ttp.launch.outcome import write_recovered
-from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, RecoveryOrder
+from mindio_ttp.control.wire import tier as T
+from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder
 
 log = logging.getLogger("mindio_ttp.processor")
 
@@ -57,7 +58,6 @@ NOT_OUR_CONTROLLER = (
     "every rank another free port in TTP_CONTROLLER_PORT")
 
 
-FAILOVER_CONNECT_S = 3.5
 RETRY_PAUSE_S = 0.1  # between two tries of a registration the listener closed (+-50 %)
 
 
@@ -147,7 +147,14 @@ class Processor:
         self._sig_r: Optional[socket.socket] = None
         self._sig_w: Optional[socket.socket] = None
         # the fault-time stop (release.py): abort off the main thread, on every survivor
-        self.stopper = Stopper(lambda outcome: self._mail.put("stopped", outcome))
+        self.stopper = Stopper(lambda outcome: self._mail.put(self._on_stopped, outcome))
+        # through this node's agent (control/agent/): what it accepts from it; None: direct
+        self._agent: Optional[agent_client.AgentLink] = None
+        self._controller_at: Optional[Tuple[str, int]] = None  # where ttp_start_processor said
+        self._advanced: Dict[int, Optional[Tuple[Optional[int], bool]]] = {}  # flow -> report
+        self._incarnation = ""  # of the controller that welcomed us last (through the agent)
+        # what we ask of this node's launcher (launch/desk.py): set by the API face at start
+        self.launcher: Any = None
 
     # -- start / stop ----------------------------------------------------------------------------
     def start(self, ip: str, port: int, deadline_s: Optional[float] = None) -> None:
@@ -156,7 +163,12 @@ class Processor:
         after our Register: it made room for newer connections, control/admission.py).
         `deadline_s` (a replacement: its recovery order's deadline) is how long instead, and
         then a handshake the listener did not answer in time is retried too: a replacement
-        that gives up ends its recovery. A refusal is final."""
+        that gives up ends its recovery. A refusal is final. Through this node's agent first
+        (control/agent/), unless TTP_NODE_AGENT=0 or this is a replacement (which reaches the
+        acting controller itself)."""
+        self._controller_at = (ip, port)
+        if self.cfg.node_agent and deadline_s is None and self._start_via_agent(ip, port):
+            return
         persistent = deadline_s is not None
         deadline = time.monotonic() + (self.cfg.connect_timeout if deadline_s is None
                                         else deadline_s)
@@ -184,6 +196,83 @@ class Processor:
                 self.standby.stop()
                 raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: {exc}"
                                f"{f' (after {tries + 1} tries)' if tries else ''}") from None
+        self._begin(conn, ip, port)
+
+    def _start_via_agent(self, ip: str, port: int) -> bool:
+        """Register through this node's agent (found or started: agent/client.py); False when
+        there is none or it does not take us within TTP_CONNECT_TIMEOUT (the caller then
+        connects to the controller itself)."""
+        link = agent_client.AgentLink(self.cfg.auth_key, self.rank)
+        path, started = agent_client.find_or_start(link.hop_key, ip, port, self.world_size)
+        if path is None:
+            return False
+        bad = agent_client.probe(self.cfg.auth_key, ip, port, self.cfg.handshake_timeout) \
+            if started else ""
+        if bad:
+            started.kill()  # type: ignore[union-attr]
+            raise TTPError(f"rank {self.rank}: TTP controller at {ip}:{port}: no valid TTP "
+                           f"handshake ({bad}): {NOT_OUR_CONTROLLER}")
+        local_ip = agent_client.local_ip_towards(ip, port)
+        self.standby = Controller(self.cfg, self.world_size, self.replica, self.rank,
+                                  standby=True)
+        self.standby.listen(local_ip, 0, self.cfg.listen_ports, self.rank)
+        self.standby.start()
+        local = os.environ.get("LOCAL_WORLD_SIZE", "0")
+        try:
+            sock, hs, early = agent_client.connect(
+                path, link.hop_key, self._register_msg(local_ip, False),
+                T.Upstream(ip, port, int(local) if local.isdigit() else 0),
+                self.cfg.handshake_timeout)
+            link.inbox.nonces.add(hs.nonce or "")
+            welcome = self._await_welcome(sock, hs, early, link)
+        except (OSError, TimeoutError, ConnClosed, P.ProtocolError, HandshakeFailed) as exc:
+            log.warning("rank %d: node agent at %s did not register this rank (%s); connecting "
+                        "to the controller itself", self.rank, path, exc)
+            self.standby.stop()
+            self.standby = None
+            return False
+        self._agent = link
+        self._welcomed(welcome)
+        conn = Conn(sock, hs.tx, hs.dec, "node agent", clock=self._clock.now)
+        conn.data = early
+        self._begin(conn, ip, port)
+        return True
+
+    def _await_welcome(self, sock: socket.socket, hs: Any, early: List[P.Message],
+                       link: agent_client.AgentLink) -> T.Welcome:
+        """Block (TTP_CONNECT_TIMEOUT) until the controller's Welcome comes through the agent;
+        frames behind it stay in `early`. HandshakeFailed when the controller refuses us."""
+        deadline = time.monotonic() + self.cfg.connect_timeout
+        while True:
+            while early:
+                m = early.pop(0)
+                if isinstance(m, P.Reject):
+                    raise HandshakeFailed(f"the controller refused the registration: {m.reason}")
+                kind, inner = link.classify(m)
+                if kind == link.ORDER and isinstance(inner, T.Welcome):
+                    return inner
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no Welcome from the controller through the node agent "
+                                   f"within TTP_CONNECT_TIMEOUT={self.cfg.connect_timeout:g} s")
+            early.extend(recv_messages(sock, hs.dec, left))
+
+    def _welcomed(self, w: T.Welcome) -> None:
+        """A controller took this rank through its agent (the RegisterAck of a direct rank)."""
+        if w.incarnation != self._incarnation:  # flow ids are a controller's own
+            if self._incarnation and w.role == "standby":
+                log.warning("rank %d: now served by the standby controller on rank %s",
+                            self.rank, w.controller_rank)
+            self._incarnation = w.incarnation
+            self._advanced.clear()
+        self.controller_rank = w.controller_rank
+        if self.fault_id is None and w.fault_id:
+            self.fault_id = w.fault_id
+        if w.backups:
+            self._backups = w.backups
+
+    def _begin(self, conn: Conn, ip: str, port: int) -> None:
+        assert self.standby is not None
         STATE.wait_limit = self.cfg.ot
         self.standby.fault_id = self.fault_id  # if promoted, it claims under the primary's id
         if self.controller_rank is not None:  # where the controller's rank runs, should the
@@ -226,7 +315,7 @@ class Processor:
             return
         self.running = False
         done = threading.Event()
-        self._mail.put("goodbye", done)
+        self._mail.put(self._say_goodbye, done)
         done.wait(timeout)
         self._stop.set()
         self._mail.wake()
@@ -243,12 +332,12 @@ class Processor:
         kind = kind or fault_kind(exc, self.fault_seen)
         tb = traceback.extract_tb(exc.__traceback__)
         where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-        self._mail.put("fault", kind, f"{type(exc).__name__}: {exc}{where}"[:2000])
+        self._mail.put(self._report_fault, kind, f"{type(exc).__name__}: {exc}{where}"[:2000])
 
     def report_preempted(self) -> None:
         if not self._preempted:
             self._preempted = True
-            self._mail.put("fault", "preempted", "SIGTERM received (preemption)")
+            self._mail.put(self._report_fault, "preempted", "SIGTERM received (preemption)")
 
     def wait_for_exit(self, timeout: float) -> bool:
         """True once the exit order was carried out (tests replace the process exit)."""
@@ -331,6 +420,8 @@ class Processor:
 
     def _set_conn(self, conn: Conn) -> None:
         self._conn = conn
+        if self._agent is None:
+            self._advanced.clear()  # a (new) controller's flows: their ids are its own
         self._sel.register(conn.sock, selectors.EVENT_READ, "conn")
         early, conn.data = conn.data or [], None
         for m in early:
@@ -353,7 +444,7 @@ class Processor:
         if threading.current_thread() is self._thread:
             raise RuntimeError("the processor's own thread cannot wait for a store answer")
         req, done, slot = self._calls.open()
-        self._mail.put("store", dataclasses.replace(request, req=req))
+        self._mail.put(self._send_store, dataclasses.replace(request, req=req))
         if not done.wait(wait_s):
             self._calls.close(req, None)
             raise TimeoutError(f"no answer from the TTP controller within {wait_s:g} s")
@@ -454,38 +545,34 @@ class Processor:
             self.report_preempted()
 
     def _on_mail(self) -> None:
-        for item in self._mail.drain():
-            kind = item[0]
-            if kind == "fault":
-                self._note_fault()
-                STATE.lock()
-                (log.info if item[1] == "collective" else log.error)(
-                    "rank %d: reporting %s: %s", self.rank, item[1], item[2])
-                self._send(P.FaultReport(self.rank, item[1], item[2]))
-            elif kind == "state":
-                self._send(P.StateReport(item[1], 2, self.rank, item[2], item[3]))
-            elif kind == "job_done":
-                self.handlers.finished(item[1], item[2], item[3])
-            elif kind == "ready":
-                self._send(P.RecoverReady(item[1], self.rank, *item[2:]))
-            elif kind == "replace_status":
-                self._send(item[1])
-            elif kind == "goodbye":
-                self._closing = True
-                self._send(P.Goodbye(self.rank))
-                item[1].set()
-            elif kind == "stopped":
-                self._on_stopped(item[1])
-            elif kind == "store":
-                if self._conn is None:
-                    self._calls.close(item[1].req, ConnectionError(
-                        "no connection to a TTP controller (failing over)"))
-                else:
-                    self._send(item[1])
+        self._mail.run_all()
+
+    def _report_fault(self, kind: str, detail: str) -> None:
+        self._note_fault()
+        STATE.lock()
+        (log.info if kind == "collective" else log.error)(
+            "rank %d: reporting %s: %s", self.rank, kind, detail)
+        self._send(P.FaultReport(self.rank, kind, detail))
+
+    def _advanced_to(self, flow_id: int, step: Optional[int], updating: bool) -> None:
+        self._advanced[flow_id] = (step, updating)
+        self._send(P.StateReport(flow_id, 2, self.rank, step, updating))
+
+    def _say_goodbye(self, done: threading.Event) -> None:
+        self._closing = True
+        self._send(P.Goodbye(self.rank))
+        done.set()
+
+    def _send_store(self, request: P.StoreRequest) -> None:
+        if self._conn is None:
+            self._calls.close(request.req, ConnectionError(
+                "no connection to a TTP controller (failing over)"))
+        else:
+            self._send(request)
 
     def _handler_done(self, job: Job, ok: bool, err: str) -> None:
         """On a handler's thread: its result is sent from ours (only we touch the socket)."""
-        self._mail.put("job_done", job, ok, err)
+        self._mail.put(self.handlers.finished, job, ok, err)
 
     def _note_fault(self) -> None:
         self.fault_seen = True
@@ -494,6 +581,24 @@ class Processor:
 
     # -- orders ----------------------------------------------------------------------------------
     def _handle(self, m: P.Message) -> None:
+        if self._agent is not None:
+            kind, inner = self._agent.classify(m)
+            if kind == self._agent.LOST:
+                return self._upstream_lost(str(inner))
+            if kind in (self._agent.HOP, self._agent.REFUSED):
+                return
+            m = inner  # type: ignore[assignment]
+            if isinstance(m, T.Welcome):
+                return self._welcomed(m)
+            if kind == self._agent.DUPLICATE:
+                # sent again to a rank that registered (again) mid-flow: answer, do not redo
+                if isinstance(m, P.AdvanceTo) and m.flow_id in self._advanced:
+                    done = self._advanced[m.flow_id]
+                    if done is not None:
+                        self._send(P.StateReport(m.flow_id, 2, self.rank, *done))
+                    return
+                if not isinstance(m, (P.Lock, P.AdvanceTo, P.Backups)):
+                    return
         if isinstance(m, P.HeartbeatAck):
             return
         if isinstance(m, P.StoreReply):
@@ -507,10 +612,13 @@ class Processor:
             self.stopper.start(f"lock of flow {m.flow_id}")
         elif isinstance(m, P.AdvanceTo):
             self._note_fault()
+            if m.flow_id in self._advanced:
+                return  # already advancing for this flow: its report comes when done
+            self._advanced[m.flow_id] = None
 
             def advance(fid: int = m.flow_id, limit: int = m.limit, grace: float = m.grace) -> None:
                 step, updating = STATE.advance_to(limit, grace)
-                self._mail.put("state", fid, step, updating)
+                self._mail.put(self._advanced_to, fid, step, updating)
             threading.Thread(target=advance, name="ttp-advance", daemon=True).start()
         elif isinstance(m, P.SaveOrder):
             RECOVERY.abandon("the controller fell back to the dying checkpoint")
@@ -569,52 +677,59 @@ class Processor:
         if order is not None and order.recovery_id == m.recovery_id:
             log.warning("rank %d: in-memory recovery %d committed: every rank holds iteration "
                         "%d, checked; training goes on", self.rank, m.recovery_id, order.step)
-            write_recovered(self.cfg.run_dir, m.recovery_id, order.step, order.lost)
+            if self.launcher is not None:
+                self.launcher.recovered(m.recovery_id, order.step, order.lost)
         else:
             log.warning("rank %d: in-memory recovery %d committed", self.rank, m.recovery_id)
 
     def _report_ready(self, recovery_id: int, ok: bool, detail: str, digest: str,
                       seconds: float) -> None:
         """RECOVERY.reporter (training thread): sent from this thread, which owns the socket."""
-        self._mail.put("ready", recovery_id, ok, detail, digest, seconds)
+        self._mail.put(self._send, P.RecoverReady(recovery_id, self.rank, ok, detail, digest,
+                                                  seconds))
 
     def _relay_replacement(self, m: P.ReplaceOrder) -> None:
-        """Ask this host's launcher for a replacement of rank `m.rank`, and forward what it
-        answers until the recovery ends."""
-        order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous,
-                              m.controller, m.deadline, REPLACEMENT, tuple(m.dp_ranks))
-        env = {ENV_RECOVERY_JOIN: order.to_env(m.rank)}
-        run_dir = self.cfg.run_dir
-        if not run_dir:
-            self._send(P.ReplaceStatus(m.recovery_id, m.rank, R.FAILED, 0,
-                                       "no launcher here (TTP_RUN_DIR unset: not under ttprun)"))
+        """Ask this host's launcher for a replacement (launch/desk.py, handed to us at start)."""
+        if self.launcher is None:
+            self._send(P.ReplaceStatus(m.recovery_id, m.rank, "failed", 0,
+                                       "no launcher desk in this process (not started through "
+                                       "the API)"))
             return
-        try:
-            R.write_request(run_dir, R.ReplacementRequest(m.recovery_id, m.rank, env))
-        except OSError as exc:
-            self._send(P.ReplaceStatus(m.recovery_id, m.rank, R.FAILED, 0,
-                                       f"cannot write the request into {run_dir}: {exc}"))
-            return
-        log.warning("rank %d: asked the launcher for a replacement of rank %d (recovery %d)",
-                    self.rank, m.rank, m.recovery_id)
-
-        def watch() -> None:
-            deadline = time.monotonic() + m.deadline
-            seen = None
-            while time.monotonic() < deadline and not self._stop.is_set():
-                status = R.read_status(run_dir, m.recovery_id, m.rank)
-                if status is not None and status.state != seen:
-                    seen = status.state
-                    self._mail.put("replace_status", P.ReplaceStatus(
-                        m.recovery_id, m.rank, status.state, status.pid, status.detail))
-                if seen in (R.EXITED, R.FAILED) or (seen == R.STARTED and not RECOVERY.active
-                                                    and RECOVERY.epoch >= m.recovery_id):
-                    return
-                self._stop.wait(0.05)
-        threading.Thread(target=watch, name="ttp-replace-watch", daemon=True).start()
+        self.launcher.relay_replacement(m, lambda msg: self._mail.put(self._send, msg),
+                                        self._stop)
 
     # -- failover and exit -----------------------------------------------------------------------
+    def _upstream_lost(self, why: str) -> None:
+        """The node agent lost its parent and fails over for the node: stop training until a
+        controller decides, as on losing the controller ourselves; store calls in flight fail."""
+        self._note_fault()
+        STATE.lock()
+        self._calls.fail_all(ConnectionError(f"the connection to the TTP controller was lost "
+                                             f"({why}; a new controller starts with an empty "
+                                             "store)"))
+        log.error("rank %d: %s; training locked, the node agent fails over", self.rank, why)
+
+    def _agent_lost(self, why: str) -> None:
+        """The node agent is gone (or silent): register with the controller ourselves. Not a
+        fault: the controller keeps our place for a while (routes.py), training goes on."""
+        self._agent = None
+        self._drop_conn()
+        if self._closing or self._stop.is_set():
+            self._stop.set()
+            return
+        log.warning("rank %d: node agent lost (%s); registering with the controller itself",
+                    self.rank, why)
+        ip, port = self._controller_at or ("", 0)
+        conn, err = self._try_backup([self.controller_rank or 0, ip, port],
+                                     self.cfg.deadlines.failover_try)
+        if conn is not None:
+            self._set_conn(conn)
+            return
+        self._controller_lost(f"node agent lost ({why}), controller unreachable ({err})")
+
     def _controller_lost(self, why: str) -> None:
+        if self._agent is not None:
+            return self._agent_lost(why)
         self._drop_conn()
         if self._closing or self._stop.is_set():
             self._stop.set()
@@ -625,44 +740,25 @@ class Processor:
         log.error("rank %d: controller lost (%s); failing over to %s", self.rank, why,
                   [b[0] for b in self._backups] or "nobody")
         deadline = self._fault_time + self.ot  # type: ignore[operator]
-        per_try = min(self.cfg.heartbeat_timeout, 5.0)  # for the challenge (see _handshake)
-        tried: Dict[int, str] = {}  # backup rank -> why it failed last
-        while time.monotonic() < deadline and not self._stop.is_set():
-            for entry in list(self._backups):
-                conn, err = self._try_backup(entry, per_try)
-                if conn is not None:
-                    log.warning("rank %d: now served by the standby controller on rank %s",
-                                self.rank, entry[0])
-                    self._set_conn(conn)
-                    return
-                tried[entry[0]] = err
-            self._stop.wait(0.2)
+        conn, entry, tried = failover.rounds(
+            lambda: self._backups, self.cfg.deadlines.failover_try, self._failover_handshake,
+            self.rank, deadline, self._stop)
+        if conn is not None:
+            log.warning("rank %d: now served by the standby controller on rank %s", self.rank,
+                        entry[0])  # type: ignore[index]
+            self._set_conn(conn)
+            return
         if not self._stop.is_set():
             said = "; ".join(f"rank {r}: {e}" for r, e in list(tried.items())[:4])
             self._exit(Outcome.NO_VERDICT, None, [], f"controller lost ({why}) and no backup "
                        f"controller answered{f' ({said})' if said else ''}")
 
     def _try_backup(self, entry: List[Any], per_try: float) -> Tuple[Optional[Conn], str]:
-        """Connect to one announced backup and register; (None, why) on any failure, so a
-        target that cannot be reached (a bad address, a refusal) is skipped for the next."""
-        rank, host, port = (list(entry) + [None, None, None])[:3]
-        try:
-            # long enough for two SYN retransmissions (1 s, 3 s): a backup's accept queue
-            # overflows when the whole job fails over to it at once
-            sock = connect(host, port, timeout=min(FAILOVER_CONNECT_S, per_try))
-        except Exception as exc:  # noqa: BLE001 - OSError, but also a host that cannot encode
-            log.warning("rank %d: backup controller on rank %s at %s:%s unreachable: %s",
-                        self.rank, rank, ascii(host)[:80], port, exc)
-            return None, f"unreachable ({exc})"
-        try:
-            conn = self._handshake(sock, failover=True,
-                                   timeout=min(per_try, self.cfg.handshake_timeout))
-        except (HandshakeFailed, OSError, ValueError) as exc:
-            log.warning("rank %d: backup controller on rank %s at %s:%s: %s", self.rank, rank,
-                        host, port, exc)
-            sock.close()
-            return None, str(exc)
-        return conn, ""
+        return failover.try_target(entry, per_try, self._failover_handshake, self.rank)
+
+    def _failover_handshake(self, sock: socket.socket, per_try: float) -> Conn:
+        return self._handshake(sock, failover=True,
+                               timeout=min(per_try, self.cfg.handshake_timeout))
 
     def _exit(self, outcome: Outcome, step: Optional[int], ranks: List[int], reason: str,
               code: Optional[int] = None) -> None:

@@ -150,6 +150,7 @@ _TYPES: Dict[str, Check] = {
     "int": _int, "Optional[int]": _opt_int, "float": _float, "bool": _bool, "str": _str,
     "List[int]": _int_list, "List[str]": _str_list, "List[List[Any]]": _backups,
     "Ranks": _int_list,
+    "bytes": lambda v: isinstance(v, bytes) and len(v) <= MAX_PAYLOAD,
 }
 # binary messages: struct codes per field type; None travels as the one int64 no step is
 _BINARY_CODES = {"int": "q", "Optional[int]": "q", "bool": "B", "float": "d"}
@@ -231,6 +232,7 @@ class Message:
 _REGISTRY: Dict[int, Type[Message]] = {}
 _SCHEMA: Dict[Type[Message], Tuple[Tuple[str, Check, Optional[Check]], ...]] = {}
 _RANKS: Dict[Type[Message], Tuple[str, ...]] = {}  # fields sent as blocks
+_RAW: Dict[Type[Message], str] = {}  # messages whose payload is one bytes field, as it is
 
 
 class _Binary:
@@ -293,20 +295,28 @@ class _Binary:
 _BINARY: Dict[Type[Message], _Binary] = {}
 
 
-def _message(code: int, binary: bool = False,
+def _message(code: int, binary: bool = False, raw: bool = False,
+             registry: Optional[Dict[int, Type[Message]]] = None,
              **ranges: Check) -> Callable[[Type[Message]], Type[Message]]:
     """Register a message class: every field is type-checked by its annotation (bounded by
     default: 64-bit ints, strings of MAX_TEXT encodable characters, lists of MAX_RANKS), and
     `ranges` narrows named fields further. `binary`: sent as a fixed struct (ints, optional
-    ints, bools and floats only)."""
+    ints, bools and floats only). `raw`: one `bytes` field that is the payload itself (its
+    `problem` checks its structure). `registry`: where decoders look the code up (the tiers'
+    own messages, control/wire/tier.py, are not this module's: a rank's connection to a
+    controller never decodes them)."""
     def deco(cls: Type[Message]) -> Type[Message]:
+        reg = _REGISTRY if registry is None else registry
         cls.TYPE = code
-        assert code not in _REGISTRY, code
+        assert code not in reg and code not in _REGISTRY, code
         names = {f.name for f in fields(cls)}
         assert set(ranges) <= names, (cls.__name__, set(ranges) - names)
         for f in fields(cls):
             assert f.type in (_BINARY_CODES if binary else _TYPES), (cls.__name__, f.name)
-        _REGISTRY[code] = cls
+        if raw:
+            assert [f.type for f in fields(cls)] == ["bytes"], cls.__name__
+            _RAW[cls] = fields(cls)[0].name
+        reg[code] = cls
         _SCHEMA[cls] = tuple((f.name, _TYPES[f.type], ranges.get(f.name)) for f in fields(cls))
         _RANKS[cls] = tuple(f.name for f in fields(cls) if f.type == "Ranks")
         if binary:
@@ -353,7 +363,8 @@ class Challenge(Message):
     nonce: str
 
 
-@_message(2, role=one_of("primary", "standby"), controller_rank=RANK, fault_id=FAULT_ID)
+@_message(2, role=one_of("primary", "standby", "agent"), controller_rank=RANK,
+          fault_id=FAULT_ID)
 @dataclass
 class RegisterAck(Message):
     """`fault_id`: the launch's fault id (faulttime/claim.py), made by the primary controller
@@ -537,7 +548,7 @@ class StoreReply(Message):
 
 
 # -- in-memory recovery (docs/recovery.md) ------------------------------------------------------
-# "host:port" as recovery.coordinator.format_address writes it (the acting controller)
+# "host:port" as recovery.rank.format_address writes it (the acting controller)
 ADDRESS = text(80, r"(?:\[[0-9A-Fa-f:.]+\]|[0-9.]+):[0-9]{1,5}")
 REPLACE_STATES = ("started", "exited", "failed")
 
@@ -583,7 +594,7 @@ class ReplaceOrder(Message):
 class ReplaceStatus(Message):
     """Relay → controller: what the launcher did with the request (started, exited, failed).
     Taken only from the relay the recovery's plan chose for `rank`, a lost rank; from anyone
-    else it is refused and logged (recovery/coordinator.py)."""
+    else it is refused and logged (control/recovery_coordinator.py)."""
     recovery_id: int
     rank: int
     state: str
@@ -635,6 +646,11 @@ def encode_payload(msg: Message) -> bytes:
     if binary is not None:
         return binary.pack(msg)  # its own checks: the struct settles the types
     bad = problem(msg)
+    raw = _RAW.get(type(msg))
+    if raw is not None:
+        if bad:
+            raise ProtocolError(f"refusing to send {bad}")
+        return bytes(getattr(msg, raw))
     if bad:
         raise ProtocolError(f"refusing to send {bad}")
     body = {name: getattr(msg, name) for name, _, _ in _SCHEMA[type(msg)]}
@@ -657,13 +673,20 @@ def encode(msg: Message, key: bytes, seq: int = 0) -> bytes:
     return seal(msg.TYPE, encode_payload(msg), key, seq)
 
 
-def _decode_payload(code: int, payload: bytes) -> Message:
-    cls = _REGISTRY.get(code)
+def _decode_payload(code: int, payload: bytes,
+                    registry: Optional[Dict[int, Type[Message]]] = None) -> Message:
+    cls = (_REGISTRY if registry is None else registry).get(code)
     if cls is None:
         raise ProtocolError(f"unknown message type {code}")
     binary = _BINARY.get(cls)
     if binary is not None:
         return binary.unpack(payload)
+    if cls in _RAW:
+        msg = cls(payload)
+        bad = msg.problem()
+        if bad:
+            raise ProtocolError(f"{cls.__name__}: {bad}")
+        return msg
     try:
         obj = json.loads(payload)
     except (ValueError, RecursionError) as exc:  # incl. UnicodeDecodeError, huge integers
@@ -678,10 +701,11 @@ def _decode_payload(code: int, payload: bytes) -> Message:
     for name in ranks_fields:  # blocks: every rank in range, checked before they are expanded
         if not ranksets.valid_wire(obj[name], MAX_RANKS):
             raise ProtocolError(f"{cls.__name__}.{name}: bad value {_show(obj[name])}")
-        obj[name] = ranksets.decode(obj[name], MAX_RANKS)
-        if len(set(obj[name])) != len(obj[name]):  # blocks overlapping, or one twice
+        try:  # blocks overlapping, or one twice: refused (the answer is cached with the list)
+            obj[name] = ranksets.decode(obj[name], MAX_RANKS, unique=True)
+        except ValueError:
             raise ProtocolError(f"{cls.__name__}.{name}: a rank named twice in "
-                                f"{_show(obj[name])}")
+                                f"{_show(obj[name])}") from None
     for name, of_type, in_range in schema:
         if name in ranks_fields:
             continue  # the blocks' check covers each rank of the list: O(blocks), not O(ranks)
@@ -704,13 +728,24 @@ class FrameDecoder:
     the key, so the owner calls `rekey` and then `feed(b"")` for the frames behind it."""
 
     def __init__(self, key: bytes, max_payload: int = MAX_PAYLOAD, *, seq: int = 0,
-                 handshake: bool = False) -> None:
+                 handshake: bool = False,
+                 registry: Optional[Dict[int, Type[Message]]] = None,
+                 first_keys: Optional[Dict[int, bytes]] = None,
+                 unverified_first: Tuple[int, ...] = ()) -> None:
         self._key = key
         self._max = max_payload
         self._seq = seq
         self._handshake = handshake
         self._held = False  # a handshake frame was returned; the rest waits for rekey
         self._buf = bytearray()
+        self._registry = registry  # None: this module's messages
+        # the first frame only: the key its type is made with (a listener that takes ranks
+        # under the job key and node agents under the hop key), or no MAC check at all for
+        # these types (a node agent reading a listener's challenge, made with a key it does
+        # not hold: a forged nonce only makes the session keys disagree)
+        self._first_keys = first_keys or {}
+        self._unverified_first = unverified_first
+        self._first = True
 
     def rekey(self, key: bytes, seq: int, max_payload: Optional[int] = None) -> None:
         """Switch to the session key after the handshake frame; ends handshake mode."""
@@ -742,15 +777,18 @@ class FrameDecoder:
             body = bytes(self._buf[: HEADER.size + length])
             mac = bytes(self._buf[HEADER.size + length: end])
             del self._buf[:end]
-            want = hmac.digest(self._key, body, "sha256")
-            if not hmac.compare_digest(mac, want):
-                raise ProtocolError("bad HMAC: peer does not share TTP_AUTH_KEY (or the frame "
-                                    "belongs to another connection)")
+            first, self._first = self._first, False
+            if not (first and code in self._unverified_first):
+                key = self._first_keys.get(code, self._key) if first else self._key
+                want = hmac.digest(key, body, "sha256")
+                if not hmac.compare_digest(mac, want):
+                    raise ProtocolError("bad HMAC: peer does not share TTP_AUTH_KEY (or the "
+                                        "frame belongs to another connection)")
             if seq != self._seq:
                 raise ProtocolError(f"frame sequence number {seq}, expected {self._seq}: a "
                                     "replayed, reordered or dropped frame")
             self._seq += 1
-            out.append(_decode_payload(code, body[HEADER.size:]))
+            out.append(_decode_payload(code, body[HEADER.size:], self._registry))
             self._held = self._handshake
         return out
 
@@ -789,3 +827,5 @@ def decode_one(data: bytes, key: bytes, seq: int = 0) -> Message:
 
 
 MESSAGE_TYPES: Dict[int, Type[Message]] = dict(_REGISTRY)
+message = _message  # for the tiers' own messages (control/wire/tier.py)
+decode_payload = _decode_payload  # a message carried inside another (an envelope, a Join)

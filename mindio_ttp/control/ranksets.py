@@ -26,7 +26,7 @@ list names no rank twice (blocks overlapping each other) is the protocol's check
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 MAX_RANKS = 1 << 17  # above the largest world the API accepts (100,000)
 Block = Tuple[int, int, int, int, int]  # start, step, count, outer_step, outer_count
@@ -103,8 +103,22 @@ def valid_wire(value: Any, limit: int = MAX_RANKS) -> bool:
     return True
 
 
-def decode(blocks: List[List[int]], limit: int = MAX_RANKS) -> List[int]:
-    """The list `blocks` stands for; ValueError when it is not a valid encoding."""
+def decode(blocks: List[List[int]], limit: int = MAX_RANKS, unique: bool = False) -> List[int]:
+    """The list `blocks` stands for; ValueError when it is not a valid encoding (or, with
+    `unique`, when it names a rank twice: overlapping blocks, or one block twice).
+
+    A registration storm decodes the same few lists (the job's DP groups) once per rank: the
+    last `_CACHED` expansions are kept, so each is built once and copied (in C) after."""
+    key = None
+    if isinstance(blocks, list) and len(blocks) <= 8 and all(
+            isinstance(b, list) and all(type(x) is int for x in b) for b in blocks):
+        key = tuple(tuple(b) for b in blocks)  # exact ints only: a bool is refused below
+    if key is not None:
+        hit = _expanded.get((key, limit))
+        if hit is not None:
+            if unique and hit[1]:
+                raise ValueError(f"a rank named twice in {str(blocks)[:80]}")
+            return list(hit[0])
     if not valid_wire(blocks, limit):
         raise ValueError(f"not a rank list encoding (or more than {limit} ranks, or a rank "
                          f"outside 0..{limit - 1}): {str(blocks)[:80]}")
@@ -113,4 +127,47 @@ def decode(blocks: List[List[int]], limit: int = MAX_RANKS) -> List[int]:
         for i in range(ocount):
             base = start + i * ostep
             out.extend(range(base, base + count * step, step) if step else [base] * count)
+    dup = (unique or key is not None) and len(set(out)) != len(out)
+    if key is not None:
+        if len(_expanded) >= _CACHED:
+            _expanded.pop(next(iter(_expanded)))
+        _expanded[(key, limit)] = (tuple(out), dup)
+    if unique and dup:
+        raise ValueError(f"a rank named twice in {str(blocks)[:80]}")
+    return out
+
+
+_CACHED = 256
+_expanded: Dict[Tuple[Any, int], Tuple[Tuple[int, ...], bool]] = {}  # list, named a rank twice
+
+
+def contains(blocks: Sequence[Sequence[int]], rank: int) -> bool:
+    """Whether `rank` is in the list `blocks` stands for, without expanding it: O(blocks) for
+    the blocks jobs use (one period each), O(periods) at worst. `blocks` must be valid."""
+    for start, step, count, ostep, ocount in blocks:
+        if ocount == 1 or ostep == 0:
+            periods: Any = [start]
+        elif count * abs(step) <= abs(ostep) and step >= 0 and ostep > 0:
+            i = (rank - start) // ostep  # periods do not overlap: only one can hold it
+            periods = [start + i * ostep] if 0 <= i < ocount else []
+        else:
+            periods = (start + i * ostep for i in range(ocount))
+        for base in periods:
+            d = rank - base
+            if step == 0:
+                if d == 0:
+                    return True
+            elif d % step == 0 and 0 <= d // step < count:
+                return True
+    return False
+
+
+def all_but(world: int, excluded: Sequence[int] = ()) -> List[List[int]]:
+    """The blocks of every rank of the world but `excluded` (a broadcast's destinations)."""
+    out: List[List[int]] = []
+    start = 0
+    for r in sorted(set(excluded)) + [world]:
+        if r > start:
+            out.append([start, 1, r - start, 0, 1])
+        start = r + 1
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from mindio_ttp.control.transport import Conn
 
@@ -30,6 +30,7 @@ class RankInfo:
     updating: bool = False
     status: str = "alive"  # alive | dead | hung | gone (said goodbye)
     note: str = ""
+    route: Any = None  # the node agent it registered through (routes.py); None: direct
 
 
 class Roster:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import secrets
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from mindio_ttp.control import protocol as P
 
@@ -87,28 +87,41 @@ class Sealer:
 
 
 class ListenerHandshake:
-    """The accepting side of one connection, from accept to the verified Register."""
+    """The accepting side of one connection, from accept to the verified Register.
 
-    def __init__(self, job_key: bytes, max_payload: int) -> None:
+    `accept_keys` (type of first frame -> the key it must be made with): a controller takes
+    a rank's `Register` under the job key and a node agent's `NodeRegister` under the hop key
+    (control/wire/); the session keys then derive from that key. Default: Register only."""
+
+    def __init__(self, job_key: bytes, max_payload: int,
+                 accept_keys: Optional[Dict[type, bytes]] = None,
+                 registry: Optional[Dict[int, type]] = None) -> None:
         self.job_key = job_key
+        self.keys = {P.Register: job_key} if accept_keys is None else dict(accept_keys)
         self.nonce = new_nonce()
         self.tx = Sealer(job_key)
-        self.dec = P.FrameDecoder(job_key, max_payload, handshake=True)
+        self.dec = P.FrameDecoder(job_key, max_payload, handshake=True, registry=registry,
+                                  first_keys={cls.TYPE: k for cls, k in self.keys.items()})
         self.done = False
 
     def challenge(self) -> bytes:
         return self.tx.seal(P.Challenge(self.nonce))
 
-    def accept(self, reg: P.Register) -> None:
-        """Check that `reg` answers this connection's challenge and switch both directions to
-        the session keys (before any RegisterAck or Reject goes out). Raises ProtocolError for
-        a Register made for another connection: a replay."""
+    def accept(self, reg: Any) -> None:
+        """Check that `reg` (a Register, or another first frame of `accept_keys`) answers this
+        connection's challenge and switch both directions to the session keys (before any
+        RegisterAck or Reject goes out). Raises ProtocolError for a first frame made for
+        another connection: a replay."""
         if self.done:
             raise P.ProtocolError("a second Register on one connection")
+        key = self.keys.get(type(reg))
+        if key is None:
+            raise P.ProtocolError(f"a {type(reg).__name__} cannot open this connection")
         if not hmac.compare_digest(reg.challenge.encode(), self.nonce.encode()):
-            raise P.ProtocolError(f"Register for rank {reg.rank} answers another connection's "
-                                  "challenge: a replayed or relayed frame")
-        to_rank, to_listener = session_keys(self.job_key, self.nonce, reg.nonce)
+            raise P.ProtocolError(f"{type(reg).__name__} for rank {getattr(reg, 'rank', '-')} "
+                                  "answers another connection's challenge: a replayed or "
+                                  "relayed frame")
+        to_rank, to_listener = session_keys(key, self.nonce, reg.nonce)
         self.tx.rekey(to_rank, 1)
         self.dec.rekey(to_listener, 1)
         self.done = True
@@ -118,13 +131,19 @@ class RankHandshake:
     """The connecting side: read the Challenge, answer with the Register, then expect the
     RegisterAck or Reject under the new session key."""
 
-    def __init__(self, job_key: bytes) -> None:
+    def __init__(self, job_key: bytes, registry: Optional[Dict[int, type]] = None,
+                 verify_challenge: bool = True) -> None:
         self.job_key = job_key
-        self.dec = P.FrameDecoder(job_key, CHALLENGE_MAX_PAYLOAD, handshake=True)
+        # a node agent cannot verify a controller's challenge (made with the job key, which
+        # it does not hold) and need not: see FrameDecoder's unverified_first
+        self.dec = P.FrameDecoder(job_key, CHALLENGE_MAX_PAYLOAD, handshake=True,
+                                  registry=registry,
+                                  unverified_first=() if verify_challenge else (P.Challenge.TYPE,))
         self.tx = Sealer(job_key)
         self.listener_nonce: Optional[str] = None
+        self.nonce: Optional[str] = None  # ours, as sent in the Register
 
-    def answer(self, challenge: P.Message, reg: P.Register) -> bytes:
+    def answer(self, challenge: P.Message, reg: Any) -> bytes:
         """The Register frame answering `challenge`; raises ProtocolError when the listener's
         first frame is something else."""
         if not isinstance(challenge, P.Challenge):
@@ -133,7 +152,7 @@ class RankHandshake:
         nonce = new_nonce()
         to_rank, to_listener = session_keys(self.job_key, challenge.nonce, nonce)
         frame = self.tx.seal(dataclasses.replace(reg, challenge=challenge.nonce, nonce=nonce))
-        self.listener_nonce = challenge.nonce
+        self.listener_nonce, self.nonce = challenge.nonce, nonce
         self.tx.rekey(to_listener, 1)
         self.dec.rekey(to_rank, 1, P.MAX_PAYLOAD)
         return frame

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
-from typing import Dict, FrozenSet, Generic, List, Mapping, Tuple, Type, TypeVar
+from typing import Dict, FrozenSet
+
+from mindio_ttp.statemachine import InvalidTransition, TableMachine
 
 log = logging.getLogger("mindio_ttp.controller")
+
+__all__ = ["ALLOWED", "ControllerState", "InvalidTransition", "StateMachine", "TableMachine"]
 
 
 class ControllerState(enum.Enum):
@@ -41,55 +44,6 @@ ALLOWED: Dict[ControllerState, FrozenSet[ControllerState]] = {
     S.EXITING: frozenset({S.STOPPED}),
     S.STOPPED: frozenset(),
 }
-
-
-class InvalidTransition(RuntimeError):
-    """A transition the table does not allow: a controller bug, never a user error."""
-
-
-E = TypeVar("E", bound=enum.Enum)
-
-
-class TableMachine(Generic[E]):
-    """Thread-safe holder of the current state of one table of allowed transitions; keeps the
-    history for logs and tests. A transition the table lacks raises `error` (a bug)."""
-
-    def __init__(self, name: str, initial: E, allowed: Mapping[E, FrozenSet[E]],
-                 error: Type[RuntimeError] = InvalidTransition,
-                 logger: logging.Logger = log) -> None:
-        self._name = name
-        self._state = initial
-        self._allowed = allowed
-        self._error = error
-        self._log = logger
-        self._lock = threading.Lock()
-        self.history: List[Tuple[E, E, str]] = []
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def state(self) -> E:
-        return self._state
-
-    def transition_to(self, new: E, why: str = "") -> E:
-        with self._lock:
-            old = self._state
-            if new not in self._allowed[old]:
-                self._log.error("%s: illegal transition %s -> %s (%s)", self._name, old.value,
-                                new.value, why)
-                raise self._error(f"{self._name}: {old.value} -> {new.value} is not allowed "
-                                  f"(allowed: "
-                                  f"{sorted(s.value for s in self._allowed[old]) or 'none'})")
-            self._state = new
-            self.history.append((old, new, why))
-        self._log.info("%s: %s -> %s%s", self._name, old.value, new.value,
-                       f" ({why})" if why else "")
-        return old
-
-    def is_in(self, *states: E) -> bool:
-        return self._state in states
 
 
 class StateMachine(TableMachine[ControllerState]):

@@ -26,7 +26,7 @@ class ConnClosed(Exception):
 
 class Conn:
     __slots__ = ("sock", "tx", "dec", "out", "peer", "rank", "last_rx", "closed", "data",
-                 "writing", "handshake", "clock", "ack_due")
+                 "writing", "handshake", "clock", "ack_due", "child")
 
     def __init__(self, sock: socket.socket, tx: Sealer, dec: FrameDecoder,
                  peer: str = "", clock: Callable[[], float] = time.monotonic) -> None:
@@ -48,6 +48,7 @@ class Conn:
         self.data: Any = None
         self.writing = False  # registered for EVENT_WRITE in the owner's selector
         self.ack_due: Optional[int] = None  # a heartbeat read, its ack not queued yet
+        self.child: Any = None  # a node agent or relay below (control/relay/), once it registered
 
     def read(self, limit: Optional[int] = None) -> List[Message]:
         """Drain what the socket has (at most `limit` bytes); raises ConnClosed on EOF/reset,
@@ -109,8 +110,21 @@ class Conn:
         self.handshake = None
 
 
+def deliver(conn: Conn, msgs: List[Message], dispatch: Callable[[Conn, Message], None]) -> None:
+    """Hand every message of one read to `dispatch`, then the frames that came behind a
+    handshake frame (they wait in the decoder for the session key), until `conn` closes."""
+    while msgs:
+        for m in msgs:
+            if conn.closed:
+                return
+            dispatch(conn, m)
+        msgs = conn.dec.feed(b"") if conn.dec.pending and not conn.closed else []
+
+
 class Mailbox:
-    """Thread-safe queue of work for a selector loop, with a wake-up socket."""
+    """Thread-safe queue of work for a selector loop, with a wake-up socket: each item is a
+    callable and its arguments, run in order on the loop's thread (`run_all`), like asyncio's
+    call_soon_threadsafe: no dispatch on strings, and the arguments are the callee's."""
 
     def __init__(self) -> None:
         self._r, self._w = socket.socketpair()
@@ -123,9 +137,9 @@ class Mailbox:
     def reader(self) -> socket.socket:
         return self._r
 
-    def put(self, *item: Any) -> None:
+    def put(self, fn: Callable[..., Any], *args: Any) -> None:
         with self._lock:
-            self._items.append(item)
+            self._items.append((fn, *args))
         self.wake()
 
     def wake(self) -> None:
@@ -144,6 +158,11 @@ class Mailbox:
             items = list(self._items)
             self._items.clear()
         return items
+
+    def run_all(self) -> None:
+        """Run every queued call, in order (on the loop's thread)."""
+        for fn, *args in self.drain():
+            fn(*args)
 
     def close(self) -> None:
         for s in (self._r, self._w):

@@ -27,9 +27,8 @@ import torch.distributed as dist
 from mindio_ttp.control import hooks
 from mindio_ttp.control.hooks import TTPRecovering
 from mindio_ttp.demo.model import ShardLayout, ShardState, assemble
-from mindio_ttp.recovery.coordinator import parse_address
 from mindio_ttp.recovery.machine import RecoveryState as S
-from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder, join_order
+from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder, join_order, parse_address
 from mindio_ttp.recovery.verify import check_digests
 
 log = logging.getLogger("mindio_ttp.recovery")

@@ -37,6 +37,9 @@ class SaveSession:
     tag: str
     time_limit: float
     channel: Any = field(default=None, compare=False, repr=False)  # the processor
+    # what opens the order's store: the control plane's AuthStore, handed down by the order's
+    # handler (control/handlers.py), so the fault-time path does not import the control plane
+    opener: Any = field(default=None, compare=False, repr=False)
     _store: list = field(default_factory=list, compare=False, repr=False)
 
     @property
@@ -47,9 +50,10 @@ class SaveSession:
         """The order's store (one per session and process): an AuthStore over this rank's
         connection to the controller that gave the order."""
         if not self._store:
-            from mindio_ttp.control.authstore import AuthStore
-
-            self._store.append(AuthStore(self.namespace, self.timeout, channel=self.channel))
+            if self.opener is None:
+                raise RuntimeError("this save session has no store (it was not made by a save "
+                                   "order's handler)")
+            self._store.append(self.opener(self.namespace, self.timeout, channel=self.channel))
         return self._store[0]
 
 

@@ -25,8 +25,6 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 from mindio_ttp import drill as _drill
 from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
-    ENV_LOG_LEVEL,
-    ENV_LOG_PATH,
     ENV_RECOVERY,
     ENV_RUN_DIR,
     JOB_COMPLETE_FILE,
@@ -49,6 +47,8 @@ from mindio_ttp.faulttime import device as _device
 from mindio_ttp.faulttime import device_copy as _device_copy
 from mindio_ttp.faulttime.save_session import SaveSession
 from mindio_ttp.faulttime.save_session import current as _current_session
+from mindio_ttp.launch.desk import LauncherDesk
+from mindio_ttp.log import setup_logging
 from mindio_ttp.recovery.rank import RECOVERY as _RECOVERY
 
 __all__ = [
@@ -127,23 +127,7 @@ def _handler(name: str, fn: Any, nargs: int, shape: str) -> Callable[..., Any]:
     return fn
 
 
-def _setup_logging(rank: int) -> None:
-    log.setLevel(_config_value(os.environ, ENV_LOG_LEVEL))  # the settings table's check
-    for h in list(log.handlers):
-        if getattr(h, "_ttp", False):
-            log.removeHandler(h)
-            h.close()
-    path = os.environ.get(ENV_LOG_PATH)
-    if path:
-        os.makedirs(path, exist_ok=True)
-        handler: logging.Handler = logging.FileHandler(os.path.join(path, f"ttp-rank{rank}.log"))
-    else:
-        handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s [ttp rank {rank}] %(levelname)s %(name)s: %(message)s"))
-    handler._ttp = True  # type: ignore[attr-defined]
-    log.addHandler(handler)
-    log.propagate = False
+_setup_logging = setup_logging  # where it lived (tests and tools import it here)
 
 
 # -- controller -----------------------------------------------------------------------------------
@@ -290,6 +274,7 @@ def start_processor_at(ip: str, port: int, deadline_s: Optional[float] = None) -
         _setup_logging(rank)
         proc = Processor(TTPConfig.from_env(world_size=world_size), rank, ranks, world_size,
                          replica)
+        proc.launcher = LauncherDesk(proc.cfg.run_dir, rank)
         proc.start(ip, port, deadline_s)
         _processor = proc
         _mark_started(proc.cfg.run_dir, rank)

@@ -51,8 +51,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from mindio_ttp import config
 from mindio_ttp.config import (
+    ENV_AGENT_SOCKET,
     ENV_AUTH_KEY,
     ENV_AUTH_KEY_FILE,
+    ENV_NODE_AGENT,
     ENV_OT,
     ENV_REPLACEMENTS,
     ENV_RUN_DIR,
@@ -64,6 +66,9 @@ from mindio_ttp.config import (
     auth_key_from_env,
     warm_spares,
 )
+from mindio_ttp.control.agent.node import NodeAgent
+from mindio_ttp.control.agent.process import settings_from_env
+from mindio_ttp.control.wire.keys import hop_key
 from mindio_ttp.drill import DrillSpec
 from mindio_ttp.faulttime import collective_env
 from mindio_ttp.launch import drill, gloo_iface, preflight, takeover
@@ -132,6 +137,15 @@ def _close_deferred(pcontext: SubprocessContext) -> Iterator[None]:
         del pcontext.close
 
 
+def _read_marker(path: Path) -> str:
+    """The job-complete marker's text (main's merge of h/user dropped this helper but kept a
+    call to it)."""
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError as exc:  # the file is written atomically, but report rather than crash
+        return f"(unreadable: {exc})"
+
+
 class TTPElasticAgent(LocalElasticAgent):
     """LocalElasticAgent that holds survivors for the dying checkpoint instead of killing them."""
 
@@ -155,6 +169,7 @@ class TTPElasticAgent(LocalElasticAgent):
                 auth_key_from_env(os.environ))
             os.environ[ENV_REPLACEMENTS] = "cold,node"  # the recovery may ask for a lost node
         self._spare_waiting_said = False
+        self._node_agent: Optional[NodeAgent] = None  # this node's, per attempt
         self._mode_said = ""
         # other ttprun of this job on this host (launch/siblings.py)
         self._siblings = Siblings.open(_key_or_none(), self._run_dir)
@@ -298,12 +313,38 @@ class TTPElasticAgent(LocalElasticAgent):
         shutil.rmtree(self._run_dir / RUNTIME_STARTED_DIR, ignore_errors=True)  # per attempt
         self._replacements = self._replacements.fresh()  # a new attempt counts recoveries anew
         self._attempt += 1
+        self._start_node_agent(worker_group)
         if self._siblings is not None:
             self._siblings.publish([w.global_rank for w in worker_group.workers])
         if self._takeover is None or self._takeover.assignment is None:
             return super()._start_workers(worker_group)
         with takeover.replacement_workers(self._takeover.assignment, self._spares):
             return super()._start_workers(worker_group)
+
+    def _start_node_agent(self, worker_group: WorkerGroup) -> None:
+        """This process is its node's agent (docs/design.md, the tiers): a fresh one per
+        attempt (a restarted attempt has a new controller), on a socket in the private run
+        directory that the workers are told of (TTP_AGENT_SOCKET). It holds the hop key only."""
+        self._stop_node_agent()
+        os.environ.pop(ENV_AGENT_SOCKET, None)
+        if not config.value(os.environ, ENV_NODE_AGENT) or not worker_group.workers:
+            return
+        try:
+            world = worker_group.workers[0].world_size
+            settings = settings_from_env(world)
+            settings.local_world = len(worker_group.workers)
+            agent = NodeAgent(hop_key(auth_key_from_env(os.environ)), settings,
+                              str(self._run_dir / f"agent-{self._attempt}.sock"),
+                              name=f"node agent (ttprun, node {worker_group.group_rank})")
+            os.environ[ENV_AGENT_SOCKET] = agent.start()
+            self._node_agent = agent
+        except (OSError, ValueError) as exc:  # the workers then start their own, or go direct
+            logger.warning("ttprun: no node agent in this launcher (%s)", exc)
+
+    def _stop_node_agent(self) -> None:
+        if self._node_agent is not None:
+            self._node_agent.stop()
+            self._node_agent = None
 
     def _runtime_started(self) -> bool:
         started = self._run_dir / RUNTIME_STARTED_DIR
@@ -426,6 +467,7 @@ class TTPElasticAgent(LocalElasticAgent):
         if self._siblings is not None:
             self._siblings.close()
         super()._shutdown(death_sig, timeout)
+        self._stop_node_agent()
 
     def _invoke_run(self, role: str = "default") -> RunResult:
         try:
@@ -444,6 +486,7 @@ class TTPElasticAgent(LocalElasticAgent):
             raise
         finally:
             self._spares.close()
+            self._stop_node_agent()
             if self._siblings is not None:
                 self._siblings.close()
 
@@ -615,8 +658,8 @@ def ttp_environment(extra: Optional[dict] = None) -> Iterator[Path]:
     """
     extra = extra or {}
     saved = {name: os.environ.get(name)
-             for name in (ENV_RUN_DIR, ENV_AUTH_KEY, ENV_REPLACEMENTS, *collective_env.NAMES,
-                          *extra)}
+             for name in (ENV_RUN_DIR, ENV_AUTH_KEY, ENV_REPLACEMENTS, ENV_AGENT_SOCKET,
+                          *collective_env.NAMES, *extra)}
     parent = saved[ENV_RUN_DIR]
     if parent:
         Path(parent).mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,6 @@ from mindio_ttp.control import hooks
 from mindio_ttp.control.hooks import TTPRecovering
 from mindio_ttp.faulttime import device_copy
 from mindio_ttp.megatron_ttp import completion
-from mindio_ttp.recovery.coordinator import parse_address
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import (
     RECOVERY,
@@ -46,6 +45,7 @@ from mindio_ttp.recovery.rank import (
     RecoveryOrder,
     RecoveryRefused,
     join_order,
+    parse_address,
 )
 
 log = logging.getLogger("mindio_ttp.recovery")

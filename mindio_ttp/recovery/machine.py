@@ -19,7 +19,7 @@ import enum
 import logging
 from typing import Dict, FrozenSet
 
-from mindio_ttp.control.state import TableMachine
+from mindio_ttp.statemachine import TableMachine
 
 log = logging.getLogger("mindio_ttp.recovery")
 

@@ -182,3 +182,15 @@ def join_order(environ: Mapping[str, str] = os.environ) -> Optional[Tuple[Recove
     """(order, rank) when this process was started as a replacement, else None."""
     text = environ.get(ENV_JOIN)
     return RecoveryOrder.from_env(text) if text else None
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_address(text: str) -> Tuple[str, int]:
+    """"host:port" or "[v6]:port"; ValueError with what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"store address {text[:80]!r} is not host:port")
+    return host.strip("[]"), int(port)

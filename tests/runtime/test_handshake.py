@@ -83,8 +83,11 @@ def register(rank: int = 1) -> P.Register:
 
 
 def processor(**over) -> Processor:
+    """A processor that connects to the controller itself (TTP_NODE_AGENT=0): these are its
+    own handshake's tests (through a node agent: test_agent.py)."""
     hooks.STATE.reset()
-    p = Processor(TTPConfig.from_env(dict(ENV, TTP_CONNECT_TIMEOUT="30", **over)), 1, DP, 4, 2)
+    p = Processor(TTPConfig.from_env(dict(ENV, TTP_CONNECT_TIMEOUT="30", TTP_NODE_AGENT="0",
+                                          **over)), 1, DP, 4, 2)
     p.exit_fn = lambda code: None
     return p
 

@@ -60,8 +60,10 @@ def listener(kind: str) -> Iterator[Controller]:
 
 @contextlib.contextmanager
 def real_rank(ctl: Controller, rank: int = 3, **env: str) -> Iterator[tuple]:
-    """A real processor as `rank` (the one whose reaction matters), exit codes recorded."""
-    with real_processor(dict(ENV, **env), rank, DP, 4, 2) as (proc, codes):
+    """A real processor as `rank` (the one whose reaction matters), exit codes recorded. It
+    connects to the controller itself (TTP_NODE_AGENT=0): these are the processor's own
+    failover's tests (a node agent's are in test_agent.py)."""
+    with real_processor(dict(ENV, TTP_NODE_AGENT="0", **env), rank, DP, 4, 2) as (proc, codes):
         proc.start("127.0.0.1", ctl.address[1])
         yield proc, codes
 

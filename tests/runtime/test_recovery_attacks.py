@@ -200,7 +200,10 @@ def test_an_outsider_holding_every_waiting_slot_does_not_keep_the_replacement_ou
         for i in range(CAP):
             flood.extend(idle_connections(job.ctl.address, 1, sources[i % len(sources)]))
         assert wait_for(lambda: len(job.ctl._pending) >= min(CAP, 64 * len(sources)))
-        with real_processor({**ENV, **IN_MEMORY}, order.rank, DP, WORLD, 2) as (proc, _):
+        # a replacement registers with the acting controller itself (start_processor_at with
+        # its order's deadline does), not through a node agent
+        with real_processor({**ENV, **IN_MEMORY, "TTP_NODE_AGENT": "0"}, order.rank, DP, WORLD,
+                            2) as (proc, _):
             try:
                 proc.start(*job.ctl.address)
             except Exception as exc:  # noqa: BLE001 - the test reports it

@@ -1,4 +1,4 @@
-"""The controller's side of the in-memory recovery (control/flow.py + recovery/coordinator.py)
+"""The controller's side of the in-memory recovery (control/flow.py and its coordinator)
 on its own: no controller, no sockets, scripted ranks. Covers the controller's transitions of
 docs/recovery.md: COLLECTING -> RECOVERING -> SERVING (committed), and RECOVERING -> SAVING
 (abandoned: a rank not ready in time, a failed refill, a replacement that exits, another

@@ -33,25 +33,34 @@ def test_the_alive_count_follows_registrations_deaths_and_returns() -> None:
 
 
 def test_the_outbox_queues_for_the_io_thread_and_flush_waits_for_it() -> None:
+    """Each call is queued as the I/O thread's own method and runs only there, in order."""
     mail = Mailbox()
+    ran: list = []
+    flushed: list = []
     try:
-        out = MailOutbox(mail)
+        out = MailOutbox(mail, lambda m, ex: ran.append(("broadcast", m, ex)),
+                         lambda rs, m: ran.append(("send_many", rs, m)),
+                         lambda r, m: ran.append(("send", r, m)), flushed.append)
         lock, exit_order = P.Lock(3), P.ExitOrder(3, "saved", 5, [0], 83, "ok")
         out.broadcast(lock)
         out.send_many([0, 2], lock)
         out.send(0, exit_order)
-        assert mail.drain() == [("send_alive", lock, None), ("send_many", [0, 2], lock),
-                                ("send", 0, exit_order)]
+        assert ran == [], "nothing runs on the caller's thread"
+        mail.run_all()
+        assert ran == [("broadcast", lock, None), ("send_many", [0, 2], lock),
+                       ("send", 0, exit_order)]
         assert out.flush(0.05) is False, "nobody wrote the frames: flush must time out"
-        assert [item[0] for item in mail.drain()] == ["flush"]  # that one's waiter gave up
+        mail.run_all()
+        assert len(flushed) == 1  # that one's waiter gave up
+        flushed.clear()
 
         def io_thread() -> None:  # what the controller's loop does once the buffers are empty
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
-                for item in mail.drain():
-                    if item[0] == "flush":
-                        item[1].set()
-                        return
+                mail.run_all()
+                if flushed:
+                    flushed[0].set()
+                    return
                 time.sleep(0.01)
         t = threading.Thread(target=io_thread)
         t.start()

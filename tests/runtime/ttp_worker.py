@@ -71,6 +71,13 @@ def inject(phase: str, step: int) -> None:
                     with open(progress_file(r) + ".pid") as pid:
                         os.kill(int(pid.read()), sig)
                 os.kill(os.getpid(), sig)
+            elif kind == "kill_agent":  # this node's agent process, found by its socket's peer
+                import struct
+                conn = ttp._processor._conn
+                pid = struct.unpack("3i", conn.sock.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+                print(f"worker {RANK}: killing the node agent (pid {pid})", flush=True)
+                os.kill(pid, signal.SIGKILL)
             elif kind == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "term":

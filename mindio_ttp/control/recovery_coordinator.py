@@ -23,9 +23,9 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from mindio_ttp.config import TTPConfig
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control.recovery_plan import RecoveryPlan
 from mindio_ttp.control.roster import Roster
-from mindio_ttp.recovery.decision import RecoveryPlan
-from mindio_ttp.recovery.rank import RECOVERY
+from mindio_ttp.recovery.rank import RECOVERY, format_address
 
 log = logging.getLogger("mindio_ttp.controller")
 
@@ -169,15 +169,3 @@ class RecoveryCoordinator:
                     return False, (f"ranks {missing[:16]} not ready within TTP_RECOVER_TIMEOUT="
                                    f"{timeout:g} s")
                 self._cond.wait(left)
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_address(text: str) -> Tuple[str, int]:
-    """"host:port" or "[v6]:port"; ValueError with what is wrong."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"store address {text[:80]!r} is not host:port")
-    return host.strip("[]"), int(port)
