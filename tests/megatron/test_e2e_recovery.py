@@ -186,10 +186,14 @@ def assert_fell_back(result, ckpt: Path, reference, step: int, why: str) -> None
 # The cases of the fault matrix (module doc): the gloo ones and the main NCCL-like ones run in
 # CI, the rest with pytest --extended (README: the test commands).
 ALL_MODES = (NL, f"{NL}+dying")
-KILL_CASES = cases(ci=["gloo"], extended=[NL, f"{NL}+dying", f"{NL}@2.1", f"{NL}@2.4",
-                                          f"{NL}@2.1+dying", f"{NL}@2.4+dying"])
-HANG_CASES = cases(extended=[NL, f"{NL}+dying", f"{NL}@2.1", f"{NL}@2.4", f"{NL}@2.1+dying",
-                             f"{NL}@2.4+dying"])
+# CI: the DP4 kill and hang in both modes on the newest emulated torch, the kill on 2.1 (its
+# in-memory ask gated to the dying checkpoint: D1, D4) and the kill inside the params
+# all-gather (D2); with test_save_hazards's they add 2.5-4 min (docs/rehearsal.md: the matrix).
+KILL_CASES = cases(ci=["gloo", NL, f"{NL}+dying", f"{NL}@2.1"],
+                   extended=[f"{NL}@2.4", f"{NL}@2.1+dying", f"{NL}@2.4+dying"])
+HANG_CASES = cases(ci=[NL, f"{NL}+dying"],
+                   extended=[f"{NL}@2.1", f"{NL}@2.4", f"{NL}@2.1+dying", f"{NL}@2.4+dying"])
+GATHER_CASES = cases(ci=["gloo", NL, f"{NL}+dying"])
 OTHER_CASES = cases(ci=["gloo"], extended=ALL_MODES)
 
 
@@ -246,7 +250,7 @@ def test_pp2_dp2_recovers_bit_exact(case, reference_pp2, patched_megatron_tree, 
         assert "refilled from [0]" in result.log
 
 
-@pytest.mark.parametrize("case", cases(ci=["gloo"], extended=ALL_MODES))
+@pytest.mark.parametrize("case", GATHER_CASES)
 def test_a_kill_inside_the_param_all_gather_recovers_bit_exact(case, reference,
                                                                patched_megatron_tree,
                                                                tiny_dataset, work):

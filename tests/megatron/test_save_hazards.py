@@ -48,7 +48,7 @@ def test_params_still_gathering_on_the_device_are_not_saved_as_the_step(
     assert comparison.bit_exact, comparison.summary()
 
 
-@pytest.mark.parametrize("backend", cases(ci=["gloo"], extended=[NCCL_LIKE]))
+@pytest.mark.parametrize("backend", cases(ci=["gloo", NCCL_LIKE]))  # both in CI: 30 s
 @pytest.mark.parametrize("lost, step", [("2:5:sigkill:before", 4),
                                         ("2:5:sigkill:after", 5)])
 def test_a_saver_killed_while_it_writes_is_replaced(
