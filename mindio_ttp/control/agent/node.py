@@ -602,11 +602,14 @@ class NodeAgent:
             pass
 
     def _tell_down(self, m: T.UpstreamLost) -> None:
-        for lr in self.ranks.values():
+        # copies: a flush that finds a connection closed drops it from these very collections
+        # (a rank killed in the same instant: "dictionary changed size during iteration" ended
+        # the agent's thread, and its ranks' routes with it)
+        for lr in list(self.ranks.values()):
             if not lr.conn.closed:
                 lr.conn.queue(m)
                 self._flush(lr.conn)
-        for child in self.relay.children:
+        for child in list(self.relay.children):
             child.conn.queue(m)
             self._flush(child.conn)
 
@@ -690,7 +693,7 @@ class NodeAgent:
                   "controller or a standby", self.name,
                   self.parent_target.host if self.parent_target else "?", why)
         self._tell_down(T.UpstreamLost(f"node agent lost its parent: {why}"[:500]))
-        for lr in self.ranks.values():
+        for lr in list(self.ranks.values()):
             lr.joined = False
         self._link(failover=True)
 
