@@ -406,8 +406,7 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
     @torch.no_grad()
     def step(self, args, timers):
         """Purely local: uses what reduce_model_grads computed; updates both stripes, and only
-        then writes the own stripe into the param buffer (it shares memory with the grad
-        buffer)."""
+        then writes both into the param buffers (they share memory with the grad buffers)."""
         if self._pending is None:
             raise RuntimeError("ReplicatedOptimizer.step() needs reduce_model_grads() first "
                                "(it runs the collectives of the update)")
