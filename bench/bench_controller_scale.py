@@ -52,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -77,13 +78,18 @@ def stages(n: int) -> int:
     raise ValueError(f"{n} ranks make no even DP groups at TP {TP}")
 
 
-def layout(n: int) -> Callable[[int], List[int]]:
-    stage = n // stages(n)
+@dataclass(frozen=True)
+class Layout:
+    """rank -> its DP group; a class, not a closure: the helper processes get it pickled."""
+    stage: int
 
-    def dp_of(rank: int) -> List[int]:
-        s, j = rank // stage, rank % TP
-        return list(range(s * stage + j, (s + 1) * stage, TP))
-    return dp_of
+    def __call__(self, rank: int) -> List[int]:
+        s, j = rank // self.stage, rank % TP
+        return list(range(s * self.stage + j, (s + 1) * self.stage, TP))
+
+
+def layout(n: int) -> Callable[[int], List[int]]:
+    return Layout(n // stages(n))
 
 
 def victim_of(n: int) -> int:

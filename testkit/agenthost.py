@@ -1,6 +1,6 @@
-"""Real node agents (control/agent/node.py) hosted in a forked process, for tests and benches:
-a node of simulated ranks needs a real agent to register through, and a bench needs real relays
-(node agents the controller sends other agents to) without a process per node.
+"""Real node agents (control/agent/node.py) hosted in a helper process (testkit/forking.py), for
+tests and benches: a node of simulated ranks needs a real agent to register through, and a bench
+needs real relays (node agents the controller sends other agents to) without a process per node.
 
 Each agent listens on its own AF_UNIX socket in a private directory, exactly as in production;
 the host process only starts them, answers `status`, and stops them (`close`).
@@ -8,7 +8,6 @@ the host process only starts them, answers `status`, and stops them (`close`).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -16,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mindio_ttp.control.agent.node import AgentSettings, NodeAgent
 from mindio_ttp.control.wire.keys import hop_key
+from testkit.forking import clean_context
 
 
 def _main(conn: Any, key: bytes, settings: AgentSettings, n: int, directory: str,
@@ -57,7 +57,7 @@ class AgentHost:
                  controller: Optional[Tuple[str, int]] = None,
                  cpus: Optional[set] = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="ttp-agents-")  # mkdtemp: 0700, ours
-        ctx = mp.get_context("fork")
+        ctx = clean_context()
         self._pipe, theirs = ctx.Pipe()
         self.proc = ctx.Process(target=_main, daemon=True,
                                 args=(theirs, key, settings, n, self.dir, controller, cpus))

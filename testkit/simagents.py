@@ -16,9 +16,10 @@ controller, then the announced standbys, its whole node again.
 What it does not simulate is the last local hop (agent -> rank over AF_UNIX, one frame per rank
 of the node): the bench measures that hop on node 0, with a real agent and real ranks.
 
-A `SimAgentGroup` runs the processes (fork) and talks to each over a pipe; `summary()` reduces
-what every process recorded to the figures a bench row needs (the last arrival of each kind of
-order, how many ranks got each kind, bytes), `records()` gives every rank's orders (tests).
+A `SimAgentGroup` runs the processes (forked from a clean server: testkit/forking.py) and talks to
+each over a pipe; `summary()` reduces what every process recorded to the figures a bench row needs
+(the last arrival of each kind of order, how many ranks got each kind, bytes), `records()` gives
+every rank's orders (tests).
 """
 
 from __future__ import annotations

@@ -12,21 +12,20 @@ Everything a rank received after registering is recorded (which order, when, wha
 a test can check that every rank got exactly the orders it should, and a bench can time the
 last rank to get each. Bytes sent and received are counted per rank from `mark()` on.
 
-A `SimGroup` runs the processes (fork) and talks to each over a pipe; `SimGroup.close` ends
-them all, also when a test fails. A process keeps at most `INFLIGHT` of its ranks between
-connect and registered: a real rank answers its challenge from its own CPU at once, a few
-thousand simulated ones share one, and answered all at once they would answer late (past the
-listener's handshake timeout) and fail, which real ranks would not. Connections come from
-loopback source addresses (127.0.0.2, .3, ...; IP_BIND_ADDRESS_NO_PORT), `RANKS_PER_SOURCE`
-from each, as from nodes: a listener admits at most 64 waiting connections from one address
-(control/admission.py), and one source has ~28,000 ephemeral ports towards one listener.
-"""
+A `SimGroup` runs the processes (forked from a clean server: testkit/forking.py) and talks to each
+over a pipe; `SimGroup.close` ends them all, also when a test fails. A process keeps at most
+`INFLIGHT` of its ranks between connect and registered: a real rank answers its challenge from its
+own CPU at once, a few thousand simulated ones share one, and answered all at once they would
+answer late (past the listener's handshake timeout) and fail, which real ranks would not.
+Connections come from loopback source addresses (127.0.0.2, .3, ...; IP_BIND_ADDRESS_NO_PORT),
+`RANKS_PER_SOURCE` from each, as from nodes: a listener admits at most 64 waiting connections from
+one address (control/admission.py), and one source has ~28,000 ephemeral ports towards one
+listener. """
 
 from __future__ import annotations
 
 import collections
 import errno
-import multiprocessing as mp
 import os
 import random
 import resource
@@ -43,6 +42,7 @@ from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import keys as K
 from mindio_ttp.control.wire import tier as T
+from testkit.forking import clean_context
 
 IP_BIND_ADDRESS_NO_PORT = 24  # linux/in.h
 INFLIGHT = 256
@@ -452,7 +452,7 @@ class ProcGroup:
     def _spawn(self, target: Callable[..., None], args: List[tuple],
                where: Dict[int, int]) -> None:
         self._where = where
-        ctx = mp.get_context("fork")
+        ctx = clean_context()
         self.procs: List[Any] = []
         self.pipes: List[Any] = []
         for part in args:
@@ -520,7 +520,8 @@ class ProcGroup:
 
 
 class SimGroup(ProcGroup):
-    """`ranks` simulated processors split over `procs` processes (forked from the caller)."""
+    """`ranks` simulated processors split over `procs` processes (testkit/forking.py: `dp_of`
+    must pickle, a module-level function or a picklable callable)."""
 
     def __init__(self, ranks: Sequence[int], world: int, dp_of: Callable[[int], List[int]],
                  replica: int, key: bytes, interval: float, step: int = 10, procs: int = 2,
@@ -584,7 +585,7 @@ class RealRank:
 
     def __init__(self, env: Dict[str, str], rank: int, dp: List[int], world: int, replica: int,
                  addr: Tuple[str, int], step: int = 10, cpus: Optional[set] = None) -> None:
-        ctx = mp.get_context("fork")
+        ctx = clean_context()
         self._pipe, theirs = ctx.Pipe()
         self.proc = ctx.Process(target=_real_rank_main, daemon=True, args=(
             theirs, env, rank, dp, world, replica, addr, step, cpus))

@@ -63,13 +63,24 @@ def megatron_dir() -> Path:
     return path
 
 
+def _multiprocessing_servers() -> set:
+    """multiprocessing's forkserver and resource tracker: started by the first test that needs
+    them (testkit/forking.py), they serve the whole session and end with it. The helpers they
+    fork are still counted."""
+    from multiprocessing import forkserver, resource_tracker
+
+    return {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)} - {None}
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes() -> Iterator[None]:
     """Fail the test if it leaves child processes running (after killing them)."""
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
-    leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
+    leftovers = [p for p in me.children(recursive=True)
+                 if p.pid not in before and p.pid not in _multiprocessing_servers()]
     if not leftovers:
         return
     _, alive = psutil.wait_procs(leftovers, timeout=5)

@@ -8,7 +8,6 @@ CI.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from mindio_ttp.demo.ports import pick_free_port
+from testkit.forking import clean_context
 
 from . import ttp_worker
 
@@ -71,18 +71,20 @@ class JobResult:
         return "\n".join(f"----- rank {r} -----\n{t}" for r, t in sorted(self.logs.items()))
 
 
-_FORK = multiprocessing.get_context("fork")
+_FORK = clean_context()  # never a fork of this process (testkit/forking.py)
 
 
 def _alive(p: Any) -> bool:
     return p.is_alive() if hasattr(p, "is_alive") else p.poll() is None
 
 
-def _forked_rank(env: dict, log_fd: int) -> None:
+def _forked_rank(env: dict, log_path: str) -> None:
     os.environ.clear()
     os.environ.update(env)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
+    os.close(log_fd)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     ttp_worker.main()
@@ -123,8 +125,8 @@ def run_job(tmp: Path, plan: dict, world: int = 4, timeout: float = 40.0,
     for r in range(world):
         files[r] = open(tmp / f"rank{r}.log", "w+")
         env = dict(base, RANK=str(r))
-        if fork:  # torch is already imported here: forked ranks start in ~0.1 s
-            procs[r] = _FORK.Process(target=_forked_rank, args=(env, files[r].fileno()),
+        if fork:  # forked from a server with torch imported: ranks start in ~0.1 s
+            procs[r] = _FORK.Process(target=_forked_rank, args=(env, str(tmp / f"rank{r}.log")),
                                      daemon=False)
             procs[r].start()
         else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import time
 from typing import Iterator, Optional
@@ -540,19 +539,10 @@ sys.stdin.read()
 """
 
 
-# Open (2026-12-06): in the full suite, since ranks join through node agents, these two jobs
-# stall: every rank registers, none trains, the controller stops training at 30 s, the job ends
-# no_consistent_step (clean-clone CI of c3de6d3). Each passes alone (also in that clone's venv).
-# Order-dependent, cause not found yet: run alone or with --extended until it is.
-_ALONE = pytest.mark.skipif(
-    os.environ.get("TTP_EXTENDED") != "1",
-    reason="open: stalls in the full suite since node agents (passes alone): TTP_EXTENDED=1")
-
-
 def job_with_an_outside_store(tmp_path, plan: dict, planted: Optional[dict] = None):
     """The demo worker job (rank 1 killed at step 5) with torch's rendezvous store hosted
-    outside the ranks, as torchrun's agent hosts it (in its own process: the ranks are forked
-    from this one, which must not run a store's threads); `planted`: keys an outsider wrote
+    outside the ranks, as torchrun's agent hosts it (in its own process, as torchrun's agent
+    is); `planted`: keys an outsider wrote
     there before the ranks started."""
     import subprocess
     import sys
@@ -577,7 +567,6 @@ def job_with_an_outside_store(tmp_path, plan: dict, planted: Optional[dict] = No
 
 
 @pytest.mark.slow
-@_ALONE
 def test_no_port_of_the_controller_process_serves_an_unauthenticated_store_client(tmp_path):
     """The acting controller hosted a plain TCPStore per save order: any client could list
     its keys (the order's tag, the savers' gloo addresses) and write under them. During the
@@ -591,7 +580,6 @@ def test_no_port_of_the_controller_process_serves_an_unauthenticated_store_clien
 
 
 @pytest.mark.slow
-@_ALONE
 def test_an_outsider_writing_the_rendezvous_store_first_does_not_decide_the_fault_claim(
         tmp_path):
     """The fault id was the first value written to a known key of torch's rendezvous store: an

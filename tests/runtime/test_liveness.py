@@ -5,6 +5,7 @@ starves its thread) and on the controller's (a busy or starved I/O thread)."""
 from __future__ import annotations
 
 import time
+from typing import List
 
 import pytest
 
@@ -20,6 +21,11 @@ from .fakes import KEY
 
 FAST = {"TTP_AUTH_KEY": KEY.hex(), "TTP_HEARTBEAT_INTERVAL": "0.2", "TTP_HEARTBEAT_TIMEOUT": "1",
         "TTP_LOG_LEVEL": "WARNING"}
+
+
+def dp_of_four(rank: int) -> List[int]:
+    """DP groups of 4 consecutive ranks (module-level: the helper processes get it pickled)."""
+    return [rank - rank % 4 + i for i in range(4)]
 
 
 def hold_the_gil(seconds: float) -> None:
@@ -78,7 +84,7 @@ def test_a_starved_controller_does_not_declare_heartbeating_ranks_hung():
     ctl = Controller(cfg, 64, 2, host_rank=0)
     addr = ctl.listen("127.0.0.1", 0)
     ctl.start()
-    sims = SimGroup(range(64), 64, lambda r: [r - r % 4 + i for i in range(4)], 2, KEY,
+    sims = SimGroup(range(64), 64, dp_of_four, 2, KEY,
                     cfg.heartbeat_interval, procs=2)
     try:
         sims.ask("connect", addr)

@@ -87,7 +87,7 @@ def two_nodes(tmp_path: Path) -> Iterator[DemoNodes]:
 
 def check_checkpoint(nodes: DemoNodes, flow: dict, savers: List[int]) -> None:
     """The one dying checkpoint: in place, latest, every shard bit-exact at its step."""
-    assert flow["outcome"] == "saved" and flow["ranks"] == savers, flow
+    assert flow["outcome"] == "saved" and flow["ranks"] == savers, (flow, nodes.outputs())
     step = flow["step"]
     assert [p.name for p in nodes.step_dirs()] == [checkpoint.step_dir_name(step)]
     assert checkpoint.latest_step(nodes.ckpt) == step
