@@ -9,23 +9,17 @@ the host process only starts them, answers `status`, and stops them (`close`).
 from __future__ import annotations
 
 import os
-import signal
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 from mindio_ttp.control.agent.node import AgentSettings, NodeAgent
 from mindio_ttp.control.wire.keys import hop_key
-from testkit.forking import clean_context
+from testkit.forking import Helper, helper_setup
 
 
 def _main(conn: Any, key: bytes, settings: AgentSettings, n: int, directory: str,
           controller: Optional[Tuple[str, int]], cpus: Optional[set]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    import resource
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    helper_setup(cpus)
     agents: List[NodeAgent] = []
     for i in range(n):
         a = NodeAgent(hop_key(key), settings, os.path.join(directory, f"agent-{i}.sock"),
@@ -50,44 +44,34 @@ def _main(conn: Any, key: bytes, settings: AgentSettings, n: int, directory: str
 
 
 class AgentHost:
-    """`n` node agents in a forked process. `controller`: they register with it at once (the
+    """`n` node agents in a helper process. `controller`: they register with it at once (the
     bench's relays); otherwise each waits for its first rank to name the controller."""
 
     def __init__(self, key: bytes, settings: AgentSettings, n: int,
                  controller: Optional[Tuple[str, int]] = None,
                  cpus: Optional[set] = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="ttp-agents-")  # mkdtemp: 0700, ours
-        ctx = clean_context()
-        self._pipe, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_main, daemon=True,
-                                args=(theirs, key, settings, n, self.dir, controller, cpus))
-        self.proc.start()
-        theirs.close()
-        if not self._pipe.poll(60):
-            self.close()
-            raise TimeoutError("the node agents did not start within 60 s")
-        self.paths: List[str] = self._pipe.recv()
+        try:
+            self._helper = Helper(_main, (key, settings, n, self.dir, controller, cpus),
+                                  "the node agents", 60)
+        except BaseException:
+            self._remove_dir()
+            raise
+        self.proc = self._helper.proc
+        self.paths: List[str] = self._helper.first
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def status(self) -> List[Dict[str, Any]]:
-        self._pipe.send("status")
-        if not self._pipe.poll(30):
-            raise TimeoutError("node agents: no status")
-        return self._pipe.recv()
+        return self._helper.ask("status", 30)
 
     def close(self) -> None:
-        try:
-            self._pipe.send("stop")
-            self._pipe.poll(10)
-        except OSError:
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        self._helper.close(grace=10)
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
         for f in os.listdir(self.dir):
             try:
                 os.unlink(os.path.join(self.dir, f))

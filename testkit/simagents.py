@@ -28,9 +28,7 @@ import collections
 import errno
 import os
 import random
-import resource
 import selectors
-import signal
 import socket
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
@@ -41,7 +39,14 @@ from mindio_ttp.control.session import RankHandshake, new_nonce
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import keys as K
 from mindio_ttp.control.wire import tier as T
-from testkit.simranks import IP_BIND_ADDRESS_NO_PORT, Order, ProcGroup, RankRecord, loopback
+from testkit.forking import answer, helper_setup
+from testkit.simranks import (
+    IP_BIND_ADDRESS_NO_PORT,
+    Order,
+    ProcGroup,
+    RankRecord,
+    loopback,
+)
 
 INFLIGHT = 128  # agents of one process between connect and registered, at most
 AGENTS_PER_SOURCE = 20000
@@ -399,17 +404,8 @@ class SimAgentWorker:
                 if i % 256 == 255:
                     self._tick(time.monotonic())
                 if key.data == "pipe":
-                    try:
-                        cmd, arg = self.pipe.recv()
-                    except EOFError:
+                    if not answer(self.pipe, self._command):
                         return
-                    if cmd == "stop":
-                        self.pipe.send(True)
-                        return
-                    try:
-                        self.pipe.send(self._command(cmd, arg))
-                    except Exception as exc:  # noqa: BLE001 - the parent sees it
-                        self.pipe.send(exc)
                     continue
                 a: _Agent = key.data
                 if a.sock is None:
@@ -422,11 +418,7 @@ class SimAgentWorker:
 
 
 def _worker_main(conn: Any, args: tuple, cpus: Optional[set]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    helper_setup(cpus)
     random.seed(os.getpid())
     SimAgentWorker(*args, conn=conn).run()
 

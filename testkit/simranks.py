@@ -28,9 +28,7 @@ import collections
 import errno
 import os
 import random
-import resource
 import selectors
-import signal
 import socket
 import struct
 import time
@@ -42,7 +40,7 @@ from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import keys as K
 from mindio_ttp.control.wire import tier as T
-from testkit.forking import clean_context
+from testkit.forking import Helper, answer, clean_context, helper_setup
 
 IP_BIND_ADDRESS_NO_PORT = 24  # linux/in.h
 INFLIGHT = 256
@@ -404,17 +402,8 @@ class SimWorker:
                 if i % 128 == 127:  # a long batch must not make this process's ranks late
                     self._beat(time.monotonic())
                 if key.data == "pipe":
-                    try:
-                        cmd, arg = self.pipe.recv()
-                    except EOFError:
+                    if not answer(self.pipe, self._command):
                         return
-                    if cmd == "stop":
-                        self.pipe.send(True)
-                        return
-                    try:
-                        self.pipe.send(self._command(cmd, arg))
-                    except Exception as exc:  # noqa: BLE001 - the parent sees it
-                        self.pipe.send(exc)
                     continue
                 r: _Rank = key.data
                 if r.sock is None:
@@ -428,11 +417,7 @@ class SimWorker:
 
 def _worker_main(conn: Any, args: tuple, cpus: Optional[set],
                  agents: Optional[Dict[int, str]] = None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    helper_setup(cpus)
     SimWorker(*args, conn=conn, agents=agents).run()
 
 
@@ -540,9 +525,7 @@ class SimGroup(ProcGroup):
 def _real_rank_main(conn: Any, env: Dict[str, str], rank: int, dp: List[int], world: int,
                     replica: int, addr: Tuple[str, int], step: int, cpus: Optional[set]) -> None:
     """A real Processor (hence a real standby controller) at `step`, in this process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
+    helper_setup(cpus)
     os.environ.update(env)
     from mindio_ttp.config import TTPConfig
     from mindio_ttp.control import hooks
@@ -580,35 +563,18 @@ def _real_rank_main(conn: Any, env: Dict[str, str], rank: int, dp: List[int], wo
 
 
 class RealRank:
-    """A real processor of rank `rank` (and the standby controller it hosts) in a forked
+    """A real processor of rank `rank` (and the standby controller it hosts) in a helper
     process; `report()` says how it exited, which handlers ran, and what its standby did."""
 
     def __init__(self, env: Dict[str, str], rank: int, dp: List[int], world: int, replica: int,
                  addr: Tuple[str, int], step: int = 10, cpus: Optional[set] = None) -> None:
-        ctx = clean_context()
-        self._pipe, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_real_rank_main, daemon=True, args=(
-            theirs, env, rank, dp, world, replica, addr, step, cpus))
-        self.proc.start()
-        theirs.close()
-        if not self._pipe.poll(120):
-            self.close()
-            raise TimeoutError(f"real rank {rank} did not register within 120 s")
-        self.standby_address = self._pipe.recv()
+        self._helper = Helper(_real_rank_main, (env, rank, dp, world, replica, addr, step, cpus),
+                              f"real rank {rank}", 120)
+        self.proc = self._helper.proc
+        self.standby_address = self._helper.first
 
     def report(self) -> Dict[str, Any]:
-        self._pipe.send("report")
-        if not self._pipe.poll(30):
-            raise TimeoutError("real rank: no report")
-        return self._pipe.recv()
+        return self._helper.ask("report", 30)
 
     def close(self) -> None:
-        try:
-            self._pipe.send("stop")
-            self._pipe.poll(5)
-        except OSError:
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        self._helper.close()

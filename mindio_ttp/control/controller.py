@@ -46,6 +46,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from mindio_ttp.config import PRE_AUTH_BUFFER_BUDGET, TTPConfig
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control import transport
 from mindio_ttp.control.admission import PENDING_CAP, Admission
 from mindio_ttp.control.flow import Decision, Flow
 from mindio_ttp.control.hooks import TTPError
@@ -541,17 +542,7 @@ class Controller:
             self.routes.to_rank(rank, msg)
 
     def _flush(self, conn: Conn) -> None:
-        if conn.closed:
-            return
-        try:
-            done = conn.flush()
-        except ConnClosed as exc:
-            self._drop(conn, f"connection dropped: {exc}")
-            return
-        if conn.writing == done:  # change the selector only when the interest changes
-            conn.writing = not done
-            self._sel.modify(conn.sock, selectors.EVENT_READ if done
-                             else selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        transport.flush(conn, self._sel, self._drop)
 
     def _on_readable(self, conn: Conn) -> None:
         try:

@@ -9,6 +9,7 @@ the loop through `Mailbox`, which wakes the selector through a socketpair.
 from __future__ import annotations
 
 import collections
+import selectors
 import socket
 import threading
 import time
@@ -108,6 +109,27 @@ class Conn:
         self.dec.release()
         self.out = bytearray()
         self.handshake = None
+
+
+def flush(conn: Conn, sel: Any, drop: Callable[[Conn, str], None]) -> None:
+    """Send what `conn` has queued without blocking; watch it for writability in `sel` only
+    while bytes are left (a selector change is a syscall: made only when the interest changes).
+    A connection found closed goes to `drop`. The controller and the node agents share this:
+    a relay's loop is the controller's loop for its subtree."""
+    if conn.closed:
+        return
+    try:
+        done = conn.flush()
+    except ConnClosed as exc:
+        drop(conn, f"connection dropped: {exc}")
+        return
+    if conn.writing == done:
+        conn.writing = not done
+        try:
+            sel.modify(conn.sock, selectors.EVENT_READ if done
+                       else selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        except (KeyError, ValueError):
+            pass  # no longer registered: dropped by a callback of this same flush
 
 
 def deliver(conn: Conn, msgs: List[Message], dispatch: Callable[[Conn, Message], None]) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindio_ttp.control import protocol as P
+from mindio_ttp.control import transport
 from mindio_ttp.control.agent import uplink
 from mindio_ttp.control.agent.gate import Gate
 from mindio_ttp.control.liveness import LookingClock
@@ -726,20 +727,7 @@ class NodeAgent:
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _flush(self, conn: Conn) -> None:
-        if conn.closed:
-            return
-        try:
-            done = conn.flush()
-        except ConnClosed as exc:
-            self._drop(conn, f"connection dropped: {exc}")
-            return
-        if conn.writing == done:
-            conn.writing = not done
-            try:
-                self._sel.modify(conn.sock, selectors.EVENT_READ if done
-                                 else selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-            except (KeyError, ValueError):
-                pass
+        transport.flush(conn, self._sel, self._drop)
 
     def _close_all(self) -> None:
         for key in list(self._sel.get_map().values()):
