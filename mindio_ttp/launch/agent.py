@@ -54,6 +54,7 @@ from mindio_ttp.config import (
     ENV_AGENT_SOCKET,
     ENV_AUTH_KEY,
     ENV_AUTH_KEY_FILE,
+    ENV_LOG_LEVEL,
     ENV_NODE_AGENT,
     ENV_OT,
     ENV_REPLACEMENTS,
@@ -329,6 +330,7 @@ class TTPElasticAgent(LocalElasticAgent):
         os.environ.pop(ENV_AGENT_SOCKET, None)
         if not config.value(os.environ, ENV_NODE_AGENT) or not worker_group.workers:
             return
+        _agent_log_at(config.value(os.environ, ENV_LOG_LEVEL))
         try:
             world = worker_group.workers[0].world_size
             settings = settings_from_env(world)
@@ -744,6 +746,20 @@ def _drill_spec(text: str) -> DrillSpec:
         return DrillSpec.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _agent_log_at(level: str) -> None:
+    """The node agent in this process says what it does at TTP_LOG_LEVEL, in ttprun's plain
+    format (without a handler only its warnings reached stderr: which standbys it would fail
+    over to, and whom it registered with, were never said)."""
+    agent_log = logging.getLogger("mindio_ttp.agent")
+    if not any(getattr(h, "_ttprun", False) for h in agent_log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._ttprun = True  # type: ignore[attr-defined]
+        agent_log.addHandler(handler)
+        agent_log.propagate = False
+    agent_log.setLevel(level)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

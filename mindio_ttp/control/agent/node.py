@@ -594,7 +594,11 @@ class NodeAgent:
         own failover targets, or when it stops)."""
         try:
             if env.code == P.Backups.TYPE:
-                self.backups = P.decode_payload(env.code, env.payload).backups  # type: ignore
+                backups = P.decode_payload(env.code, env.payload).backups  # type: ignore
+                if backups != self.backups:  # a few times a job: at start, after a recovery
+                    log.info("%s: standby controllers to fail over to: rank(s) %s", self.name,
+                             [b[0] for b in backups])
+                self.backups = backups
             elif env.code == P.Closing.TYPE:
                 self.closing = True
             elif env.code == P.ExitOrder.TYPE:
