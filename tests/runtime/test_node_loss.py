@@ -48,6 +48,7 @@ ENV = {
 LAYOUT = ShardLayout.for_world(4)
 JOB_TIMEOUT = 90.0  # a launcher still running after this is a failure (and killed)
 SAVED, NOT_CLAIMED = 83, 87
+STANDBYS_KNOWN = "standby controllers to fail over to: rank(s) [2, 3]"  # node 1's agent
 
 
 class DemoNodes(TwoNodes):
@@ -116,7 +117,7 @@ def lose_node_0_and_check_node_1_saved(two_nodes: DemoNodes, silent: bool = Fals
     # training does not wait for registration: on a loaded machine node 0 reached step 3 before
     # node 1's agent knew its standbys (CI of d78da3c: no_verdict, nothing saved). What a fault
     # before that leaves is start-up's window (docs/security.md), not this test's subject.
-    two_nodes.wait_for_line(node1, "standby controllers to fail over to: rank(s) [2, 3]")
+    two_nodes.wait_for_line(node1, STANDBYS_KNOWN)
     if silent:
         two_nodes.cut()
     two_nodes.kill(node0)
@@ -157,6 +158,7 @@ def test_partition_into_halves_saves_at_most_one_checkpoint(two_nodes: DemoNodes
     two_nodes.start(rdzv=rdzv)
     node0, node1 = two_nodes.nodes
     two_nodes.wait_for_line(node0, "rank 0 | step 3/")
+    two_nodes.wait_for_line(node1, STANDBYS_KNOWN)  # as in lose_node_0_and_check_node_1_saved
     two_nodes.cut()
     codes = [two_nodes.wait(n) for n in two_nodes.nodes]
     assert codes == [1, 1], two_nodes.outputs()
