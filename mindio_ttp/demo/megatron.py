@@ -382,9 +382,10 @@ class MegatronRehearsal:
         self.say(f"      done in {ref.seconds:.1f} s")
         combined = {**faulty.losses, **(resumed.losses if resumed is not None else {})}
         # A step the dying checkpoint holds may have finished on the ranks without its log line
-        # being printed (the flow stops them between the update and Megatron's log): nothing to
-        # compare there, and the final checkpoint below still proves the state. After `saved`
-        # every loss must be there.
+        # being printed (the flow stops them between the update and Megatron's log): the
+        # resumed run prints it from the checkpoint's record of it (log_record.py), except when
+        # no saver kept one; then nothing to compare there, and the final checkpoint below
+        # still proves the state. After `saved` every loss must be there.
         last_logged = max((i for i in faulty.losses if i <= saved), default=0)
         unlogged = [i for i in range(last_logged + 1, saved + 1) if i not in combined]
         if unlogged:

@@ -17,7 +17,7 @@ import torch
 from megatron import checkpointing, get_args, print_rank_0
 from megatron.core import mpu
 
-from mindio_ttp.megatron_ttp import manifest, rejoin
+from mindio_ttp.megatron_ttp import log_record, manifest, rejoin
 from mindio_ttp.megatron_ttp.args_check import NEEDS_REPLICATED
 from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer, loading_from
 from mindio_ttp.megatron_ttp.save import parallel_layout
@@ -53,7 +53,30 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         iteration = checkpointing.load_checkpoint(model, optimizer, opt_param_scheduler,
                                                   load_arg=load_arg, strict=strict)
     optimizer.record_loaded_step(iteration, opt_param_scheduler)
+    if iter_dir is not None:
+        _log_the_saved_step(iter_dir, iteration, model, optimizer)
     return iteration
+
+
+def _log_the_saved_step(iter_dir: Path, iteration: int, model, optimizer) -> None:
+    """A dying checkpoint's step whose log line or scalars no run wrote (log_record.py): every
+    rank reads the record the manifest lists (verified with the checkpoint), and all write it
+    with Megatron's own training_log, or none does (its collectives need every rank)."""
+    rec = None
+    try:
+        entry = manifest.listed(iter_dir, parallel_layout(), manifest.STEP_LOG)
+        if entry is not None:
+            state = torch.load(iter_dir / manifest.STEP_LOG, map_location="cpu",
+                               weights_only=True)
+            rec = log_record.from_checkpoint(state, iteration)
+    except (OSError, ValueError, RuntimeError, EOFError) as exc:  # what torch.load raises
+        print(f"mindio_ttp: rank {torch.distributed.get_rank()}: the log record of iteration "
+              f"{iteration} in {iter_dir} is not usable ({exc}); its log line is not written "
+              "again", flush=True)
+    wanted = rec is not None and log_record.wanted_after_load(rec)
+    if _agreed(1 if wanted else 0, torch.distributed.ReduceOp.MIN) == 1:
+        last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        log_record.after_load(rec, last, model, optimizer)  # type: ignore[arg-type]
 
 
 def choose_checkpoint(load_dir: Path) -> Optional[int]:
@@ -74,7 +97,7 @@ def choose_checkpoint(load_dir: Path) -> Optional[int]:
         {newest, *manifest.candidate_steps(load_dir, newest)}, reverse=True)
     par = parallel_layout()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    share = par.expected_files()[rank::world]
+    share = (par.expected_files() + list(manifest.OPTIONAL_FILES))[rank::world]
     top = _agreed(newest if newest is not None else -1, torch.distributed.ReduceOp.MAX)
     if top < 0:
         return None

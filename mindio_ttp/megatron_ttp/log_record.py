@@ -33,6 +33,17 @@ set aside when the line was printed, its writer when the scalars are on disk). T
 iteration it prints is 0.0: the time of a step is not kept. Without any record of t (every rank
 of the last stage lost the step in the parameter all-gather after its update, before it logged)
 nothing is printed for t.
+
+The dying checkpoint has the same hole: a step finished on every survivor but stopped in that
+barrier is saved, and the resumed run starts after it, so no run prints it. The rank that
+writes the last stage's model file (TP rank 0) also writes its record of the step into the
+checkpoint (`CHECKPOINT_FILE`, listed in the manifest like every file, so verified and, with
+TTP_CHECKPOINT_KEY, MACed); the tensors are read by the checkpoint writer on its private stream,
+never on a stream a hung collective holds (they are final: the update's grad norm was read on
+the host after them). When a run loads that checkpoint, every rank agrees that the record is
+there and valid, and all call `training_log` for the step once more (`after_load`), as after a
+recovery: the line when its barrier was not passed, the scalars when the event files lack them.
+A run that loads the same checkpoint twice prints the line twice.
 """
 
 from __future__ import annotations
@@ -45,10 +56,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
+from mindio_ttp.megatron_ttp.manifest import STEP_LOG
+
 log = logging.getLogger("mindio_ttp.recovery")
 F = TypeVar("F", bound=Callable[..., Any])
 
 ADVANCED, SKIPPED = "advanced iterations", "skipped iterations"  # training_log's keys
+CHECKPOINT_FILE = STEP_LOG  # in a dying checkpoint's iteration directory
 
 
 @dataclass
@@ -250,7 +264,8 @@ def decide(step: int, everyone: List[Dict[str, Any]], log_interval: int
 
 
 def replay(training_log: Callable[..., Any], plan: Dict[str, Any], last_rank: bool,
-           model: Any, optimizer: Any) -> None:
+           model: Any, optimizer: Any, when: str = "recovery",
+           why: str = "lost with the fault") -> None:
     """Call Megatron's own `training_log` for the kept step again, on every rank. What a
     record kept by step_losses lacks is what train() would pass, read as it would read it: the
     learning rate and loss scale from the optimizer (rolled back to the step), the parameter
@@ -287,7 +302,96 @@ def replay(training_log: Callable[..., Any], plan: Dict[str, Any], last_rank: bo
         gv._GLOBAL_TENSORBOARD_WRITER = writer
     if last_rank:
         _flush_writer()
-        log.warning("recovery: step %d's %s written again (lost with the fault)",
-                    rec["iteration"], " and ".join(
-                        w for w, on in (("log line", plan["print"]),
-                                        ("scalars", plan["scalars"])) if on))
+        what = " and ".join(w for w, on in (("log line", plan["print"]),
+                                            ("scalars", plan["scalars"])) if on)
+        if what:
+            log.warning("%s: step %d's %s written again (%s)", when, rec["iteration"], what,
+                        why)
+
+
+
+# -- the dying checkpoint --------------------------------------------------------------------------
+def for_checkpoint(step: int) -> Optional[Dict[str, Any]]:
+    """This rank's record of `step` for the dying checkpoint (tensors by reference: the writer
+    reads them), or None: no record of the step from `training_log` (a record kept by
+    `step_losses` lacks the learning rate and loss scale of the step, which a loaded run can
+    no longer read), or not of the last stage (no losses)."""
+    rec = _last
+    if rec is None or rec.iteration != step or not rec.called or not rec.last_stage:
+        return None
+    return {f.name: getattr(rec, f.name) for f in fields(rec)}
+
+
+_NUMBER = (int, float)
+
+
+def from_checkpoint(state: Any, step: int) -> Dict[str, Any]:
+    """The record read from a checkpoint of `step` (torch.load, weights_only), every field
+    checked and made plain; raises ValueError naming the first field that is wrong."""
+    if not isinstance(state, dict) or set(state) != {f.name for f in fields(LogRecord)}:
+        raise ValueError("not a step log record")
+    rec = dict(state)
+    for name in ("loss_dict", "total_loss_dict"):
+        d = rec[name]
+        if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+            raise ValueError(f"{name} is not a dict of names")
+        rec[name] = {k: _checked_number(v, f"{name}[{k!r}]") for k, v in d.items()}
+    for name in ("learning_rate", "loss_scale"):
+        rec[name] = _checked_number(rec[name], name)
+    for name in ("grad_norm", "params_norm", "num_zeros_in_grad"):
+        rec[name] = None if rec[name] is None else _checked_number(rec[name], name)
+    for name in ("iteration", "skipped_iter"):
+        if type(rec[name]) is not int:
+            raise ValueError(f"{name} is not an int")
+    for name in ("passed", "last_stage", "called"):
+        if type(rec[name]) is not bool:
+            raise ValueError(f"{name} is not a bool")
+    if rec["iteration"] != step or not rec["called"] or not rec["last_stage"]:
+        raise ValueError(f"a record of step {rec['iteration']}, not of the step saved ({step})")
+    return rec
+
+
+def _checked_number(value: Any, name: str) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} is a tensor of {value.numel()} elements, not one")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, _NUMBER):
+        raise ValueError(f"{name} is not a number")
+    return value
+
+
+def after_load(rec: Dict[str, Any], last_rank: bool, model: Any, optimizer: Any) -> None:
+    """Every rank, after loading the dying checkpoint of `rec`'s step (whose record every rank
+    read): call `training_log` for it once more when its line was not printed or its scalars
+    are missing (the last rank's writer says which)."""
+    from megatron import get_args, training
+
+    args = get_args()
+    step = rec["iteration"]
+    plan = {"record": rec, "print": step % args.log_interval == 0 and not rec["passed"],
+            "scalars": last_rank and _scalars_missing_on_disk(step)}
+    replay(training.training_log, plan, last_rank, model, optimizer, when="resume",
+           why="lost with the fault that ended the run that saved it")
+
+
+def wanted_after_load(rec: Dict[str, Any]) -> bool:
+    """Whether the ranks replay `rec` at all (the same answer on every rank: from the record
+    and the arguments only)."""
+    from megatron import get_args
+
+    args = get_args()
+    step = rec["iteration"]
+    return (step % args.log_interval == 0 and not rec["passed"]) or bool(
+        args.tensorboard_dir and step % args.tensorboard_log_interval == 0)
+
+
+def _scalars_missing_on_disk(step: int) -> bool:
+    from megatron import get_args, get_tensorboard_writer
+
+    args = get_args()
+    if get_tensorboard_writer() is None or step % args.tensorboard_log_interval:
+        return False
+    return not _on_disk(Path(args.tensorboard_dir), step)

@@ -40,6 +40,8 @@ PART_PREFIX = "ttp_manifest.rank"
 FORMAT = "ttp-checkpoint/1"
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "ttp_checkpoint"
+STEP_LOG = "ttp_step_log.pt"  # the saved step's log record, when no run printed it (log_record.py)
+OPTIONAL_FILES = (STEP_LOG,)  # listed (so verified) when written; a checkpoint is whole without
 CHECKPOINT_KEY_ENV = "TTP_CHECKPOINT_KEY"
 MAX_MANIFEST_BYTES = 64 << 20  # ~400k files; a real manifest is ~150 bytes per file
 MAX_TRACKER_BYTES = 64
@@ -184,7 +186,8 @@ def parse_manifest(data: bytes, step: int, parallel: ParallelLayout,
     if not isinstance(files, dict):
         raise ValueError("'files' is not an object")
     expected = set(parallel.expected_files())
-    missing, unknown = sorted(expected - set(files)), sorted(set(files) - expected)
+    missing = sorted(expected - set(files))
+    unknown = sorted(set(files) - expected - set(OPTIONAL_FILES))
     if unknown:
         raise ValueError(f"lists files this layout does not have: {[u[:80] for u in unknown[:3]]}")
     if missing:
@@ -259,6 +262,17 @@ def _verify(iter_dir: Path, parallel: ParallelLayout,
         except LookupError as exc:  # a digest whose package this environment lacks
             return f"{path} cannot be checked: {exc}"
     return None
+
+
+def listed(iter_dir: Path, parallel: ParallelLayout, rel: str) -> Optional[Dict[str, Any]]:
+    """`rel`'s entry in the manifest of `iter_dir` (checked as `verify` checks it), or None
+    when the manifest does not list it (a file it does not list is not read)."""
+    manifest_path = iter_dir / MANIFEST
+    if not os.path.lexists(manifest_path):
+        return None
+    files = parse_manifest(read_capped(manifest_path, MAX_MANIFEST_BYTES), _step_of(iter_dir),
+                           parallel, checkpoint_key())
+    return files.get(rel)
 
 
 def _regular(path: Path) -> bool:

@@ -32,7 +32,7 @@ from megatron.core import mpu
 from megatron.utils import unwrap_model
 
 from mindio_ttp.faulttime import checkpoint_writer, device_copy, save_session
-from mindio_ttp.megatron_ttp import exchange, manifest
+from mindio_ttp.megatron_ttp import exchange, log_record, manifest
 from mindio_ttp.megatron_ttp.rejoin import megatron_args as get_args
 from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer
 
@@ -100,6 +100,11 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
         rel = par.optim_file(tp_rank, pp_rank, position)
         files.append(_save(iter_dir, rel, state))
         written[rel] = files[-1].entry()
+    kept = log_record.for_checkpoint(step) if writes_model and tp_rank == 0 and \
+        pp_rank == par.pp - 1 else None  # one rank: the last stage's model writer
+    if kept is not None:  # the step's log line and scalars, if no run printed them
+        files.append(_save(iter_dir, log_record.CHECKPOINT_FILE, kept))
+        written[log_record.CHECKPOINT_FILE] = files[-1].entry()
     parted = time.perf_counter()
     manifest.write_part(iter_dir, me, written)
     done = time.perf_counter()

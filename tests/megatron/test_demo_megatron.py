@@ -102,8 +102,10 @@ def test_demo_megatron_kills_resumes_and_matches_leaving_nothing(megatron_dir: P
     assert f"Megatron loads iteration {step} from {work}/ckpt" in out
     assert f"iterations {step + 1}-10" in out
     # the kill lands from outside wherever rank 1 is: when the survivors finished iteration
-    # `step` but rank 0 never printed it (Megatron prints after a barrier of every rank), the
-    # dying checkpoint keeps it and no run prints its loss: the demo says so and compares 9
+    # `step` but its line was never printed (Megatron prints after a barrier of every rank),
+    # the resumed run prints it from the record the checkpoint keeps (log_record.py); only when
+    # the writer reached `step` through a failed parameter all-gather is there no record, and
+    # no run prints its loss: the demo says so and compares 9
     unlogged = (f"iteration(s) {step}: finished before the fault but not logged by the "
                 "interrupted run") in out
     assert (f"losses: all {9 if unlogged else 10} printed values equal (1-{step} from the "

@@ -23,8 +23,10 @@ from megatron_e2e import (
     assert_close_losses,
     copy_checkpoints,
     fault_time,
+    log_lines,
     loss_table,
     run_job,
+    tb_scalars,
     tracker_step,
 )
 
@@ -98,6 +100,36 @@ def test_resume_from_dying_checkpoint_is_bit_exact(killed, reference, patched_me
                                                    tiny_dataset, work):
     resume_and_compare(patched_megatron_tree, tiny_dataset, work, "sigkill", killed[1],
                        reference, first_resumed=5)
+
+
+def test_a_saved_step_whose_line_no_run_printed_is_logged_by_the_resumed_run(
+        reference, patched_megatron_tree, tiny_dataset, work):
+    """Rank 1 killed as step 5's logging starts, after every rank's update of 5: the survivors
+    hold 5 and save it, but Megatron prints 5's line (on rank 3) after a barrier of every rank
+    (training.py:602), which the fault broke; the resumed run starts at 6. Before, no run ever
+    printed 5's loss (the demo compared 9 of 10). Now the resumed run prints it once, with the
+    uninterrupted run's value, and 5's TensorBoard scalars are on disk exactly once."""
+    tb = ["--tensorboard-dir", str(work / "unlogged_tb")]
+    ckpt = work / "unlogged_ckpt"
+    result = run_job(patched_megatron_tree, tiny_dataset, work / "unlogged.log", ckpt,
+                     plan="1:5:sigkill:log", extra=tb,
+                     env_extra={"TTP_RECOVERY": "dying-checkpoint"})
+    assert "FAULT: SIGKILL rank 1 as the logging starts of step 5" in result.log
+    assert tracker_step(ckpt) == 5, result.tail()
+    assert 5 not in result.losses, result.tail()  # the hole
+    assert manifest.listed(ckpt / "iter_0000005", DP4, manifest.STEP_LOG) is not None
+
+    resumed = run_job(patched_megatron_tree, tiny_dataset, work / "unlogged_resumed.log", ckpt,
+                      extra=tb)
+    assert resumed.returncode == 0, resumed.tail()
+    assert "resume: step 5's log line" in resumed.log, resumed.tail(8000)
+    ref_losses = reference[0].losses
+    assert {**result.losses, **resumed.losses} == ref_losses, loss_table(
+        {"uninterrupted": ref_losses, "killed": result.losses, "resumed": resumed.losses})
+    assert log_lines(result.log + resumed.log)[5] == 1
+    scalars = tb_scalars(work / "unlogged_tb")
+    assert len(scalars.get(5, [])) == 1, scalars
+    assert abs(scalars[5][0] - float(ref_losses[5])) <= 1e-5 * abs(float(ref_losses[5]))
 
 
 def test_sigkill_of_rank0_saves_the_same_bytes_from_other_holders(killed, patched_megatron_tree,

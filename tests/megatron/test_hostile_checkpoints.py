@@ -159,6 +159,69 @@ def test_manifest_entries_outside_the_iteration_are_refused_unopened(tmp_path, n
     assert "lists files this layout does not have" in verify_within(iter_dir)
 
 
+def test_the_saved_steps_log_record_is_listed_verified_and_refused_when_altered(tmp_path):
+    """The one optional file (log_record.py): listed, it is checked like every file; any other
+    name is still refused."""
+    iter_dir = written(tmp_path)
+    data = b"a log record"
+    (iter_dir / manifest.STEP_LOG).write_bytes(data)
+    rewrite_manifest(iter_dir, lambda m: {**m, "files": {**m["files"],
+                                                         manifest.STEP_LOG: entry(data)}})
+    assert verify_within(iter_dir) is None
+    assert manifest.listed(iter_dir, DP2, manifest.STEP_LOG) == entry(data)
+    (iter_dir / manifest.STEP_LOG).write_bytes(b"a log recorD")
+    assert "fails its checksum" in verify_within(iter_dir)
+    other = {"ttp_other.pt": entry(data)}
+    rewrite_manifest(iter_dir, lambda m: {**m, "files": {**m["files"], **other}})
+    assert "lists files this layout does not have" in verify_within(iter_dir)
+
+
+def _record(**edit) -> dict:
+    import torch
+
+    rec = {"iteration": 5, "loss_dict": {"lm loss": torch.tensor([6.1])},
+           "total_loss_dict": {"lm loss": torch.tensor([0.0]), "advanced iterations": 1},
+           "learning_rate": 7e-4, "loss_scale": torch.tensor(1.0), "skipped_iter": 0,
+           "grad_norm": 1.5, "params_norm": None, "num_zeros_in_grad": None, "passed": False,
+           "last_stage": True, "called": True}
+    rec.update(edit)
+    return rec
+
+
+def test_a_valid_step_log_record_is_read_as_plain_numbers():
+    from mindio_ttp.megatron_ttp import log_record
+
+    rec = log_record.from_checkpoint(_record(), 5)
+    assert rec["loss_dict"] == {"lm loss": pytest.approx(6.1)} and rec["loss_scale"] == 1.0
+
+
+@pytest.mark.parametrize("edit, reason", [
+    ({"iteration": 4}, "not of the step saved"),
+    ({"called": False}, "not of the step saved"),
+    ({"passed": 0}, "passed is not a bool"),
+    ({"loss_dict": {"lm loss": "6.1"}}, "loss_dict['lm loss'] is not a number"),
+    ({"loss_dict": {"lm loss": [1.0] * 3}}, "is not a number"),
+    ({"learning_rate": None}, "learning_rate is not a number"),
+    ({"grad_norm": True}, "grad_norm is not a number"),
+    ({"skipped_iter": 0.0}, "skipped_iter is not an int"),
+    ({"extra": 1}, "not a step log record"),
+])
+def test_a_step_log_record_with_a_wrong_field_is_refused_naming_it(edit, reason):
+    from mindio_ttp.megatron_ttp import log_record
+
+    with pytest.raises(ValueError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        log_record.from_checkpoint(_record(**edit), 5)
+
+
+def test_a_tensor_of_many_elements_is_refused():
+    import torch
+
+    from mindio_ttp.megatron_ttp import log_record
+
+    with pytest.raises(ValueError, match="tensor of 3 elements"):
+        log_record.from_checkpoint(_record(loss_scale=torch.ones(3)), 5)
+
+
 def test_listed_file_replaced_by_a_symlink_is_refused(tmp_path):
     iter_dir = written(tmp_path)
     victim = iter_dir / DP2.optim_file(0, 0, 1)
