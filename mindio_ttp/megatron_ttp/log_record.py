@@ -37,7 +37,7 @@ nothing is printed for t.
 The dying checkpoint has the same hole: a step finished on every survivor but stopped in that
 barrier is saved, and the resumed run starts after it, so no run prints it. The rank that
 writes the last stage's model file (TP rank 0) also writes its record of the step into the
-checkpoint (`CHECKPOINT_FILE`, listed in the manifest like every file, so verified and, with
+checkpoint (`manifest.STEP_LOG`, listed in the manifest like every file, so verified and, with
 TTP_CHECKPOINT_KEY, MACed); the tensors are read by the checkpoint writer on its private stream,
 never on a stream a hung collective holds (they are final: the update's grad norm was read on
 the host after them). When a run loads that checkpoint, every rank agrees that the record is
@@ -56,13 +56,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
-from mindio_ttp.megatron_ttp.manifest import STEP_LOG
-
 log = logging.getLogger("mindio_ttp.recovery")
 F = TypeVar("F", bound=Callable[..., Any])
 
 ADVANCED, SKIPPED = "advanced iterations", "skipped iterations"  # training_log's keys
-CHECKPOINT_FILE = STEP_LOG  # in a dying checkpoint's iteration directory
 
 
 @dataclass
@@ -216,15 +213,30 @@ def _plain(rec: LogRecord) -> Dict[str, Any]:
 
 
 def _scalars_missing(step: int, rec: Optional[LogRecord], replacement: bool) -> bool:
+    from megatron import get_args
+
+    if replacement:
+        return _scalars_missing_on_disk(step)
+    if not _scalars_due(step):
+        return False
+    # training_log writes them before anything that may fail (no timers)
+    return rec is None or not rec.called or (bool(get_args().log_timers_to_tensorboard)
+                                              and not rec.passed)
+
+
+def _scalars_due(step: int) -> bool:
+    """This rank writes TensorBoard scalars, and `step` is one it writes them for."""
     from megatron import get_args, get_tensorboard_writer
 
-    args = get_args()
-    if get_tensorboard_writer() is None or step % args.tensorboard_log_interval:
-        return False
-    if not replacement:  # training_log writes them before anything that may fail (no timers)
-        return rec is None or not rec.called or (bool(args.log_timers_to_tensorboard)
-                                                  and not rec.passed)
-    return not _on_disk(Path(args.tensorboard_dir), step)
+    return get_tensorboard_writer() is not None and \
+        step % get_args().tensorboard_log_interval == 0
+
+
+def _scalars_missing_on_disk(step: int) -> bool:
+    """Due for `step` and in no event file of --tensorboard-dir (a new process's view)."""
+    from megatron import get_args
+
+    return _scalars_due(step) and not _on_disk(Path(get_args().tensorboard_dir), step)
 
 
 def _on_disk(folder: Path, step: int) -> bool:
@@ -309,7 +321,6 @@ def replay(training_log: Callable[..., Any], plan: Dict[str, Any], last_rank: bo
                         why)
 
 
-
 # -- the dying checkpoint --------------------------------------------------------------------------
 def for_checkpoint(step: int) -> Optional[Dict[str, Any]]:
     """This rank's record of `step` for the dying checkpoint (tensors by reference: the writer
@@ -367,12 +378,10 @@ def after_load(rec: Dict[str, Any], last_rank: bool, model: Any, optimizer: Any)
     """Every rank, after loading the dying checkpoint of `rec`'s step (whose record every rank
     read): call `training_log` for it once more when its line was not printed or its scalars
     are missing (the last rank's writer says which)."""
-    from megatron import get_args, training
+    from megatron import training
 
-    args = get_args()
-    step = rec["iteration"]
-    plan = {"record": rec, "print": step % args.log_interval == 0 and not rec["passed"],
-            "scalars": last_rank and _scalars_missing_on_disk(step)}
+    plan = {"record": rec, "print": _line_missing(rec),
+            "scalars": last_rank and _scalars_missing_on_disk(rec["iteration"])}
     replay(training.training_log, plan, last_rank, model, optimizer, when="resume",
            why="lost with the fault that ended the run that saved it")
 
@@ -383,15 +392,13 @@ def wanted_after_load(rec: Dict[str, Any]) -> bool:
     from megatron import get_args
 
     args = get_args()
-    step = rec["iteration"]
-    return (step % args.log_interval == 0 and not rec["passed"]) or bool(
-        args.tensorboard_dir and step % args.tensorboard_log_interval == 0)
+    return _line_missing(rec) or bool(
+        args.tensorboard_dir and rec["iteration"] % args.tensorboard_log_interval == 0)
 
 
-def _scalars_missing_on_disk(step: int) -> bool:
-    from megatron import get_args, get_tensorboard_writer
+def _line_missing(rec: Dict[str, Any]) -> bool:
+    """A step Megatron logs whose record says its barrier, hence its print, was not passed."""
+    from megatron import get_args
 
-    args = get_args()
-    if get_tensorboard_writer() is None or step % args.tensorboard_log_interval:
-        return False
-    return not _on_disk(Path(args.tensorboard_dir), step)
+    return rec["iteration"] % get_args().log_interval == 0 and not rec["passed"]
+

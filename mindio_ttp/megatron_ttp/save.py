@@ -103,8 +103,8 @@ def ttp_save_checkpoint(step: int, save_ranks: List[int], ckpt_args: tuple) -> N
     kept = log_record.for_checkpoint(step) if writes_model and tp_rank == 0 and \
         pp_rank == par.pp - 1 else None  # one rank: the last stage's model writer
     if kept is not None:  # the step's log line and scalars, if no run printed them
-        files.append(_save(iter_dir, log_record.CHECKPOINT_FILE, kept))
-        written[log_record.CHECKPOINT_FILE] = files[-1].entry()
+        files.append(_save(iter_dir, manifest.STEP_LOG, kept))
+        written[manifest.STEP_LOG] = files[-1].entry()
     parted = time.perf_counter()
     manifest.write_part(iter_dir, me, written)
     done = time.perf_counter()
