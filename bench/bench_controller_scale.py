@@ -249,6 +249,11 @@ class Tiers:
         """CPU seconds of every real relay and of node 0's agent, together."""
         return sum(cpu_s(h.pid) for h in [self.node0] + self.relays)
 
+    def sims_cpu_s(self) -> float:
+        """CPU seconds of every simulated-agents process, together: on a cluster each node's
+        agent has a core of its own; here they take the controller's and the relays' cores."""
+        return sum(cpu_s(pid) for pid in self.sims.pids)
+
     def close(self) -> None:
         for part in reversed(self.parts):
             try:
@@ -304,7 +309,7 @@ def run_one(n: int, window: float, out: Dict[str, Any]) -> None:
         out["relays_up"] = wait_children(host, tiers.fanout, 120)
 
         phase("registration storm")
-        c0, r0 = cpu_s(ctl_pid), tiers.relay_cpu_s()
+        c0, r0, s0 = cpu_s(ctl_pid), tiers.relay_cpu_s(), tiers.sims_cpu_s()
         t0 = time.monotonic()
         tiers.sims.ask("connect", addr)
         if not tiers.sims.wait_registered(n - PER_NODE, 1200):
@@ -313,6 +318,7 @@ def run_one(n: int, window: float, out: Dict[str, Any]) -> None:
         out["storm_s"] = tiers.sims.summary()["registered_last"] - t0
         out["storm_ctl_cpu_s"] = cpu_s(ctl_pid) - c0
         out["storm_relay_cpu_s"] = (tiers.relay_cpu_s() - r0) / tiers.fanout  # per relay
+        out["storm_sims_cpu_s"] = tiers.sims_cpu_s() - s0
         st = host.status() or {}
         out["ctl_children"], out["routed"] = st.get("children"), st.get("routed")
 
@@ -329,7 +335,7 @@ def run_one(n: int, window: float, out: Dict[str, Any]) -> None:
         tiers.pin(all_cpus)  # rank 0 stops training at the fault: its CPU goes to the simulation
         tiers.sims.ask("mark")
         tiers.local.ask("mark")
-        c0, r0 = cpu_s(ctl_pid), tiers.relay_cpu_s()
+        c0, r0, s0 = cpu_s(ctl_pid), tiers.relay_cpu_s(), tiers.sims_cpu_s()
         t_stop = time.monotonic()
         os.kill(tiers.real.proc.pid, signal.SIGSTOP)
         try:
@@ -362,6 +368,7 @@ def run_one(n: int, window: float, out: Dict[str, Any]) -> None:
         out["all_saves_ms"] = last("SaveOrder")
         out["all_exits_ms"] = last("ExitOrder")
         out["flow_relay_cpu_s"] = (tiers.relay_cpu_s() - r0) / tiers.fanout  # per relay
+        out["flow_sims_cpu_s"] = tiers.sims_cpu_s() - s0
         out["sim_failovers"] = summ["failed_over"]
         out["relay_failovers"] = sum(a["failovers"] for h in [tiers.node0] + tiers.relays
                                      for a in h.status())
@@ -499,7 +506,8 @@ def row(r: Dict[str, Any]) -> str:
     cols = [
         r["n"], f"{fmt(r.get('fanout'))} / {fmt(r.get('ctl_children'))}",
         fmt(r.get("storm_s"), ".1f"),
-        f"{fmt(r.get('storm_ctl_cpu_s'), '.2f')} / {fmt(r.get('storm_relay_cpu_s'), '.3f')}",
+        f"{fmt(r.get('storm_ctl_cpu_s'), '.2f')} / {fmt(r.get('storm_relay_cpu_s'), '.3f')}"
+        f" / {fmt(r.get('storm_sims_cpu_s'), '.1f')}",
         f"{fmt(r.get('step_ms_without'), '.1f')} / {fmt(r.get('step_ms_with'), '.1f')}",
         f"{r['ratio']:.3f} (median {r['ratio_median']:.3f}, B2/B1 {r['ab_noise']:.3f})"
         if r.get("ratio") else "-",
@@ -508,7 +516,8 @@ def row(r: Dict[str, Any]) -> str:
                                            if r.get("timeout") not in (None, 6.0) else ""),
         fmt(r.get("all_locked_ms")),
         fmt(r.get("all_saves_ms")), fmt(r.get("verdict_ms")), fmt(r.get("all_exits_ms")),
-        f"{fmt(r.get('flow_ctl_cpu_s'), '.2f')} / {fmt(r.get('flow_relay_cpu_s'), '.3f')}",
+        f"{fmt(r.get('flow_ctl_cpu_s'), '.2f')} / {fmt(r.get('flow_relay_cpu_s'), '.3f')}"
+        f" / {fmt(r.get('flow_sims_cpu_s'), '.1f')}",
         fmt(r.get("bytes_per_rank")),
         (r.get("outcome", "-") + (f", {r['no_exit_order']} rank(s) without an exit order"
                                   if r.get("no_exit_order") else "")
@@ -520,11 +529,11 @@ def row(r: Dict[str, Any]) -> str:
 
 
 HEAD = ("N", "fan-out / controller's connections", "storm s",
-        "storm CPU s: ctl / each relay",
+        "storm CPU s: ctl / each relay / all simulated agents",
         "rank-0 step ms without / with", "ratio", "ctl CPU % of a core", "ctl RSS MiB",
         "ctl fds", "hung rank seen s", "-> all locked ms", "-> all save orders ms",
-        "-> verdict ms", "-> all exit orders ms", "flow CPU s: ctl / each relay (to the "
-        "verdict and after)", "bytes per rank per flow",
+        "-> verdict ms", "-> all exit orders ms", "flow CPU s: ctl / each relay / all "
+        "simulated agents (to the verdict and after)", "bytes per rank per flow",
         "outcome")
 
 

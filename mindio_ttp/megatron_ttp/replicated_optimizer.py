@@ -342,13 +342,33 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         super().zero_grad(set_to_none)
         self.partner.zero_grad(set_to_none)
 
-    def clip_grad_norm(self, clip_grad):
+    def clip_grad_norm(self, clip_grad, total_norm: Optional[float] = None):
         """The norm over the own stripe only (stock: each element once over the DP group);
-        the clip factor applied to both stripes."""
-        from megatron.optimizer.clip_grads import clip_grad_norm_fp32
+        the clip factor applied to both stripes. With `total_norm` (from `_grad_norm`, taken
+        while the swap was in flight) no collective runs here: only stock's clip, with stock's
+        coefficient, applied to both stripes in one call on every rank alike."""
+        from megatron.optimizer import clip_grads
 
         params = self.own.main_params() + self.partner.main_params()
-        return clip_grad_norm_fp32(params, self.get_main_grads_for_grad_norm(), clip_grad,
+        if total_norm is None:
+            return clip_grads.clip_grad_norm_fp32(
+                params, self.get_main_grads_for_grad_norm(), clip_grad,
+                model_parallel_group=self.get_model_parallel_group())
+        clip_coeff = float(clip_grad) / (total_norm + 1.0e-6)  # stock's, clip_grads.py:101
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        if clip_coeff < 1.0 and grads:
+            # stock's multi_tensor_scale is one fp32 multiply per element, as this is; apex's
+            # amp_C is not on every stack (Ascend), torch's foreach ops are
+            torch._foreach_mul_(grads, clip_coeff)
+        return total_norm
+
+    def _grad_norm(self) -> float:
+        """Stock's gradient norm over the own stripe (its all-reduce over the world), without
+        the clip: it only reads the grads, so it may run while the swap sends them."""
+        from megatron.optimizer.clip_grads import clip_grad_norm_fp32
+
+        # max_norm inf: the coefficient is never < 1, so clip_grad_norm_fp32 writes nothing
+        return clip_grad_norm_fp32([], self.get_main_grads_for_grad_norm(), float("inf"),
                                    model_parallel_group=self.get_model_parallel_group())
 
     def grad_buffer_views(self) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -360,20 +380,28 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
 
     def reduce_model_grads(self, args, timers):
         """All collectives of the update: stock reduce-scatter, partner swap, inf check, norm,
-        zero count."""
+        zero count. The swap (pair group) runs beside the norm's all-reduce (the world): both
+        are latency more than bytes on most steps, and the norm only reads the grads. What
+        writes them (the unscale, the clip) waits for the swap: in fp32 and bf16 the own main
+        grads are views of the very buffer being sent."""
         DistributedOptimizer.reduce_model_grads(self, args, timers)
         timers('grads-partner-swap', log_level=1).start(barrier=args.barrier_with_L1_time)
-        self.swap_with_partner([(own, theirs) for _, own, theirs in self.grad_buffer_views()])
+        swap = self._start_swap([(own, theirs) for _, own, theirs in self.grad_buffer_views()])
+        self.own.copy_model_grads_to_main_grads()  # views or fresh copies: writes no buffer
+        total_norm = None
+        if not self.grad_scaler and self.clip_grad > 0.0:
+            total_norm = self._grad_norm()
+        self._finish_swap(swap)
         timers('grads-partner-swap').stop()
 
-        self._copy_model_grads_to_main_grads()
+        self.partner.copy_model_grads_to_main_grads()
         found_inf = False
         if self.grad_scaler:
             found_inf = self._unscale_main_grads_and_check_for_nan()
         grad_norm = num_zeros = None
         if not found_inf:
             if self.clip_grad > 0.0:
-                grad_norm = self.clip_grad_norm(self.clip_grad)
+                grad_norm = self.clip_grad_norm(self.clip_grad, total_norm)
             if self.log_num_zeros_in_grad:
                 num_zeros = self.count_zeros()
         self._pending = (found_inf, grad_norm, num_zeros)
@@ -382,18 +410,22 @@ class ReplicatedOptimizer(StepRecord, DistributedOptimizer):
         # runtime may still run the update while the rank waits for the verdict.
         framework_ttp.ttp_offer_update(self.current_step + 1, self._catch_up)
 
-    def swap_with_partner(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Send each `own` view to the partner and receive its `theirs` view, in one batch on
-        the pair's group (device tensors: the buffers themselves, nothing staged)."""
+    def _start_swap(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> list:
+        """The swap's sends and receives, in one batch on the pair's group (device tensors:
+        the buffers themselves, nothing staged); its works, for `_finish_swap`. Until then
+        nothing may write an `own` view or read a `theirs` one."""
         if self.partner_position == self.dp_position:
-            return
+            return []
         dist = torch.distributed
         ops = []
         for own, theirs in pairs:
             ops.append(dist.P2POp(dist.isend, own, self.partner_rank, group=self.pair_group))
             ops.append(dist.P2POp(dist.irecv, theirs, self.partner_rank, group=self.pair_group))
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        return dist.batch_isend_irecv(ops)
+
+    def _finish_swap(self, works: list) -> None:
+        for req in works:
+            req.wait()  # NCCL/HCCL: the current stream waits; gloo: the host
 
     def _catch_up(self) -> None:
         """What the patched train_step runs between ttp_start/end_updating_os: step() and

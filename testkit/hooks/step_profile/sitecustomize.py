@@ -11,8 +11,10 @@ that calls its parent class's method of the same name is counted once). Sections
 * ``reduce_model_grads``, ``step``, ``gather_model_params``: the optimizer's three calls in
   train_step (stock DistributedOptimizer's, or ReplicatedOptimizer's overrides);
 * inside them: ``grads reduce-scatter`` (stock's part of reduce_model_grads),
-  ``stripe swap`` (ReplicatedOptimizer.swap_with_partner), ``copy grads to main``,
-  ``clip grad norm``, ``own update`` and ``partner update`` (each stripe's inner optimizer
+  ``stripe swap`` (ReplicatedOptimizer's start of the swap and its wait for it),
+  ``grad norm (beside the swap)`` (the norm and its all-reduce, run while the swap is in
+  flight, between the two), ``copy grads to main``, ``clip grad norm`` (with the overlap:
+  only the clip), ``own update`` and ``partner update`` (each stripe's inner optimizer
   step), ``copy main to params``, ``increase_step`` (the step record);
 * ``barrier``: torch.distributed.barrier called inside train_step (the guide's);
 * the hooks: ``ttp_start_updating_os``, ``ttp_end_updating_os``, ``ttp_offer_update``, and
@@ -128,8 +130,11 @@ def _install_optimizers() -> None:
         from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer
 
         classes.append(ReplicatedOptimizer)
-        ReplicatedOptimizer.swap_with_partner = _timed(
-            "stripe swap", ReplicatedOptimizer.swap_with_partner)
+        ReplicatedOptimizer._start_swap = _timed("stripe swap", ReplicatedOptimizer._start_swap)
+        ReplicatedOptimizer._finish_swap = _timed("stripe swap",
+                                                  ReplicatedOptimizer._finish_swap)
+        ReplicatedOptimizer._grad_norm = _timed("grad norm (beside the swap)",
+                                                ReplicatedOptimizer._grad_norm)
         ReplicatedOptimizer.increase_step = _timed("increase_step",
                                                    ReplicatedOptimizer.increase_step)
         real_init = ReplicatedOptimizer.__init__
