@@ -48,7 +48,9 @@ from testkit.simranks import (
     loopback,
 )
 
-INFLIGHT = 128  # agents of one process between connect and registered, at most
+INFLIGHT = 128  # agents of one process between connect and registered, at most (each frees
+# its place when its ranks are welcomed; before, only at the next heartbeat tick, which paced
+# the whole storm at INFLIGHT agents per process per heartbeat interval)
 AGENTS_PER_SOURCE = 20000
 
 
@@ -278,6 +280,8 @@ class SimAgentWorker:
                         self.registered_ranks += 1
                     elif a.failover:
                         rec.failed_over_at = now
+            if a.paced and all(a.recs[r].registered_at is not None for r in a.ranks):
+                self._unpace(a)  # registered: the next queued agent may start now
             if msg.backups:
                 self.backups = msg.backups
             return
