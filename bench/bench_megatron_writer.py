@@ -22,9 +22,9 @@ fresh directory of the same filesystem (``--dir``; default the temp directory's)
 * ``writer, <digest>, inline|helper``: ``checkpoint_writer.write_torch`` (streamed into a
   ``.part`` file, digested in the same pass, fsync, rename, directory fsync), with the digest
   of an unkeyed manifest (xxh3_128) or of a signed one (blake3), or the sha256 of before,
-  computed inline after each buffer's write or on the helper thread beside it. ``(default)``
-  marks what the writer picks by itself (for blake3 and sha256 it depends on whether a core
-  is free: ``HashingWriter.helper_pays``). Two alternatives measured for the
+  computed inline after each buffer's write or on the helper thread beside it. ``(default,
+  ...)`` marks what the writer picks by itself, which depends on whether a core is free
+  (``HashingWriter.helper_pays``). Two alternatives measured for the
   design: ``no sync_file_range`` (no writeback started after each 16 MiB chunk) and
   ``blake3 on all cores`` (blake3's own thread pool hashing each buffer); and ``files in
   parallel``: the two files written at once, each on its own thread.
@@ -197,14 +197,12 @@ METHODS: Dict[str, Callable[[Path, dict], object]] = {
 for _algo in (digest.XXH3_128, digest.BLAKE3, digest.SHA256):
     for _helper in (False, True):
         _name = f"writer, {_algo}, {'helper' if _helper else 'inline'}"
-        if _algo == digest.XXH3_128 and not _helper:
-            _name += " (default)"
-        elif _algo != digest.XXH3_128:
-            _name += " (default, a core free)" if _helper else " (default, no core free)"
+        _name += " (default, a core free)" if _helper else " (default, no core free)"
         METHODS[_name] = _writer(_algo, _helper)
 METHODS["writer, xxh3_128, inline, no sync_file_range"] = _writer(digest.XXH3_128, False, False)
 METHODS["writer, blake3 on all cores, inline"] = _writer(digest.BLAKE3, False, True, True)
-METHODS["writer, xxh3_128, inline" + PARALLEL] = METHODS["writer, xxh3_128, inline (default)"]
+METHODS["writer, xxh3_128, inline" + PARALLEL] = METHODS[
+    "writer, xxh3_128, inline (default, no core free)"]
 WRITERS = [m for m in METHODS if m.startswith("writer")]
 
 

@@ -155,8 +155,8 @@ def test_peak_host_memory_of_a_save_is_not_a_copy_of_the_file(tmp_path: Path) ->
 
 
 def test_the_digest_follows_the_manifests_mode(tmp_path: Path, monkeypatch) -> None:
-    """Unkeyed: xxh3_128, always inline; TTP_CHECKPOINT_KEY set: blake3 (cryptographic), on
-    the helper thread only while a core is free."""
+    """Unkeyed: xxh3_128; TTP_CHECKPOINT_KEY set: blake3 (cryptographic); either on the
+    helper thread only while a core is free, and a writer left to choose does so."""
     monkeypatch.delenv("TTP_CHECKPOINT_KEY", raising=False)
     assert checkpoint_writer.write_torch(tmp_path / "a.pt", {"x": torch.ones(3)}).algo == \
         "xxh3_128"
@@ -166,9 +166,12 @@ def test_the_digest_follows_the_manifests_mode(tmp_path: Path, monkeypatch) -> N
     cores = len(os.sched_getaffinity(0))
     for load, helper in ((cores - 1.5, True), (cores - 0.5, False), (3.0 * cores, False)):
         monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
-        assert checkpoint_writer.HashingWriter.helper_pays("blake3") is helper
-        assert checkpoint_writer.HashingWriter.helper_pays("sha256") is helper
-        assert not checkpoint_writer.HashingWriter.helper_pays("xxh3_128")
+        for algo in ("xxh3_128", "blake3", "sha256"):
+            assert checkpoint_writer.HashingWriter.helper_pays(algo) is helper, (algo, load)
+            with open(tmp_path / f"{algo}-{load}", "wb") as f:
+                w = checkpoint_writer.HashingWriter(f, algo=algo)
+                assert (w._hasher is not None) is helper, (algo, load)
+                w.abandon()
 
 
 def test_a_missing_package_falls_back_to_sha256_saying_so_once(monkeypatch, caplog) -> None:
