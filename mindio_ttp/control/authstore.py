@@ -59,6 +59,22 @@ class Channel(Protocol):
         `ConnectionError` when the connection is lost, `TimeoutError` after `wait_s`."""
 
 
+_attached: Optional[Channel] = None  # this process's processor while it runs
+
+
+def attach(channel: Channel) -> None:
+    """The processor, once registered, makes itself the channel of every AuthStore made
+    without one (it calls this: the store does not import the processor)."""
+    global _attached
+    _attached = channel
+
+
+def detach(channel: Channel) -> None:
+    global _attached
+    if _attached is channel:
+        _attached = None
+
+
 def _seconds(t: Seconds) -> float:
     s = t.total_seconds() if isinstance(t, timedelta) else float(t)
     return P.MAX_SECONDS if s <= 0 else min(s, P.MAX_SECONDS)  # 0: no timeout, as in torch
@@ -72,9 +88,7 @@ class AuthStore(dist.Store):
             raise ValueError(f"AuthStore namespace {namespace!r:.80}: use 1-128 characters of "
                              "A-Z a-z 0-9 . _ - / (not starting with /)")
         if channel is None:
-            from mindio_ttp.control.processor import current
-
-            channel = current()
+            channel = _attached
             if channel is None:
                 raise RuntimeError("AuthStore talks to the TTP controller through this "
                                    "process's processor: call ttp_start_processor first")

@@ -35,7 +35,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome, TTPConfig
-from mindio_ttp.control import failover
+from mindio_ttp.control import authstore, failover
 from mindio_ttp.control import protocol as P
 from mindio_ttp.control.agent import client as agent_client
 from mindio_ttp.control.controller import Controller
@@ -73,12 +73,6 @@ class HandshakeFailed(Exception):
         self.again = again
 
 
-_current: Optional[Processor] = None
-
-
-def current() -> Optional[Processor]:
-    """This process's running processor (the default channel of an AuthStore)."""
-    return _current
 
 
 class PendingCalls:
@@ -284,8 +278,7 @@ class Processor:
         self._thread = threading.Thread(target=self._loop, name=f"ttp-processor-{self.rank}",
                                         daemon=True)
         self._thread.start()
-        global _current
-        _current = self
+        authstore.attach(self)  # the default channel of an AuthStore made in this process
         log.info("rank %d: processor registered with the controller at %s:%d", self.rank, ip,
                  port)
 
@@ -308,9 +301,7 @@ class Processor:
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Normal end of training: say goodbye so our disconnect is not taken for a fault."""
-        global _current
-        if _current is self:
-            _current = None
+        authstore.detach(self)
         if not self.running:
             return
         self.running = False
