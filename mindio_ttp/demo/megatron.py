@@ -356,14 +356,22 @@ class MegatronRehearsal:
         self.say(f"[5/{self.stages}] resuming: the same command again; Megatron loads iteration "
                  f"{saved} from {self.ckpt} and trains to {self.opts.iters} ...")
         run = self._train("resumed", data, self.ckpt, kill=False)
-        first = min(run.losses, default=None)
-        if run.returncode != 0 or first != saved + 1:
+        # It trains from saved + 1 on. Before that it may print the saved iteration's own line,
+        # from the checkpoint's record of it, when the interrupted run stopped before printing
+        # it (log_record.py); nothing older.
+        first = min((i for i in run.losses if i > saved), default=None)
+        earliest = min(run.losses, default=None)
+        if run.returncode != 0 or first != saved + 1 or (earliest or 0) < saved:
             self.say(f"      the resumed run failed: exit {run.returncode}, first iteration "
-                     f"logged {first} (expected {saved + 1})")
+                     f"logged {earliest} (expected {saved + 1}, or {saved} from the "
+                     "checkpoint's record)")
             self._tail(run.log)
             self.say("RESULT: FAILED - the resumed run did not continue from the checkpoint")
             return None
-        self.say(f"      done in {run.seconds:.1f} s: iterations {first}-{max(run.losses)}")
+        replayed = (f"; iteration {saved}'s line printed from the checkpoint's record"
+                    if saved in run.losses else "")
+        self.say(f"      done in {run.seconds:.1f} s: iterations {first}-{max(run.losses)}"
+                 f"{replayed}")
         return run
 
     def _compare(self, data: TinyDataset, faulty: TrainingRun, resumed: Optional[TrainingRun],
@@ -401,6 +409,10 @@ class MegatronRehearsal:
         elif resumed is None:
             self.say(f"      losses: all {n - len(unlogged)} printed values equal (one run, "
                      f"recovered in memory after iteration {saved})")
+        elif saved in resumed.losses and saved not in faulty.losses:
+            self.say(f"      losses: all {n - len(unlogged)} printed values equal (1-{saved - 1} "
+                     f"from the interrupted run, {saved} from the checkpoint's record of it, "
+                     f"{saved + 1}-{n} from the resumed one)")
         else:
             self.say(f"      losses: all {n - len(unlogged)} printed values equal (1-{saved} "
                      f"from the interrupted run, {saved + 1}-{n} from the resumed one)")
