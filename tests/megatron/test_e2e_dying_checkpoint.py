@@ -74,7 +74,12 @@ def resume_and_compare(tree, data, work, name, ckpt, reference, first_resumed):
     assert resumed.returncode == 0, resumed.tail()
     want = {i: v for i, v in ref_result.losses.items() if i >= first_resumed}
     print(loss_table({"uninterrupted": ref_result.losses, name: resumed.losses}))
-    assert resumed.losses == want
+    got = dict(resumed.losses)
+    saved = first_resumed - 1
+    if saved in got:  # printed from the checkpoint's record: the faulty run stopped before its
+        # log line (log_record.py), as a fault that lands at any instant may (preempt_all)
+        assert got.pop(saved) == ref_result.losses[saved], (resumed.losses, ref_result.losses)
+    assert got == want
     comparison = compare_checkpoints(resumed_ckpt, ref_ckpt, N_ITERS)
     assert comparison.bit_exact, comparison.summary()
     return resumed
