@@ -73,8 +73,6 @@ class HandshakeFailed(Exception):
         self.again = again
 
 
-
-
 class PendingCalls:
     """Store calls in flight: each caller waits on its own event; the processor's thread
     answers them, or fails them all at once when the connection is lost."""

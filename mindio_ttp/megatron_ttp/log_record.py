@@ -401,4 +401,3 @@ def _line_missing(rec: Dict[str, Any]) -> bool:
     from megatron import get_args
 
     return rec["iteration"] % get_args().log_interval == 0 and not rec["passed"]
-
