@@ -4,7 +4,7 @@ Rank 0 is this process: a training loop of Python-driven torch ops (a 4-layer tr
 block stack, forward, backward and AdamW: tens of milliseconds a step on one core, with the
 TTP hooks around the optimizer step as the patched Megatron calls them), pinned to CPU 0. It
 starts the runtime through the API as the patched Megatron does: `ttp_start_controller` (the
-controller in a process of its own, control/host.py) and `ttp_start_processor`, which
+controller in a process of its own, control/controller/host.py) and `ttp_start_processor`, which
 registers through node 0's agent. Node 0 (ranks 0-7) is real: its node agent
 (control/agent/node.py, in a process of its own as ttprun's would be), rank 0, rank 1 (a real
 processor in its own process, whose standby is the first backup) and ranks 2-7 (simulated
@@ -205,7 +205,7 @@ class Tiers:
     def __init__(self, n: int, cfg: Any, env: Dict[str, str], dp_of: Callable[[int], List[int]],
                  replica: int, addr: Tuple[str, int], node0_cpus: set, sim_cpus: set) -> None:
         from mindio_ttp.control.agent.node import AgentSettings
-        from mindio_ttp.control.routes import DEFAULT_LOCAL_WORLD, MIN_FANOUT
+        from mindio_ttp.control.controller.routes import DEFAULT_LOCAL_WORLD, MIN_FANOUT
         from testkit.agenthost import AgentHost
         from testkit.simagents import SimAgentGroup, nodes_of
         from testkit.simranks import RealRank, SimGroup

@@ -60,7 +60,7 @@ from mindio_ttp.demo.rehearsal.launch import (  # noqa: E402
     tiny_gpt_args,
 )
 from mindio_ttp.demo.rehearsal.tree import apply_ttp_patch, copy_megatron_tree  # noqa: E402
-from mindio_ttp.megatron_ttp import manifest  # noqa: E402
+from mindio_ttp.faulttime import manifest  # noqa: E402
 from testkit.hooks import FAULT_HOOK_DIR, pythonpath  # noqa: E402
 
 FAULT_RANK = 1

@@ -4,7 +4,7 @@ proceed adds to the dying checkpoint, on real Megatron-LM 285068c on CPU (issue 
 On gloo a collective with a dead peer raises by itself; on the test rig's NCCL-like backend
 (testkit/nccl_like, docs/rehearsal.md) it spins until aborted, as NCCL's does, so a survivor's
 main thread leaves the step only because the runtime's fault-time stop aborts its communicators
-off the main thread at the controller's lock (control/release.py). Measured, wall clock, on the
+off the main thread at the controller's lock (control/rank/release.py). Measured, wall clock, on the
 tiny GPT of bench_recover.py (DP4, SIGKILL of rank 1 in the forward step of iteration 4):
 
 * **out of the step**: the fault (the fault hook's timestamp just before the kill) to the

@@ -35,7 +35,8 @@ with a row saying so. Statuses: PASS, FAIL, MEASURED (a figure, no verdict), INF
   ranks on one GPU, ``NCCL_MULTI_RANK_GPU_ENABLE=1``; older NCCL refuses, "Duplicate GPU
   detected": SKIP). Rank 1 is SIGKILLed or SIGSTOPped (S) while both loop over an all-reduce or
   an all-gather (O) on the world group or a subgroup (G); rank 0's main thread spins in it. The
-  runtime's own fault-time stop (control/release.py) aborts from another thread and releases the
+  runtime's own fault-time stop (control/rank/release.py) aborts from another thread and releases
+  the
   main thread; then either the dying save reads device memory on the private stream, or the
   process destroys its groups, checks the device and builds a new world with a fresh rank 1 (M).
   PASS: out of the step within 1 s of the stop, and the save's bytes right or the new world's
@@ -278,7 +279,7 @@ class FlagGroup:
 
 def _arm(step: int) -> None:
     """As the runtime does: capture the device, arm the end-of-update mark, record it."""
-    from mindio_ttp.control import hooks
+    from mindio_ttp import hooks
     from mindio_ttp.faulttime import device as ttp_device
     from mindio_ttp.faulttime import device_copy
 
@@ -455,7 +456,7 @@ def child_fallback() -> Dict[str, Any]:
 def child_ready_timeout() -> Dict[str, Any]:
     import torch
 
-    from mindio_ttp.control import hooks
+    from mindio_ttp import hooks
     from mindio_ttp.faulttime import abort, device_copy
     from mindio_ttp.faulttime import device as ttp_device
 
@@ -580,7 +581,7 @@ def child_empty_cache_gil() -> Dict[str, Any]:
 def child_hooks_barrier(steps: int = 200) -> Dict[str, Any]:
     import torch
 
-    from mindio_ttp.control import hooks
+    from mindio_ttp import hooks
 
     torch.cuda.set_device(0)
     _arm(0)
@@ -666,7 +667,8 @@ def child_dead_peer(sig: str, op: str, group: str, mode: str) -> Dict[str, Any]:
     the runtime's fault-time stop releases rank 0; then the save or the new world."""
     import torch
 
-    from mindio_ttp.control import hooks, release
+    from mindio_ttp import hooks
+    from mindio_ttp.control.rank import release
     from mindio_ttp.faulttime import abort, checkpoint_writer, device_copy
     from mindio_ttp.faulttime import device as ttp_device
 
@@ -798,7 +800,8 @@ def child_load_vote() -> Dict[str, Any]:
         import mindio_ttp.compat  # noqa: F401 - before Megatron, as the patched tree does
         if not on_gpu:
             import mindio_ttp.cpu_adaptor  # noqa: F401 - Megatron needs it (apex) on CPU
-        from mindio_ttp.megatron_ttp import load, manifest
+        from mindio_ttp.faulttime import manifest
+        from mindio_ttp.megatron_ttp import load
     except Exception as exc:  # noqa: BLE001 - the reason is the row
         return {"status": f"SKIP (Megatron not importable: {str(exc)[:120]}; set "
                           "TTP_MEGATRON_DIR)"}

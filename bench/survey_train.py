@@ -39,8 +39,8 @@ from mindio_ttp.demo.rehearsal.launch import (  # noqa: E402
     pick_free_port,
     tiny_gpt_args,
 )
-from mindio_ttp.megatron_ttp import manifest  # noqa: E402
-from mindio_ttp.megatron_ttp.manifest import ParallelLayout  # noqa: E402
+from mindio_ttp.faulttime import manifest  # noqa: E402
+from mindio_ttp.faulttime.manifest import ParallelLayout  # noqa: E402
 from testkit.hooks import FAULT_HOOK_DIR, pythonpath  # noqa: E402
 
 TTP_OT_S = 40  # as the e2e tests: seconds ttprun keeps survivors alive after a fault

@@ -92,7 +92,8 @@ MAX_WORLD = 100_000
 # without a total, (world_size + 64) connections could pin ~560 MiB at 8192 ranks. A real
 # Register arrives whole and is consumed at once; only a flood fills this.
 PRE_AUTH_BUFFER_BUDGET = 64 * 1024 * 1024
-# The authenticated store (control/keyspace.py): what one rank's writes may hold at the acting
+# The authenticated store (control/controller/keyspace.py): what one rank's writes may hold at the
+# acting
 # controller (keys, values and bookkeeping, over every namespace), what all ranks' writes may
 # hold together, and how many gets/waits one rank may leave pending. A gloo group's rendezvous
 # costs each member about 8 B per member of the group, so 4 MiB is ~500k peers' worth per rank.

@@ -175,7 +175,7 @@ ARMED: Optional[ArmedDrill] = None
 def disarm() -> None:
     global ARMED
     ARMED = None
-    from mindio_ttp.control import hooks
+    from mindio_ttp import hooks
 
     hooks.DRILL = None
 
@@ -206,7 +206,7 @@ def arm(rank: int, world_size: int, key: bytes,
     if rank != target:
         return None
     ARMED = ArmedDrill(spec, rank, run_dir)
-    from mindio_ttp.control import hooks
+    from mindio_ttp import hooks
 
     hooks.DRILL = ARMED
     _loud(f"DRILL ARMED: this rank ({rank}) will be {spec.what()} after the update of "

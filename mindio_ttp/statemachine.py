@@ -1,5 +1,5 @@
 """An explicit state machine: one table of allowed transitions, one holder that logs and refuses
-anything else. The controller's life cycle (control/state.py) and a rank's recovery
+anything else. The controller's life cycle (control/controller/state.py) and a rank's recovery
 (recovery/machine.py) are two tables held this way; this module is below both."""
 
 from __future__ import annotations
@@ -56,6 +56,21 @@ class TableMachine(Generic[E]):
         self._log.info("%s: %s -> %s%s", self._name, old.value, new.value,
                        f" ({why})" if why else "")
         return old
+
+    def move_from(self, olds: FrozenSet[E], new: E, why: str = "") -> bool:
+        """Transition to `new` only if the state is one of `olds`, in one step (no other thread
+        moves it between the look and the move); False, and no change, otherwise."""
+        with self._lock:
+            old = self._state
+            if old not in olds:
+                return False
+            if new not in self._allowed[old]:
+                raise self._error(f"{self._name}: {old.value} -> {new.value} is not allowed")
+            self._state = new
+            self.history.append((old, new, why))
+        self._log.info("%s: %s -> %s%s", self._name, old.value, new.value,
+                       f" ({why})" if why else "")
+        return True
 
     def is_in(self, *states: E) -> bool:
         return self._state in states

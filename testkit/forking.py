@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 # imported once in the server, so each child starts without paying for them
 PRELOAD = ["torch", "torch.distributed", "mindio_ttp.framework_ttp",
-           "mindio_ttp.control.processor", "mindio_ttp.control.agent.node"]
+           "mindio_ttp.control.rank.processor", "mindio_ttp.control.agent.node"]
 
 
 def clean_context() -> Any:

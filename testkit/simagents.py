@@ -33,12 +33,12 @@ import socket
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control import ranksets
-from mindio_ttp.control.session import RankHandshake, new_nonce
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import keys as K
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire import ranksets
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire.session import RankHandshake, new_nonce
 from testkit.forking import answer, helper_setup
 from testkit.simranks import (
     IP_BIND_ADDRESS_NO_PORT,

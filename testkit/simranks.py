@@ -19,7 +19,7 @@ own CPU at once, a few thousand simulated ones share one, and answered all at on
 answer late (past the listener's handshake timeout) and fail, which real ranks would not.
 Connections come from loopback source addresses (127.0.0.2, .3, ...; IP_BIND_ADDRESS_NO_PORT),
 `RANKS_PER_SOURCE` from each, as from nodes: a listener admits at most 64 waiting connections from
-one address (control/admission.py), and one source has ~28,000 ephemeral ports towards one
+one address (control/wire/admission.py), and one source has ~28,000 ephemeral ports towards one
 listener. """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.session import RankHandshake
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import keys as K
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire.session import RankHandshake
 from testkit.forking import Helper, answer, clean_context, helper_setup
 
 IP_BIND_ADDRESS_NO_PORT = 24  # linux/in.h
@@ -527,10 +527,10 @@ def _real_rank_main(conn: Any, env: Dict[str, str], rank: int, dp: List[int], wo
     """A real Processor (hence a real standby controller) at `step`, in this process."""
     helper_setup(cpus)
     os.environ.update(env)
+    from mindio_ttp import hooks
     from mindio_ttp.config import TTPConfig
-    from mindio_ttp.control import hooks
-    from mindio_ttp.control.handlers import HANDLERS
-    from mindio_ttp.control.processor import Processor
+    from mindio_ttp.control.rank.handlers import HANDLERS
+    from mindio_ttp.control.rank.processor import Processor
     from mindio_ttp.log import setup_logging
 
     setup_logging(rank)  # its own handler on its own stderr (a forked parent's may be gone)

@@ -24,7 +24,8 @@ class Fault(str, enum.Enum):
     or PREEMPT_ALL: SIGTERM to every process of this node's job at once (the launcher, every
     rank, their DataLoader workers), as Slurm signals a job step. SIGKILL_GROUP: SIGKILL to
     the rank's whole process group at once, which for rank 0 includes the controller process
-    it started (control/host.py): node 0's loss, as far as the controller is concerned."""
+    it started (control/controller/host.py): node 0's loss, as far as the controller is
+    concerned."""
 
     SIGKILL = "sigkill"
     SIGKILL_GROUP = "sigkill-group"

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from mindio_ttp.config import ENV_RECOVERY, FLOW_FINISHED_FILE, RECOVERY_MODES, Outcome
-from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.demo.rehearsal.data import TinyDataset
 from mindio_ttp.demo.rehearsal.tree import PatchRefused
+from mindio_ttp.launch.flow_record import FlowRecord, FlowRecordError, read_flow_record
 
 if TYPE_CHECKING:
     from mindio_ttp.demo.rehearsal.launch import PretrainJob  # imports psutil
@@ -312,7 +312,7 @@ class MegatronRehearsal:
         return int(r["iteration"])
 
     def _show_checkpoint(self, faulty: TrainingRun) -> Tuple[Optional[int], Verdict]:
-        from mindio_ttp.megatron_ttp import manifest
+        from mindio_ttp.faulttime import manifest
 
         o = self.opts
         self.say(f"[4/{self.stages}] the dying checkpoint ...")

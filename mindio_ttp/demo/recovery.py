@@ -3,7 +3,7 @@ Megatron, for the toy's ZeRO-1 state, so ``ttp-demo`` shows the product's defaul
 
 A survivor leaves ``train`` on the controller's order (``TTPRecovering``), destroys its
 process group, and joins the new world on the recovery's namespace of the authenticated store
-(control/authstore.py: reached over its TTP connection, nothing an outsider can write). A
+(control/rank/authstore.py: reached over its TTP connection, nothing an outsider can write). A
 replacement (started by ttprun with ``TTP_RECOVERY_JOIN``) first registers with the acting
 controller, then joins the same world. The lost rank's replica partner (the other holder of
 its shard) sends it the shard's Adam moments and the parameters of the recovery's step; then
@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from mindio_ttp.control import hooks
-from mindio_ttp.control.hooks import TTPRecovering
+from mindio_ttp import hooks
 from mindio_ttp.demo.model import ShardLayout, ShardState, assemble
+from mindio_ttp.hooks import TTPRecovering
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder, join_order, parse_address
 from mindio_ttp.recovery.verify import check_digests
@@ -92,7 +92,7 @@ def _survivor_rejoins(state: ShardState) -> None:
 
 
 def _join_world(order: RecoveryOrder, rank: int, world: int) -> None:
-    from mindio_ttp.control.authstore import AuthStore
+    from mindio_ttp.control.rank.authstore import AuthStore
 
     dist.init_process_group("gloo", store=AuthStore(order.store, timeout=order.deadline_s),
                             rank=rank, world_size=world,

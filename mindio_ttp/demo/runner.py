@@ -20,11 +20,11 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from mindio_ttp.control.flow_record import read_flow_record
 from mindio_ttp.demo import checkpoint
 from mindio_ttp.demo.faults import FaultPlan
 from mindio_ttp.demo.model import FullState, ShardLayout
 from mindio_ttp.demo.ports import pick_free_port
+from mindio_ttp.launch.flow_record import read_flow_record
 
 WORLD = 4
 

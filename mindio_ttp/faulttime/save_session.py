@@ -5,7 +5,7 @@ node 0's launcher agent, so losing node 0 (or just its network) breaks every sav
 it, and anyone on the network can read and write it. A plain TCPStore hosted per order by the
 controller was no better on the second count: any client could list its keys, write under them
 and grow the controller's process. So the order names a namespace of the acting controller's
-authenticated store (control/authstore.py): its operations travel over the rank's own TTP
+authenticated store (control/rank/authstore.py): its operations travel over the rank's own TTP
 connection, only registered ranks reach it, and it is bounded in bytes and dropped when the
 flow ends. The only process the save depends on is the controller that ordered it, which the
 flow depends on anyway. The order's random `tag` names the namespace and the flow's own staging
@@ -38,7 +38,7 @@ class SaveSession:
     time_limit: float
     channel: Any = field(default=None, compare=False, repr=False)  # the processor
     # what opens the order's store: the control plane's AuthStore, handed down by the order's
-    # handler (control/handlers.py), so the fault-time path does not import the control plane
+    # handler (control/rank/handlers.py), so the fault-time path does not import the control plane
     opener: Any = field(default=None, compare=False, repr=False)
     _store: list = field(default_factory=list, compare=False, repr=False)
 

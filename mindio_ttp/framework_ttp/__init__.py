@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from mindio_ttp import drill as _drill
+from mindio_ttp import hooks as _hooks
 from mindio_ttp.config import (
     CONTROLLER_PORT_RANGE,
     ENV_RECOVERY,
@@ -38,15 +39,15 @@ from mindio_ttp.config import (
     _port_env,
 )
 from mindio_ttp.config import value as _config_value
-from mindio_ttp.control import hooks as _hooks
-from mindio_ttp.control.hooks import TTPError, TTPForceStop
-from mindio_ttp.control.host import ControllerProcess
-from mindio_ttp.control.processor import HANDLERS, Processor
+from mindio_ttp.control.controller.host import ControllerProcess
+from mindio_ttp.control.rank.handlers import HANDLERS
+from mindio_ttp.control.rank.processor import Processor
 from mindio_ttp.faulttime import claim as _claim
 from mindio_ttp.faulttime import device as _device
 from mindio_ttp.faulttime import device_copy as _device_copy
 from mindio_ttp.faulttime.save_session import SaveSession
 from mindio_ttp.faulttime.save_session import current as _current_session
+from mindio_ttp.hooks import TTPError, TTPForceStop
 from mindio_ttp.launch.desk import LauncherDesk
 from mindio_ttp.log import setup_logging
 from mindio_ttp.recovery.rank import RECOVERY as _RECOVERY
@@ -173,7 +174,8 @@ def ttp_init_controller(rank: int, world_size: int, replica: int,
 
 
 def ttp_start_controller(ip: str, port: int) -> None:
-    """Start the controller, in a process of its own (control/host.py: it must not share rank
+    """Start the controller, in a process of its own (control/controller/host.py: it must not share
+    rank
     0's GIL with training), listening for processors on ip:port (TTP_CONTROLLER_PORT overrides
     port); returns once it listens."""
     global _controller

@@ -1,6 +1,7 @@
 """What a rank's processor asks of its node's launcher (ttprun), through TTP_RUN_DIR: start a
-replacement for a lost rank (the recovery's relay: replace.py's request and status files) and
-record a committed recovery (outcome.py). The processor is handed a `LauncherDesk` by the API
+replacement for a lost rank (the recovery's relay: replace.py's request and status files),
+record a committed recovery (outcome.py) and record the flow's decision on the way out
+(flow_record.py). The processor is handed a `LauncherDesk` by the API
 face when it starts (framework_ttp): the control plane does not import the launcher."""
 
 from __future__ import annotations
@@ -8,11 +9,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
-from mindio_ttp.config import ENV_RECOVERY_JOIN
-from mindio_ttp.control import protocol as P
+from mindio_ttp.config import ENV_RECOVERY_JOIN, Outcome
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.launch import replace as R
+from mindio_ttp.launch.flow_record import FlowRecord, write_flow_record
 from mindio_ttp.launch.outcome import write_recovered
 from mindio_ttp.recovery.rank import RECOVERY, REPLACEMENT, RecoveryOrder
 
@@ -25,6 +27,15 @@ class LauncherDesk:
 
     def recovered(self, recovery_id: int, step: int, lost: Tuple[int, ...]) -> None:
         write_recovered(self.run_dir, recovery_id, step, lost)
+
+    def exiting(self, outcome: Outcome, step: Optional[int], ranks: Sequence[int], code: int,
+                reason: str, checkpoint: Optional[str], latest: Optional[int]) -> None:
+        """This rank obeys an exit order (or gives up): flow-finished.json for its launcher.
+        Never raises (the way out)."""
+        if self.run_dir:
+            write_flow_record(self.run_dir, FlowRecord(outcome, step, tuple(ranks), code, reason,
+                                                       self.rank, time.time(), checkpoint,
+                                                       latest))
 
     def relay_replacement(self, m: P.ReplaceOrder, send: Callable[[P.Message], None],
                           stop: threading.Event) -> None:

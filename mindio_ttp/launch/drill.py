@@ -72,7 +72,7 @@ def verify_checkpoint(path: Optional[str]) -> Tuple[bool, str]:
     where = Path(path)
     megatron = where / "ttp_manifest.json"
     if megatron.is_file():
-        from mindio_ttp.megatron_ttp import manifest
+        from mindio_ttp.faulttime import manifest
 
         try:
             doc = json.loads(manifest.read_capped(megatron, manifest.MAX_MANIFEST_BYTES))

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mindio_ttp.config import Outcome
-from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
+from mindio_ttp.launch.flow_record import FlowRecord, FlowRecordError, read_flow_record
 
 SCHEMA = 1
 # in TTP_RUN_DIR: one record per in-memory recovery a rank of this node saw committed
 RECOVERED_DIR = "recovered"
-TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's (megatron_ttp/manifest.py)
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's (faulttime/manifest.py)
 
 _OUTCOME_WORDS = {
     Outcome.SAVED: "dying checkpoint of iteration {step} saved{where} and marked latest",

@@ -1,6 +1,7 @@
 """Replacing a lost rank's worker: the one entry point of the in-memory recovery in ttprun.
 
-The controller decides (control/recovery_plan.py) and asks a survivor on the lost rank's host to
+The controller decides (control/controller/recovery_plan.py) and asks a survivor on the lost rank's
+host to
 relay the request; that survivor writes it into its launcher's ``$TTP_RUN_DIR/replace/``
 (private to the launcher and its workers: mkdtemp, mode 0700). The launcher (agent.py) serves
 requests in its monitor loop with a `ReplacementDesk`: it kills what is left of the lost worker

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mindio_ttp.control import hooks
+from mindio_ttp import hooks
 
 
 def final_checkpoint_saved(iteration: int) -> None:
@@ -30,7 +30,7 @@ def final_checkpoint_saved(iteration: int) -> None:
     from megatron import get_args
 
     from mindio_ttp import framework_ttp as ttp
-    from mindio_ttp.megatron_ttp import manifest
+    from mindio_ttp.faulttime import manifest
 
     save = get_args().save
     where = str((Path(save) / manifest.iter_dir_name(iteration)).absolute()) if save else ""

@@ -17,7 +17,8 @@ import torch
 from megatron import checkpointing, get_args, print_rank_0
 from megatron.core import mpu
 
-from mindio_ttp.megatron_ttp import log_record, manifest, rejoin
+from mindio_ttp.faulttime import manifest
+from mindio_ttp.megatron_ttp import log_record, rejoin
 from mindio_ttp.megatron_ttp.args_check import NEEDS_REPLICATED
 from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer, loading_from
 from mindio_ttp.megatron_ttp.save import parallel_layout

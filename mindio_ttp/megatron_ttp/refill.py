@@ -38,7 +38,7 @@ from megatron import get_args, get_timers, update_num_microbatches
 from megatron.core import tensor_parallel
 from megatron.optimizer.distrib_optimizer import DistributedOptimizer
 
-from mindio_ttp.control import hooks
+from mindio_ttp import hooks
 from mindio_ttp.megatron_ttp import log_record, rejoin, transfer
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import RECOVERY, RecoveryRefused

@@ -33,9 +33,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
-from mindio_ttp.control import hooks
-from mindio_ttp.control.hooks import TTPRecovering
+from mindio_ttp import hooks
 from mindio_ttp.faulttime import device_copy
+from mindio_ttp.hooks import TTPRecovering
 from mindio_ttp.megatron_ttp import completion
 from mindio_ttp.recovery.machine import RecoveryState as S
 from mindio_ttp.recovery.rank import (
@@ -172,7 +172,7 @@ def in_memory_recovery(pretrain: F) -> F:
                 pass  # leave the except block first: its traceback holds the old groups
             except BaseException as exc:
                 # out of the step (pretrain's own work after train(), held: completion.py):
-                # the release (control/release.py) must stop raising into this thread
+                # the release (control/rank/release.py) must stop raising into this thread
                 hooks.TRAINING.leave()
                 if not _hold_for_verdict(exc):
                     raise
@@ -218,7 +218,7 @@ def _register_replacement(order: RecoveryOrder, rank: int) -> None:
     """A replacement joins the control plane first, at the acting controller (maybe a standby
     on a port of its own): the new world's rendezvous is reached through that connection. It
     keeps trying until its order's deadline (a listener full of an outsider's connections
-    makes room, control/admission.py; giving up would end the recovery)."""
+    makes room, control/wire/admission.py; giving up would end the recovery)."""
     from mindio_ttp import framework_ttp as ttp
 
     world_size = int(os.environ["WORLD_SIZE"])
@@ -234,7 +234,7 @@ def process_group_store() -> Any:
     job = current()
     if job is None:
         return None
-    from mindio_ttp.control.authstore import AuthStore
+    from mindio_ttp.control.rank.authstore import AuthStore
 
     return AuthStore(job.order.store, timeout=job.order.deadline_s)
 
@@ -411,7 +411,7 @@ def _hold_for_verdict(exc: BaseException) -> bool:
     data loaders, say, or one in the final evaluation or save)."""
     rt = hooks.RUNTIME
     if isinstance(exc, hooks.TTPReleased):  # raised into the decorator's own handler: it has
-        hooks.TRAINING.leave()  # left the failed step all the same (control/release.py)
+        hooks.TRAINING.leave()  # left the failed step all the same (control/rank/release.py)
         if rt is not None and rt.running and RECOVERY.pending:
             return True
     if rt is None or not rt.running or getattr(exc, "_ttp_waited", False):

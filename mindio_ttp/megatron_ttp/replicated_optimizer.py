@@ -53,8 +53,8 @@ from megatron.optimizer.optimizer import _zero_grad_group_helper
 from mindio_ttp import config as ttp_config
 from mindio_ttp import framework_ttp
 from mindio_ttp.faulttime import device_copy
+from mindio_ttp.faulttime.manifest import ParallelLayout
 from mindio_ttp.megatron_ttp import pairing
-from mindio_ttp.megatron_ttp.manifest import ParallelLayout
 from mindio_ttp.megatron_ttp.step_record import StepRecord
 
 REPLICAS = 2  # the striped layout keeps every stripe on exactly two ranks

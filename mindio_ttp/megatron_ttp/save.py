@@ -31,8 +31,8 @@ import torch
 from megatron.core import mpu
 from megatron.utils import unwrap_model
 
-from mindio_ttp.faulttime import checkpoint_writer, device_copy, save_session
-from mindio_ttp.megatron_ttp import exchange, log_record, manifest
+from mindio_ttp.faulttime import checkpoint_writer, device_copy, manifest, save_session
+from mindio_ttp.megatron_ttp import exchange, log_record
 from mindio_ttp.megatron_ttp.rejoin import megatron_args as get_args
 from mindio_ttp.megatron_ttp.replicated_optimizer import ReplicatedOptimizer
 

@@ -117,7 +117,7 @@ class StoreFromRuntime(Edit):
     """`store=mega.process_group_store()` on the one `init_process_group` call: None (torch's
     env:// rendezvous, as without it) except while a survivor runs Megatron's start-up again in
     an in-memory recovery, or a replacement runs it for the first time: then the recovery's
-    namespace of the authenticated store (control/authstore.py), which env:// cannot reach."""
+    namespace of the authenticated store (control/rank/authstore.py), which env:// cannot reach."""
 
     id = "initialize/pg-store"
     number = "6.3"

@@ -23,7 +23,7 @@ from mindio_ttp.demo.rehearsal.launch import (
     pick_free_port,
     tiny_gpt_args,
 )
-from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.faulttime import manifest
 from testkit.hooks import GLOO, NCCL_LIKE, backend_setup  # noqa: F401 - the tests take them here
 
 TTP_OT_S = 40  # seconds ttprun keeps survivors alive after a fault

@@ -1,4 +1,4 @@
-"""Checkpoint names, manifest merge and verification (mindio_ttp.megatron_ttp.manifest), on
+"""Checkpoint names, manifest merge and verification (mindio_ttp.faulttime.manifest), on
 files written here: no Megatron needed. These are the rules mega.load_checkpoint uses to refuse
 a half-written or damaged dying checkpoint. Every test that writes a manifest runs with each
 digest a manifest may name (xxh3_128, blake3, and sha256 as older manifests have it)."""
@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mindio_ttp.faulttime import digest
-from mindio_ttp.megatron_ttp import manifest
-from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+from mindio_ttp.faulttime import digest, manifest
+from mindio_ttp.faulttime.manifest import ParallelLayout
 
 TP2_DP2 = ParallelLayout(tp=2, pp=1, dp=2)
 

@@ -22,8 +22,8 @@ from megatron_e2e import FAR_AWAY, N_ITERS, run_job
 
 from mindio_ttp.demo.rehearsal.data import TinyDataset
 from mindio_ttp.demo.rehearsal.launch import parse_losses, tiny_gpt_args, worker_env
-from mindio_ttp.megatron_ttp import manifest
-from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+from mindio_ttp.faulttime import manifest
+from mindio_ttp.faulttime.manifest import ParallelLayout
 from testkit.netns import TwoNodes, namespaces_unavailable, two_nodes
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

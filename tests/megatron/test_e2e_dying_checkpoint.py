@@ -32,8 +32,8 @@ from megatron_e2e import (
 
 from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints, load_checkpoint_file
 from mindio_ttp.demo.rehearsal.launch import Launcher
-from mindio_ttp.megatron_ttp import manifest
-from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+from mindio_ttp.faulttime import manifest
+from mindio_ttp.faulttime.manifest import ParallelLayout
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

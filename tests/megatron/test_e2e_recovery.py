@@ -42,7 +42,7 @@ from megatron_e2e import (
 )
 
 from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
-from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.faulttime import manifest
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -365,7 +365,8 @@ def test_a_second_fault_right_after_a_recovery_is_recovered_too(case, reference,
 @pytest.mark.parametrize("case", cases(ci=["gloo"], extended=ALL_MODES))
 def test_rank0_lost_its_controller_process_recovers(case, reference, patched_megatron_tree,
                                                     tiny_dataset, work):
-    """The controller runs in a process of its own (control/host.py), which outlives rank 0: it
+    """The controller runs in a process of its own (control/controller/host.py), which outlives
+    rank 0: it
     runs the recovery itself (no failover), and rank 0's replacement registers with it and
     starts no controller of its own."""
     result, ckpt = recover(patched_megatron_tree, tiny_dataset, work, "rank0",

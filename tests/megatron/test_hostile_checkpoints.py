@@ -1,4 +1,4 @@
-"""Hostile or broken checkpoint directories (mindio_ttp.megatron_ttp.manifest), on small files
+"""Hostile or broken checkpoint directories (mindio_ttp.faulttime.manifest), on small files
 written here: every defect is a refusal with a reason, never an exception (a rank that raised
 would leave the others waiting in the load's agreement collective), nothing outside the
 iteration directory is opened, and a bad tracker is an error instead of Megatron's exit 0.
@@ -16,9 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mindio_ttp.faulttime import digest
-from mindio_ttp.megatron_ttp import manifest
-from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+from mindio_ttp.faulttime import digest, manifest
+from mindio_ttp.faulttime.manifest import ParallelLayout
 
 DP2 = ParallelLayout(tp=1, pp=1, dp=2)
 

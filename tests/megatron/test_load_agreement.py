@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.faulttime import manifest
 from testkit.procs import run_together
 
 pytestmark = [pytest.mark.megatron]
@@ -32,7 +32,8 @@ sys.path.insert(0, sys.argv[1])
 import torch
 import mindio_ttp.cpu_adaptor  # Megatron 285068c on CPU
 import torch.distributed as dist
-from mindio_ttp.megatron_ttp import load, manifest
+from mindio_ttp.megatron_ttp import load
+from mindio_ttp.faulttime import manifest
 rank, store_path, ckpt = int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
                         timeout=timedelta(seconds=60))

@@ -39,8 +39,8 @@ from megatron_e2e import (
 from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
 from mindio_ttp.demo.rehearsal.data import TinyDataset
 from mindio_ttp.demo.rehearsal.launch import parse_losses, tiny_gpt_args, worker_env
-from mindio_ttp.megatron_ttp import manifest
-from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+from mindio_ttp.faulttime import manifest
+from mindio_ttp.faulttime.manifest import ParallelLayout
 from testkit.netns import Node, TwoNodes, namespaces_unavailable, two_nodes
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

@@ -27,8 +27,8 @@ import pytest
 from megatron_e2e import NCCL_LIKE, cases, run_job, tracker_step
 
 from mindio_ttp.demo.rehearsal.checkpoints import compare_checkpoints
-from mindio_ttp.megatron_ttp import manifest
-from mindio_ttp.megatron_ttp.manifest import ParallelLayout
+from mindio_ttp.faulttime import manifest
+from mindio_ttp.faulttime.manifest import ParallelLayout
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

@@ -23,7 +23,7 @@ from megatron_e2e import (
 
 from mindio_ttp.config import ExitCode
 from mindio_ttp.demo.rehearsal.launch import Launcher
-from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.faulttime import manifest
 from mindio_ttp.megatron_ttp.args_check import NEEDS_REPLICATED
 from testkit.hooks import OPTIM_MEMORY_DIR, pythonpath
 

@@ -5,7 +5,7 @@ PYTHONPATH, NCCL_LIKE=1, NCCL_LIKE_TORCH=...).
 all-reduce on each; the runtime's device mark is armed (the fake device is torch.npu) and the
 param all-gather's event recorded. Then rank 1 sends itself SIGNAL (KILL or STOP) and rank 0's
 main thread loops over an all-reduce and a host read, which blocks behind the op that now spins.
-Rank 0's "processor" thread runs the runtime's fault-time stop (control/release.py) half a
+Rank 0's "processor" thread runs the runtime's fault-time stop (control/rank/release.py) half a
 second later, as it would at the controller's lock. Then, as the dying save does, `prepare()`
 twice; with AFTER=reinit, the groups are destroyed, the device checked, and a new world built
 with a replacement rank 1 (``stop_worker.py - 1 STORE2``), whose all-reduce must be right.
@@ -55,7 +55,8 @@ def main() -> None:
     if SIG == "-":
         return replacement()
     sub = world(STORE)
-    from mindio_ttp.control import hooks, release
+    from mindio_ttp import hooks
+    from mindio_ttp.control.rank import release
     from mindio_ttp.faulttime import abort, device_copy
     from mindio_ttp.faulttime import device as ttp_device
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control.controller import Controller
+from mindio_ttp.control.controller.server import Controller
 
 from .fakes import KEY
 

@@ -8,8 +8,8 @@ import threading
 import time
 from typing import Iterator, List, Optional, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.session import RankHandshake
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire.session import RankHandshake
 
 KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
 
@@ -132,9 +132,9 @@ def real_processor(env: dict, rank: int, dp: List[int], world: int,
                    replica: int) -> Iterator[Tuple[object, list]]:
     """A real processor (not started: the test starts it where it wants) and the exit codes it
     asked for; stopped, with its standby, afterwards."""
+    from mindio_ttp import hooks
     from mindio_ttp.config import TTPConfig
-    from mindio_ttp.control import hooks
-    from mindio_ttp.control.processor import Processor
+    from mindio_ttp.control.rank.processor import Processor
 
     hooks.STATE.reset()
     proc = Processor(TTPConfig.from_env(env), rank, dp, world, replica)

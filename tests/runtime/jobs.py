@@ -97,7 +97,7 @@ def reap_controller(pid_file: Path) -> None:
         return
     pid = int(pid_file.read_text())
     try:
-        if b"mindio_ttp.control.host" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if b"mindio_ttp.control.controller.host" not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return  # gone, and the pid reused
         os.kill(pid, signal.SIGCONT)
         os.kill(pid, signal.SIGKILL)

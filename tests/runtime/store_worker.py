@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control.authstore import AuthStore
-from mindio_ttp.control.processor import Processor
+from mindio_ttp.control.rank.authstore import AuthStore
+from mindio_ttp.control.rank.processor import Processor
 
 WORLD, TP, PP = 4, 2, 2
 

@@ -1,4 +1,4 @@
-"""Who waits for a handshake, and who gives way (control/admission.py), on its own: a flood
+"""Who waits for a handshake, and who gives way (control/wire/admission.py), on its own: a flood
 from one address only displaces itself, the source holding the most gives way first, only
 connections that have had their chance give way, and a recovery's expected host keeps its
 newest. The same policy against real sockets: test_control_plane_attacks.py,
@@ -6,7 +6,7 @@ test_recovery_attacks.py."""
 
 from __future__ import annotations
 
-from mindio_ttp.control.admission import CANDIDATES, Admission
+from mindio_ttp.control.wire.admission import CANDIDATES, Admission
 
 
 def filled(per_source: dict, t0: float = 0.0, cap: int = 100, per: int = 4) -> Admission:

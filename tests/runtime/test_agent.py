@@ -13,15 +13,15 @@ from typing import List
 import pytest
 
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control import ranksets
 from mindio_ttp.control.agent.client import AgentLink
 from mindio_ttp.control.agent.node import AgentSettings
-from mindio_ttp.control.host import ControllerProcess
-from mindio_ttp.control.session import new_nonce
+from mindio_ttp.control.controller.host import ControllerProcess
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import keys as K
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire import ranksets
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire.session import new_nonce
 from testkit.agenthost import AgentHost
 from testkit.simranks import SimGroup
 
@@ -82,8 +82,8 @@ def test_a_processor_through_a_forging_agent_obeys_nothing_it_made(tmp_path, mon
     """A real processor registered through a real controller and agent; then frames only the
     agent could make reach it (a plain ExitOrder, an envelope sealed with the hop key): it
     neither exits nor locks, and still answers the controller."""
-    from mindio_ttp.control import hooks
-    from mindio_ttp.control.processor import Processor
+    from mindio_ttp import hooks
+    from mindio_ttp.control.rank.processor import Processor
 
     env = {"TTP_AUTH_KEY": KEY.hex(), "TTP_HEARTBEAT_INTERVAL": "0.2",
            "TTP_HEARTBEAT_TIMEOUT": "3", "TTP_LOG_LEVEL": "WARNING", "TTP_CONNECT_TIMEOUT": "20"}
@@ -280,9 +280,9 @@ def test_through_an_agent_a_busy_controller_port_still_fails_fast_and_says_so(be
     started is gone."""
     import psutil
 
-    from mindio_ttp.control import hooks
-    from mindio_ttp.control.hooks import TTPError
-    from mindio_ttp.control.processor import Processor
+    from mindio_ttp import hooks
+    from mindio_ttp.control.rank.processor import Processor
+    from mindio_ttp.hooks import TTPError
 
     from .test_handshake import FakeListener
 

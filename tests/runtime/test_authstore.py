@@ -17,13 +17,13 @@ from typing import List
 import pytest
 import torch.distributed as dist  # imported here: the import holds the GIL for a second
 
+from mindio_ttp import hooks
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control import hooks
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.authstore import AuthStore
-from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.keyspace import KEY_OVERHEAD, KeySpace
-from mindio_ttp.control.processor import Processor
+from mindio_ttp.control.controller.keyspace import KEY_OVERHEAD, KeySpace
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.control.rank.authstore import AuthStore
+from mindio_ttp.control.rank.processor import Processor
+from mindio_ttp.control.wire import protocol as P
 
 from .conftest import DP, ENV
 from .fakes import wait_for

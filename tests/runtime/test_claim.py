@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from mindio_ttp.config import Outcome, TTPConfig
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.controller import Controller
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.faulttime import claim as C
 
 from .fakes import FakeRank
@@ -170,8 +170,8 @@ def test_a_fault_id_is_checked_before_it_names_a_file(tmp_path: Path, bad) -> No
 def test_the_primary_hands_its_fault_id_to_every_rank_and_its_standby(tmp_path: Path) -> None:
     """Both halves of a partition claim under one id: the primary's, which every rank got when
     it registered (over the authenticated channel), and so every standby it hosts."""
-    from mindio_ttp.control import hooks
-    from mindio_ttp.control.processor import Processor
+    from mindio_ttp import hooks
+    from mindio_ttp.control.rank.processor import Processor
 
     ctl = Controller(TTPConfig.from_env(ENV), 4, 2, host_rank=0)
     ctl.listen("127.0.0.1", 0)

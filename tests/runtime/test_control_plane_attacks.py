@@ -19,10 +19,10 @@ from typing import Iterator, Optional
 import psutil
 import pytest
 
+from mindio_ttp import hooks
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control import hooks
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.processor import Processor
+from mindio_ttp.control.rank.processor import Processor
+from mindio_ttp.control.wire import protocol as P
 
 from .conftest import DP, ENV
 from .fakes import KEY, FakeRank, handshake, read_frames, wait_for
@@ -397,7 +397,7 @@ def test_a_standby_listener_has_the_same_pre_authentication_limits(ctl):
 CONTROLLER_HOST = r"""
 import array, fcntl, json, sys, termios
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control.controller import Controller
+from mindio_ttp.control.controller.server import Controller
 env = json.loads(sys.argv[1])
 c = Controller(TTPConfig.from_env(env), int(sys.argv[2]), 1, host_rank=0)
 c.listen("127.0.0.1", 0)
@@ -432,7 +432,7 @@ for line in sys.stdin:
 
 FLOOD = r"""
 import socket, sys
-from mindio_ttp.control import protocol as P
+from mindio_ttp.control.wire import protocol as P
 port, n, length = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 frame = P.HEADER.pack(P.MAGIC, P.VERSION, P.Register.TYPE, 0, length) + b"\0" * length
 socks = []

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from mindio_ttp.config import Outcome, TTPConfig
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.state import ControllerState
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.control.controller.state import ControllerState
+from mindio_ttp.control.wire import protocol as P
 
 from .conftest import DP, ENV
 from .fakes import KEY, FakeRank, handshake, read_frames, wait_for
@@ -199,8 +199,8 @@ def test_every_rank_learns_the_same_backups_soon_after_it_registers():
     registration found rank 1 with only itself and ranks 2 and 3 with rank 2, and the job failed
     over to two standbys, neither with a majority. Every rank must hold the final list well
     within that."""
-    from mindio_ttp.control import hooks
-    from mindio_ttp.control.processor import Processor
+    from mindio_ttp import hooks
+    from mindio_ttp.control.rank.processor import Processor
 
     env = {k: v for k, v in ENV.items() if not k.startswith("TTP_HEARTBEAT")}
     ctl = Controller(TTPConfig.from_env(env), 4, 2, host_rank=0)

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from mindio_ttp.config import Outcome
-from mindio_ttp.control.flow_record import FlowRecord
 from mindio_ttp.drill import DrillSpec
 from mindio_ttp.launch import check, drill
+from mindio_ttp.launch.flow_record import FlowRecord
 from mindio_ttp.launch.outcome import CheckpointArgs, Ending, closing_lines
 
 ROOT = Path(__file__).resolve().parents[2]

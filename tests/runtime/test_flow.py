@@ -1,4 +1,4 @@
-"""The dying-checkpoint flow (control/flow.py) on its own: no controller, no sockets.
+"""The dying-checkpoint flow (control/controller/flow.py) on its own: no controller, no sockets.
 
 The flow gets what a controller would give it (a real Roster, state machine and condition) and
 a scripted Outbox that answers each order the way the ranks would, from the caller's thread,
@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
 from mindio_ttp.config import Outcome, TTPConfig
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.flow import Flow
-from mindio_ttp.control.roster import RankInfo, Roster
-from mindio_ttp.control.state import ControllerState as S
-from mindio_ttp.control.state import StateMachine
+from mindio_ttp.control.controller.flow import Flow
+from mindio_ttp.control.controller.roster import RankInfo, Roster
+from mindio_ttp.control.controller.state import ControllerState as S
+from mindio_ttp.control.controller.state import StateMachine
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.faulttime import claim as C
 
 from .conftest import DP, ENV

@@ -18,10 +18,10 @@ import pytest
 
 from mindio_ttp import framework_ttp as ttp
 from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome
-from mindio_ttp.control.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.demo.checkpoint import step_dir_name
 from mindio_ttp.demo.faults import Fault, FaultPlan, Phase
 from mindio_ttp.demo.runner import launch
+from mindio_ttp.launch.flow_record import FlowRecord, FlowRecordError, read_flow_record
 from mindio_ttp.launch.outcome import CheckpointArgs, Ending, closing_lines, read_flow
 
 from .test_processor import job, train_to  # noqa: F401  (the in-process flow fixture)

@@ -1,4 +1,4 @@
-"""A rank's save and rename handlers (control/handlers.py) on their own: no processor.
+"""A rank's save and rename handlers (control/rank/handlers.py) on their own: no processor.
 
 `Handlers` gets a fresh HotState, its own handler registry, a list for what it sends and a
 queue for the handlers' ends, which the test hands back to `finished` as the processor's
@@ -11,11 +11,11 @@ import threading
 import time
 from typing import Any, Dict, List, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.handlers import Handlers, Job
-from mindio_ttp.control.hooks import HotState
+from mindio_ttp.control.rank.handlers import Handlers, Job
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.faulttime import save_session
 from mindio_ttp.faulttime.device import NO_DEVICE
+from mindio_ttp.hooks import HotState
 
 
 def make(step: int, **handlers: Any) -> Tuple[Handlers, List[P.Message], queue.Queue, HotState]:

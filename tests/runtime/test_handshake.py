@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mindio_ttp import hooks
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control import hooks
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.hooks import TTPError
-from mindio_ttp.control.processor import HandshakeFailed, Processor
-from mindio_ttp.control.session import RankHandshake
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.control.rank.processor import HandshakeFailed, Processor
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire.session import RankHandshake
+from mindio_ttp.hooks import TTPError
 
 from .conftest import DP, ENV
 from .fakes import KEY, FakeRank, read_frames

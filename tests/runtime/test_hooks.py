@@ -8,7 +8,7 @@ import time
 import pytest
 
 import mindio_ttp.framework_ttp as ttp
-from mindio_ttp.control import hooks
+from mindio_ttp import hooks
 
 
 @pytest.fixture(autouse=True)

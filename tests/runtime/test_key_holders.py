@@ -16,10 +16,10 @@ from typing import Iterator
 import pytest
 
 from mindio_ttp.config import Outcome, TTPConfig
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.processor import Processor
-from mindio_ttp.control.session import new_nonce
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.control.rank.processor import Processor
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire.session import new_nonce
 
 from .conftest import DP, ENV
 from .fakes import KEY, FakeRank, read_frames, real_processor, wait_for

@@ -9,12 +9,12 @@ from typing import List
 
 import pytest
 
+from mindio_ttp import hooks
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control import hooks
-from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.host import ControllerProcess
-from mindio_ttp.control.liveness import LookingClock
-from mindio_ttp.control.processor import Processor
+from mindio_ttp.control.controller.host import ControllerProcess
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.control.rank.processor import Processor
+from mindio_ttp.control.wire.liveness import LookingClock
 from testkit.simranks import SimGroup
 
 from .fakes import KEY

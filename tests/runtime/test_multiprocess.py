@@ -50,7 +50,8 @@ def test_dead_rank_partner_saves(tmp_path):
 
 
 def test_rank0_killed_its_controller_process_outlives_it_and_saves(tmp_path):
-    """The controller runs in a process of its own (control/host.py): rank 0's death is a dead
+    """The controller runs in a process of its own (control/controller/host.py): rank 0's death is
+    a dead
     rank like any other, with no failover."""
     res = run_job(tmp_path, {"faults": [fault("kill", 0, "inside")]})
     assert res.codes == {0: -9, 1: SAVED, 2: SAVED, 3: SAVED}, res.all_logs()

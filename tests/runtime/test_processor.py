@@ -8,10 +8,12 @@ import time
 
 import pytest
 
-from mindio_ttp.config import TTPConfig
-from mindio_ttp.control import hooks
-from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.processor import HANDLERS, Processor
+from mindio_ttp import hooks
+from mindio_ttp.config import Outcome, TTPConfig
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.control.rank.handlers import HANDLERS
+from mindio_ttp.control.rank.processor import Processor
+from mindio_ttp.launch.desk import LauncherDesk
 
 from .fakes import KEY, FakeRank
 
@@ -41,6 +43,7 @@ def job(tmp_path):
         made["ctls"].append(ctl)
         HANDLERS["save"], HANDLERS["rename"] = save, rename
         proc = Processor(c, rank, DP, 4, 2)
+        proc.launcher = LauncherDesk(c.run_dir, rank)  # as the API face hands it
         codes = []
         proc.exit_fn = codes.append
         proc.start("127.0.0.1", ctl.address[1])
@@ -92,6 +95,12 @@ def test_saver_runs_handlers_off_the_main_thread_and_exits_with_the_order(job, t
     assert calls[1] == ("rename", 3, (3, "model"))
     flow = json.loads((tmp_path / "run" / "flow-finished.json").read_text())
     assert flow["outcome"] == "saved" and flow["step"] == 3 and flow["ranks"] == [0, 3]
+    # the processor's table (control/rank/state.py): registered, the lock, the exit order
+    assert [new.value for _, new, _ in proc.machine.history] == ["training", "fault", "exiting"]
+    assert proc.fault_seen is False and proc.running and not proc.machine.protected
+    proc._exit(Outcome.NO_VERDICT, None, [], "a second exit")  # at most one exit, one record
+    assert codes == [83]
+    assert json.loads((tmp_path / "run" / "flow-finished.json").read_text()) == flow
     with pytest.raises(hooks.TTPForceStop):
         hooks.start_updating_os(-1)
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mindio_ttp.control import protocol as P
+from mindio_ttp.control.wire import protocol as P
 
 KEY = bytes(range(32))
 INT = st.integers(-(2**63), 2**63 - 1)

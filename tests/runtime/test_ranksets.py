@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mindio_ttp.control import ranksets as R
-from mindio_ttp.control.selection import Layout, RankState, savers_for
+from mindio_ttp.control.controller.selection import Layout, RankState, savers_for
+from mindio_ttp.control.wire import ranksets as R
 
 
 @settings(max_examples=500, deadline=None)

@@ -18,11 +18,11 @@ from typing import Callable, List
 
 import pytest
 
+from mindio_ttp import hooks
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control import hooks
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.state import ControllerState as S
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.control.controller.state import ControllerState as S
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.recovery import rank as R
 
 from .conftest import DP, ENV

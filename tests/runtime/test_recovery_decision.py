@@ -1,4 +1,5 @@
-"""Recover in memory or save the dying checkpoint (control/recovery_plan.py): every rule, each with
+"""Recover in memory or save the dying checkpoint (control/controller/recovery_plan.py): every
+rule, each with
 the reason the flow logs."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ from typing import Dict, Optional, Set
 
 import pytest
 
-from mindio_ttp.control.recovery_plan import plan_recovery
-from mindio_ttp.control.selection import Layout, RankState
+from mindio_ttp.control.controller.recovery_plan import plan_recovery
+from mindio_ttp.control.controller.selection import Layout, RankState
 
 DP4 = Layout.build([[0, 1, 2, 3]], 2)  # shard 0: ranks 0, 2; shard 1: ranks 1, 3
 TP2_DP2 = Layout.build([[0, 2], [1, 3]], 1)

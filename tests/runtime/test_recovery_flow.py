@@ -1,4 +1,4 @@
-"""The controller's side of the in-memory recovery (control/flow.py and its coordinator)
+"""The controller's side of the in-memory recovery (control/controller/flow.py and its coordinator)
 on its own: no controller, no sockets, scripted ranks. Covers the controller's transitions of
 docs/recovery.md: COLLECTING -> RECOVERING -> SERVING (committed), and RECOVERING -> SAVING
 (abandoned: a rank not ready in time, a failed refill, a replacement that exits, another
@@ -13,11 +13,11 @@ from typing import List, Optional, Set
 import pytest
 
 from mindio_ttp.config import Outcome, TTPConfig
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.flow import Flow
-from mindio_ttp.control.roster import RankInfo, Roster
-from mindio_ttp.control.state import ControllerState as S
-from mindio_ttp.control.state import StateMachine
+from mindio_ttp.control.controller.flow import Flow
+from mindio_ttp.control.controller.roster import RankInfo, Roster
+from mindio_ttp.control.controller.state import ControllerState as S
+from mindio_ttp.control.controller.state import StateMachine
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.recovery import rank as R
 
 from .conftest import DP, ENV

@@ -1,4 +1,4 @@
-"""control/release.py on CPU: every survivor, saver or not, stops its device work at the
+"""control/rank/release.py on CPU: every survivor, saver or not, stops its device work at the
 controller's lock, off its main thread, and its main thread leaves the failed step: by the
 error of the collective the abort ended (what NCCL and HCCL do), or by the exception raised
 into it (NVRx's way) when it sits in Python code instead; never inside an update or at the gate.
@@ -18,9 +18,9 @@ from typing import Iterator, List
 
 import pytest
 
-from mindio_ttp.control import hooks
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.processor import Processor
+from mindio_ttp import hooks
+from mindio_ttp.control.rank.processor import Processor
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.faulttime import abort, device_copy
 from mindio_ttp.recovery import rank as R
 
@@ -75,7 +75,7 @@ def fresh() -> Iterator[None]:
 
 
 def _release():
-    return importlib.import_module("mindio_ttp.control.release")
+    return importlib.import_module("mindio_ttp.control.rank.release")
 
 
 def _trainer(body) -> dict:
@@ -229,7 +229,7 @@ def test_a_recovery_whose_abort_fails_is_failed_at_once_not_after_its_bound(
     its processor answers the order with a failed RecoverReady as soon as its stop failed."""
     monkeypatch.setattr(abort, "_all_groups", lambda: [SpinningGroup(fail=True)])
     monkeypatch.setattr(R, "RECOVERY", R.RankRecovery())
-    monkeypatch.setattr("mindio_ttp.control.processor.RECOVERY", R.RECOVERY)
+    monkeypatch.setattr("mindio_ttp.control.rank.processor.RECOVERY", R.RECOVERY)
     sent: List[P.Message] = []
     proc = Processor(cfg(tmp_path), 0, DP, 4, 2)
     proc._send = sent.append  # type: ignore[method-assign]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.controller import MailOutbox
-from mindio_ttp.control.roster import RankInfo, Roster
-from mindio_ttp.control.transport import Mailbox
+from mindio_ttp.control.controller.roster import RankInfo, Roster
+from mindio_ttp.control.controller.server import MailOutbox
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire.transport import Mailbox
 
 
 def info(rank: int) -> RankInfo:

@@ -1,5 +1,6 @@
 """A saver that dies while it writes is replaced by its shard's other clean holder (the flow
-orders the save again, control/flow.py `Flow._save`): a real 4-rank demo job under ttprun.
+orders the save again, control/controller/flow.py `Flow._save`): a real 4-rank demo job under
+ttprun.
 
 Rank 2 dies before step 3, so every survivor last finished step 2 and the flow picks ranks 0
 (shard 0) and 1 (shard 1). Rank 1 is then SIGKILLed half-way through writing its shard file.

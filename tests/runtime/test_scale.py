@@ -22,7 +22,7 @@ import pytest
 import torch.distributed  # noqa: F401 - imported once here, so forked ranks start at once
 
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control.host import ControllerProcess
+from mindio_ttp.control.controller.host import ControllerProcess
 from testkit.simranks import RankRecord, RealRank, SimGroup
 
 N, TP, PP, STEP = 2048, 8, 4, 10

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mindio_ttp.control.selection import (
+from mindio_ttp.control.controller.selection import (
     Layout,
     RankState,
     agreed_layout,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control import session as S
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire import session as S
 
 from .fakes import KEY
 

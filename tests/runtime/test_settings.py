@@ -13,8 +13,8 @@ import pytest
 
 from mindio_ttp import config
 from mindio_ttp.config import SettingsError, TTPConfig
-from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.hooks import TTPError
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.hooks import TTPError
 from mindio_ttp.launch import preflight
 
 from .conftest import ENV

@@ -6,7 +6,12 @@ import itertools
 
 import pytest
 
-from mindio_ttp.control.state import ALLOWED, ControllerState, InvalidTransition, StateMachine
+from mindio_ttp.control.controller.state import (
+    ALLOWED,
+    ControllerState,
+    InvalidTransition,
+    StateMachine,
+)
 
 S = ControllerState
 ALL_PAIRS = list(itertools.product(S, S))

@@ -23,7 +23,7 @@ import torch.distributed  # noqa: F401 - imported once here, so forked helpers s
 
 from mindio_ttp.config import TTPConfig
 from mindio_ttp.control.agent.node import AgentSettings
-from mindio_ttp.control.host import ControllerProcess
+from mindio_ttp.control.controller.host import ControllerProcess
 from testkit.agenthost import AgentHost
 from testkit.simranks import SimGroup
 

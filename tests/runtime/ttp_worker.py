@@ -83,7 +83,7 @@ def inject(phase: str, step: int) -> None:
             elif kind == "term":
                 os.kill(os.getpid(), signal.SIGTERM)
             elif kind == "garbage":  # an unauthenticated peer pokes the controller
-                from mindio_ttp.control import protocol as P
+                from mindio_ttp.control.wire import protocol as P
                 port = int(os.environ["TTP_CONTROLLER_PORT"])
                 for junk in (b"GET / HTTP/1.0\r\n\r\n", P.encode(P.Goodbye(0), b"k" * 32)):
                     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
@@ -91,7 +91,7 @@ def inject(phase: str, step: int) -> None:
                         while s.recv(4096):  # its challenge, then the controller closes
                             pass
             elif kind == "until_locked":  # hold here until this rank's processor locks it
-                from mindio_ttp.control.hooks import STATE
+                from mindio_ttp.hooks import STATE
                 deadline = time.monotonic() + 20
                 while not STATE.locked and time.monotonic() < deadline:
                     time.sleep(0.01)

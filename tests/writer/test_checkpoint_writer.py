@@ -16,8 +16,7 @@ import pytest
 import torch
 import xxhash
 
-from mindio_ttp.faulttime import checkpoint_writer, digest
-from mindio_ttp.megatron_ttp import manifest
+from mindio_ttp.faulttime import checkpoint_writer, digest, manifest
 
 
 class Boom(RuntimeError):
@@ -76,7 +75,7 @@ def test_a_kill_mid_write_leaves_no_complete_looking_file_and_no_tracker_change(
         import os, signal, torch
         from pathlib import Path
         from mindio_ttp.faulttime import checkpoint_writer
-        from mindio_ttp.megatron_ttp import manifest
+        from mindio_ttp.faulttime import manifest
         root = Path({str(tmp_path)!r})
         kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
         checkpoint_writer.write_torch(root / "iter_0000006/x/optim.pt",

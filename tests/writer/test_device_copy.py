@@ -15,8 +15,7 @@ from typing import Iterator, List
 import pytest
 import torch
 
-from mindio_ttp import config
-from mindio_ttp.control import hooks
+from mindio_ttp import config, hooks
 from mindio_ttp.faulttime import abort, checkpoint_writer, device, device_copy
 from mindio_ttp.faulttime.device import NO_DEVICE, DeviceBinding
 

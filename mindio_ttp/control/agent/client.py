@@ -18,10 +18,10 @@ import time
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from mindio_ttp.config import ENV_AGENT_SOCKET
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.session import RankHandshake
-from mindio_ttp.control.transport import ConnClosed, recv_messages
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire.session import RankHandshake
+from mindio_ttp.control.wire.transport import ConnClosed, recv_messages
 
 if TYPE_CHECKING:
     from mindio_ttp.control.agent.process import AgentProcess

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.transport import Conn
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire.transport import Conn
 
 PRE_AUTH_READ = 4096
 

@@ -32,16 +32,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control import transport
 from mindio_ttp.control.agent import uplink
 from mindio_ttp.control.agent.gate import Gate
-from mindio_ttp.control.liveness import LookingClock
 from mindio_ttp.control.relay.role import RelayRole
-from mindio_ttp.control.session import ListenerHandshake
-from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, deliver
 from mindio_ttp.control.wire import envelope as E
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire import transport
+from mindio_ttp.control.wire.liveness import LookingClock
+from mindio_ttp.control.wire.session import ListenerHandshake
+from mindio_ttp.control.wire.transport import Conn, ConnClosed, Mailbox, deliver
 
 log = logging.getLogger("mindio_ttp.agent")
 

@@ -2,7 +2,8 @@
 
 ttprun's own process is its node's agent (launch/agent.py). Under another launcher (torchrun,
 srun) the first rank of the node to find no agent starts this module as a child process, the way
-rank 0 starts the controller process (control/host.py): a fresh interpreter, in the rank's
+rank 0 starts the controller process (control/controller/host.py): a fresh interpreter, in the
+rank's
 process group (a launcher's kill of the group ends it), SIGINT and SIGTERM ignored (they are the
 ranks' to report), and it outlives the rank that started it. It holds the hop key only: the job
 key is removed from its environment and the hop key comes over a socketpair, so the agent can

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.session import RankHandshake
-from mindio_ttp.control.transport import ConnClosed, connect, recv_messages
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire.session import RankHandshake
+from mindio_ttp.control.wire.transport import ConnClosed, connect, recv_messages
 
 CONNECT_S = 3.5  # two SYN retransmissions (1 s, 3 s): a listener's queue may overflow briefly
 

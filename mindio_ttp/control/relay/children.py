@@ -14,9 +14,9 @@ from __future__ import annotations
 import bisect
 from typing import Dict, Iterable, List, Optional, Sequence, Set
 
-from mindio_ttp.control import ranksets
-from mindio_ttp.control.transport import Conn
+from mindio_ttp.control.wire import ranksets
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire.transport import Conn
 
 
 class Child:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
-from mindio_ttp.control import protocol as P
 from mindio_ttp.control.relay.children import Child, Children
-from mindio_ttp.control.transport import Conn
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire.transport import Conn
 
 
 class Sink(Protocol):

@@ -25,8 +25,8 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control import ranksets
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire import ranksets
 
 MAGIC = b"TTPE"
 HEAD = struct.Struct("!4s16sQBHI")

@@ -12,7 +12,7 @@ key or of the order key.
 
 from __future__ import annotations
 
-from mindio_ttp.control.session import hkdf_sha256
+from mindio_ttp.control.wire.session import hkdf_sha256
 
 _SALT = b"mindio-ttp tiers v1"
 

@@ -26,8 +26,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Type
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.protocol import Ranks
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire.protocol import Ranks
 
 _OWN: Dict[int, Type[P.Message]] = {}
 _INC = P.text(32, "[0-9a-f]{32}")

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import numpy as np
 import torch
 
-from mindio_ttp.megatron_ttp.manifest import iter_dir_name
+from mindio_ttp.faulttime.manifest import iter_dir_name
 
 SKIPPED_TOP_KEYS = ("args",)
 

@@ -60,8 +60,7 @@ def _patch_save(module) -> None:
 
     import torch
 
-    from mindio_ttp.faulttime import checkpoint_writer
-    from mindio_ttp.megatron_ttp import manifest
+    from mindio_ttp.faulttime import checkpoint_writer, manifest
 
     inner = module._save
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Type
 
 from mindio_ttp.config import MAX_WORLD, Outcome
-from mindio_ttp.control import ranksets
+from mindio_ttp.control.wire import ranksets
 
 MAGIC = b"TP"
 # 2: challenge-response handshake, session keys, sequence numbers
@@ -54,7 +54,7 @@ MAX_RANKS = MAX_WORLD  # ranks are 0 .. MAX_RANKS - 1
 MAX_TEXT = 65536  # characters of a free-text field (reasons, errors)
 MAX_STEP = 2**63 - 1
 MAX_SECONDS = 1e9
-# the authenticated store (control/keyspace.py, control/authstore.py)
+# the authenticated store (control/controller/keyspace.py, control/rank/authstore.py)
 STORE_KEY_MAX = 1024  # characters of one key
 STORE_VALUE_MAX = 1024 * 1024  # bytes of one value
 STORE_KEYS_MAX = 64  # keys of one check/wait
@@ -446,7 +446,7 @@ class StateReport(Message):
           store=NAMESPACE, tag=TAG)
 @dataclass
 class SaveOrder(Message):
-    """`store` is the namespace of the authenticated store (control/authstore.py) the chosen
+    """`store` is the namespace of the authenticated store (control/rank/authstore.py) the chosen
     ranks build their gloo groups on: the acting controller keeps it over their TTP
     connections, for this order alone, and drops it when the flow ends (the job's rendezvous
     store dies with node 0 and is open to anyone); `tag` is a random per-order token: the name
@@ -517,7 +517,7 @@ class Closing(Message):
           keys=store_keys, values=b64_values(2), timeout=seconds)
 @dataclass
 class StoreRequest(Message):
-    """Rank → controller: one operation on the authenticated store (control/authstore.py).
+    """Rank → controller: one operation on the authenticated store (control/rank/authstore.py).
     `values` are base64; `amount` is add's increment; `timeout` bounds a get or wait."""
     req: int
     ns: str
@@ -594,7 +594,7 @@ class ReplaceOrder(Message):
 class ReplaceStatus(Message):
     """Relay → controller: what the launcher did with the request (started, exited, failed).
     Taken only from the relay the recovery's plan chose for `rank`, a lost rank; from anyone
-    else it is refused and logged (control/recovery_coordinator.py)."""
+    else it is refused and logged (control/controller/recovery_coordinator.py)."""
     recovery_id: int
     rank: int
     state: str

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mindio_ttp.control.transport import Conn, connect
+from mindio_ttp.control.wire.transport import Conn, connect
 
 log = logging.getLogger("mindio_ttp.processor")
 

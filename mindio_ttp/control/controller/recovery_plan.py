@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Set, Tuple
 
 from mindio_ttp.config import RECOVERY_MODES
-from mindio_ttp.control.selection import Layout, RankState
+from mindio_ttp.control.controller.selection import Layout, RankState
 
 IN_MEMORY, DYING_CHECKPOINT = RECOVERY_MODES
 

@@ -16,12 +16,16 @@ lack the key.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from mindio_ttp.config import Outcome
+from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome
+
+log = logging.getLogger("mindio_ttp.processor")
 
 MAX_FLOW_FILE_BYTES = 64 * 1024  # a real record is a few hundred bytes (reason <= 2000 chars)
 
@@ -120,3 +124,19 @@ def read_flow_record(path: Path) -> FlowRecord:
     except (UnicodeDecodeError, ValueError) as exc:
         raise FlowRecordError(f"is not JSON ({exc})") from None
     return FlowRecord.from_dict(obj)
+
+
+def write_flow_record(run_dir: str, record: FlowRecord) -> None:
+    """Atomically write $TTP_RUN_DIR/flow-finished.json (the launcher polls for it). Never
+    raises: the exit path calls it."""
+    payload = record.to_dict()
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        tmp = os.path.join(run_dir, f".{FLOW_FINISHED_FILE}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(run_dir, FLOW_FINISHED_FILE))
+    except OSError as exc:
+        log.error("cannot write %s in %s: %s", FLOW_FINISHED_FILE, run_dir, exc)

@@ -27,12 +27,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple, Union
 
 from mindio_ttp.config import ENV_RECOVERY, Outcome, TTPConfig
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control import ranksets
-from mindio_ttp.control.recovery_coordinator import RecoveryCoordinator
-from mindio_ttp.control.recovery_plan import IN_MEMORY, plan_recovery
-from mindio_ttp.control.roster import Roster
-from mindio_ttp.control.selection import (
+from mindio_ttp.control.controller.recovery_coordinator import RecoveryCoordinator
+from mindio_ttp.control.controller.recovery_plan import IN_MEMORY, plan_recovery
+from mindio_ttp.control.controller.roster import Roster
+from mindio_ttp.control.controller.selection import (
     Layout,
     RankState,
     agreed_layout,
@@ -41,8 +39,10 @@ from mindio_ttp.control.selection import (
     savers_for,
     states_from,
 )
-from mindio_ttp.control.state import ControllerState as S
-from mindio_ttp.control.state import StateMachine
+from mindio_ttp.control.controller.state import ControllerState as S
+from mindio_ttp.control.controller.state import StateMachine
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire import ranksets
 from mindio_ttp.faulttime import claim as C
 from mindio_ttp.faulttime import save_session
 from mindio_ttp.recovery.rank import RECOVERY
@@ -476,7 +476,8 @@ class Flow:
 
     def _try_recovery(self, fid: int, layout: Layout, states: Dict[int, RankState],
                       reports: Dict[int, Tuple[Optional[int], bool]]) -> Tuple[bool, Set[int]]:
-        """In-memory recovery when it can work (control/recovery_plan.py): (committed, ranks it
+        """In-memory recovery when it can work (control/controller/recovery_plan.py): (committed,
+        ranks it
         replaced). Not committed: the dying checkpoint (also after an abandoned recovery)."""
         with self._cond:
             lost = ({r for r in range(self.world_size) if r not in reports} | self._raised

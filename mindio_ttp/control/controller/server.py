@@ -45,21 +45,21 @@ import time
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from mindio_ttp.config import PRE_AUTH_BUFFER_BUDGET, TTPConfig
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control import transport
-from mindio_ttp.control.admission import PENDING_CAP, Admission
-from mindio_ttp.control.flow import Decision, Flow
-from mindio_ttp.control.hooks import TTPError
-from mindio_ttp.control.keyspace import KeySpace
-from mindio_ttp.control.liveness import LookingClock
-from mindio_ttp.control.roster import RankInfo, Roster
-from mindio_ttp.control.routes import Routes
-from mindio_ttp.control.session import ListenerHandshake
-from mindio_ttp.control.state import ControllerState as S
-from mindio_ttp.control.state import StateMachine
-from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, deliver
+from mindio_ttp.control.controller.flow import Decision, Flow
+from mindio_ttp.control.controller.keyspace import KeySpace
+from mindio_ttp.control.controller.roster import RankInfo, Roster
+from mindio_ttp.control.controller.routes import Routes
+from mindio_ttp.control.controller.state import ControllerState as S
+from mindio_ttp.control.controller.state import StateMachine
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire import transport
+from mindio_ttp.control.wire.admission import PENDING_CAP, Admission
+from mindio_ttp.control.wire.liveness import LookingClock
+from mindio_ttp.control.wire.session import ListenerHandshake
+from mindio_ttp.control.wire.transport import Conn, ConnClosed, Mailbox, deliver
 from mindio_ttp.faulttime import claim as C
+from mindio_ttp.hooks import TTPError
 
 log = logging.getLogger("mindio_ttp.controller")
 

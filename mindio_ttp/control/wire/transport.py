@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
-from mindio_ttp.control.protocol import FrameDecoder, Message
-from mindio_ttp.control.session import Sealer
+from mindio_ttp.control.wire.protocol import FrameDecoder, Message
+from mindio_ttp.control.wire.session import Sealer
 
 RECV_CHUNK = 65536
 

@@ -40,7 +40,7 @@ class TTPForceStop(TTPError):
 
 
 class TTPReleased(TTPForceStop):
-    """Raised into the training thread (control/release.py) when it has not left the failed
+    """Raised into the training thread (control/rank/release.py) when it has not left the failed
     step once its communicators were aborted: leave it, as after TTPForceStop."""
 
 
@@ -173,7 +173,7 @@ STATE = HotState()
 
 class TrainingThread:
     """Where the thread running the decorated `train` is, for the fault-time release
-    (control/release.py): inside `train` and not yet out of the failed step, or not."""
+    (control/rank/release.py): inside `train` and not yet out of the failed step, or not."""
 
     def __init__(self) -> None:
         self.ident: Optional[int] = None

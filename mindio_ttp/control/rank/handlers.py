@@ -16,11 +16,11 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.authstore import AuthStore
-from mindio_ttp.control.hooks import STATE, HotState
+from mindio_ttp.control.rank.authstore import AuthStore
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.faulttime import save_session
 from mindio_ttp.faulttime.device import NO_DEVICE
+from mindio_ttp.hooks import STATE, HotState
 
 log = logging.getLogger("mindio_ttp.processor")
 
@@ -144,3 +144,34 @@ class Handlers:
                                         "succeeded" if ok else "FAILED", secs,
                                         f": {err}" if err else "")
         self._send(cls(job.fid, self.rank, ok, err, secs))
+
+
+def checkpoint_location(step: Optional[int]) -> Optional[str]:
+    """Where the saved checkpoint of ``step`` is, from the rename handler's optional
+    ``checkpoint_location(step)``: every rank can answer (not only the one that renamed), so
+    whichever rank writes flow-finished.json last, ttprun can name the directory. Never raises:
+    this runs on the way out."""
+    locate = getattr(HANDLERS["rename"], "checkpoint_location", None)
+    if step is None or locate is None:
+        return None
+    try:
+        where = locate(step)
+    except Exception as exc:  # noqa: BLE001 - a broken locator must not stop the exit
+        log.warning("checkpoint_location(%s) failed: %s", step, exc)
+        return None
+    return None if where is None else str(where)
+
+
+def latest_iteration() -> Optional[int]:
+    """The iteration `latest` names after the save, from the rename handler's optional
+    ``latest_iteration()``; None when it has none or fails (never raises: the way out)."""
+    ask = getattr(HANDLERS["rename"], "latest_iteration", None)
+    if ask is None:
+        return None
+    try:
+        named = ask()
+    except Exception as exc:  # noqa: BLE001 - as checkpoint_location
+        log.warning("latest_iteration() failed: %s", exc)
+        return None
+    return named if isinstance(named, int) and not isinstance(named, bool) and named >= 0 \
+        else None

@@ -26,7 +26,7 @@ import hmac
 import secrets
 from typing import Any, Dict, Optional, Tuple
 
-from mindio_ttp.control import protocol as P
+from mindio_ttp.control.wire import protocol as P
 
 NONCE_BYTES = 16
 _LABEL = b"mindio-ttp v%d " % P.VERSION

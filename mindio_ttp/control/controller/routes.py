@@ -23,16 +23,16 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Sequence, Tuple
 
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control import ranksets
 from mindio_ttp.control.relay.children import Child, Children
-from mindio_ttp.control.transport import Conn
 from mindio_ttp.control.wire import envelope as E
 from mindio_ttp.control.wire import keys as K
+from mindio_ttp.control.wire import protocol as P
+from mindio_ttp.control.wire import ranksets
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire.transport import Conn
 
 if TYPE_CHECKING:
-    from mindio_ttp.control.controller import Controller
+    from mindio_ttp.control.controller.server import Controller
 
 log = logging.getLogger("mindio_ttp.controller")
 

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from mindio_ttp import config
-from mindio_ttp.control.hooks import STATE, TRAINING, HotState, TrainingThread, TTPReleased
 from mindio_ttp.faulttime import abort, device_copy
+from mindio_ttp.hooks import STATE, TRAINING, HotState, TrainingThread, TTPReleased
 
 log = logging.getLogger("mindio_ttp.processor")
 

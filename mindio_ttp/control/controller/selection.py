@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from mindio_ttp.control.ranksets import describe
+from mindio_ttp.control.wire.ranksets import describe
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Every operation is a `StoreRequest` frame over this rank's authenticated connection to the
 controller (session keys, sequence numbers, HMAC: the same channel as the orders), answered by a
-`StoreReply`; the controller keeps the keys per namespace (control/keyspace.py). So a rendezvous
+`StoreReply`; the controller keeps the keys per namespace (control/controller/keyspace.py). So a
+rendezvous
 on it is open to registered ranks only, bounded in memory, and needs no port of its own:
 
     store = AuthStore("ttp-save/<tag>", timedelta(seconds=90))
@@ -41,7 +42,7 @@ from typing import Any, List, Optional, Protocol, Sequence, Union
 
 import torch.distributed as dist
 
-from mindio_ttp.control import protocol as P
+from mindio_ttp.control.wire import protocol as P
 
 # Past the operation's own timeout, how long a call waits for the controller's answer (the
 # controller answers a timed-out wait itself; this covers a controller that stopped answering,

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control.hooks import TTPError
 from mindio_ttp.faulttime import claim as C
+from mindio_ttp.hooks import TTPError
 from mindio_ttp.log import setup_logging
 from mindio_ttp.recovery.rank import NO_HOOKS, RECOVERY
 
@@ -110,7 +110,7 @@ class ControllerProcess:
             p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mindio_ttp.control.host", str(theirs.fileno())],
+                [sys.executable, "-m", "mindio_ttp.control.controller.host", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
@@ -198,7 +198,7 @@ class ControllerProcess:
 
 # -- the child ------------------------------------------------------------------------------------
 def serve(fd: int) -> int:
-    from mindio_ttp.control.controller import Controller
+    from mindio_ttp.control.controller.server import Controller
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -286,8 +286,8 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not args[0].isdigit():
-        print("usage: python -m mindio_ttp.control.host FD (started by ttp_start_controller)",
-              file=sys.stderr)
+        print("usage: python -m mindio_ttp.control.controller.host FD "
+              "(started by ttp_start_controller)", file=sys.stderr)
         return 2
     return serve(int(args[0]))
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from mindio_ttp.control.transport import Conn
+from mindio_ttp.control.wire.transport import Conn
 
 
 @dataclass

@@ -4,7 +4,7 @@ Ranks rendezvous their fault-time gloo groups (and, in a recovery, every process
 store. torch's TCPStore answers anyone who can reach its port: an outsider could list its keys,
 write under them and grow the hosting process without bound. So the store's keys live here, in
 the acting controller, and its operations travel as `StoreRequest` / `StoreReply` frames over
-the ranks' authenticated TTP connections (control/authstore.py is the rank's side). Only a
+the ranks' authenticated TTP connections (control/rank/authstore.py is the rank's side). Only a
 registered rank can reach it, and what the ranks can make it hold is bounded:
 
 * every key and value is charged to the rank that wrote it (key + value + a fixed overhead), and
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from mindio_ttp.config import STORE_RANK_BUDGET, STORE_TOTAL_BUDGET, STORE_WAITS_PER_RANK
-from mindio_ttp.control import protocol as P
+from mindio_ttp.control.wire import protocol as P
 
 log = logging.getLogger("mindio_ttp.controller")
 Reply = Callable[[P.StoreReply], None]

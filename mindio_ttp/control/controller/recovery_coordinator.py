@@ -1,13 +1,13 @@
 """The controller's side of an in-memory recovery: order it, wait for every rank, commit.
 
-The flow (control/flow.py) calls `run` from its thread once `plan_recovery` said yes; the
+The flow (control/controller/flow.py) calls `run` from its thread once `plan_recovery` said yes; the
 controller's I/O thread calls `ready`, `replace_status`, `replacement_registered` and `fault`,
 always holding the controller's condition. `run` returns whether the recovery committed; when
 it did not, the flow goes on to the dying checkpoint of the same step (the survivors never
 changed their optimizer state), and `reason` says why.
 
 The new world's rendezvous is a namespace of this controller's authenticated store
-(control/authstore.py): every rank reaches it over its own TTP connection (a replacement
+(control/rank/authstore.py): every rank reaches it over its own TTP connection (a replacement
 registers first), so nothing an outsider can write decides who joins. The patched
 megatron/initialize.py hands it to `init_process_group` (edit 6.3, `mega.process_group_store`).
 It stays open until the next recovery opens its own, or the controller stops.
@@ -22,9 +22,9 @@ import time
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from mindio_ttp.config import TTPConfig
-from mindio_ttp.control import protocol as P
-from mindio_ttp.control.recovery_plan import RecoveryPlan
-from mindio_ttp.control.roster import Roster
+from mindio_ttp.control.controller.recovery_plan import RecoveryPlan
+from mindio_ttp.control.controller.roster import Roster
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.recovery.rank import RECOVERY, format_address
 
 log = logging.getLogger("mindio_ttp.controller")

@@ -22,7 +22,6 @@ ends the process with ExitCode.NO_VERDICT and the error, never a silent dead thr
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -34,20 +33,25 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mindio_ttp.config import FLOW_FINISHED_FILE, Outcome, TTPConfig
-from mindio_ttp.control import authstore, failover
-from mindio_ttp.control import protocol as P
+from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control.agent import client as agent_client
-from mindio_ttp.control.controller import Controller
-from mindio_ttp.control.flow_record import FlowRecord
-from mindio_ttp.control.handlers import HANDLERS, Handlers, Job
-from mindio_ttp.control.hooks import STATE, TTPError, fault_kind
-from mindio_ttp.control.liveness import LookingClock
-from mindio_ttp.control.release import Outcome as StopOutcome
-from mindio_ttp.control.release import Stopper
-from mindio_ttp.control.session import RankHandshake
-from mindio_ttp.control.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
+from mindio_ttp.control.controller.server import Controller
+from mindio_ttp.control.rank import authstore, failover
+from mindio_ttp.control.rank.handlers import (
+    Handlers,
+    Job,
+    checkpoint_location,
+    latest_iteration,
+)
+from mindio_ttp.control.rank.release import Outcome as StopOutcome
+from mindio_ttp.control.rank.release import Stopper
+from mindio_ttp.control.rank.state import LIVE, RankMachine, RankState
+from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.control.wire import tier as T
+from mindio_ttp.control.wire.liveness import LookingClock
+from mindio_ttp.control.wire.session import RankHandshake
+from mindio_ttp.control.wire.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
+from mindio_ttp.hooks import STATE, TTPError, fault_kind
 from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder
 
 log = logging.getLogger("mindio_ttp.processor")
@@ -108,14 +112,23 @@ class PendingCalls:
         return len(calls)
 
 
+S = RankState
+TRAINING_ONLY = frozenset({S.TRAINING})
+FAULT_ONLY = frozenset({S.TRAINING, S.FAULT})  # where a recover order finds a rank
+RECOVERING_ONLY = frozenset({S.RECOVERING})
+IN_FAULT = frozenset({S.FAULT, S.RECOVERING})
+RUNNING = frozenset(set(S) - {S.INIT, S.STOPPED})
+NOT_EXITING = frozenset(set(S) - {S.EXITING})
+
+
 class Processor:
     def __init__(self, cfg: TTPConfig, rank: int, dp_ranks: List[int], world_size: int,
                  replica: int) -> None:
         self.cfg, self.rank, self.dp_ranks = cfg, rank, list(dp_ranks)
         self.world_size, self.replica = world_size, replica
         self.ot = cfg.ot
-        self.running = False
-        self.fault_seen = False
+        # training / fault / recovering / unprotected / exiting / stopped (state.py)
+        self.machine = RankMachine(rank)
         self.exit_fn: Callable[[int], Any] = os._exit  # tests running in-process replace it
         self.exited = threading.Event()
         self.standby: Optional[Controller] = None
@@ -129,7 +142,6 @@ class Processor:
         self._sel = selectors.DefaultSelector()
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
-        self._closing = False
         self._seq = 0
         # the controller's silence is measured on the time this thread ran (liveness.py): a GC
         # pause or a GIL-holding call in training must not look like a lost controller
@@ -148,11 +160,21 @@ class Processor:
         # what we ask of this node's launcher (launch/desk.py): set by the API face at start
         self.launcher: Any = None
 
+    @property
+    def running(self) -> bool:
+        """Registered and not shut down (a rank that obeyed its exit order still runs until its
+        process ends)."""
+        return self.machine.state in RUNNING
+
+    @property
+    def fault_seen(self) -> bool:
+        return self.machine.fault_seen
+
     # -- start / stop ----------------------------------------------------------------------------
     def start(self, ip: str, port: int, deadline_s: Optional[float] = None) -> None:
         """Connect and register (blocks). Connecting is retried until TTP_CONNECT_TIMEOUT, and
         so is a handshake the listener closed without an answer (before its challenge, or
-        after our Register: it made room for newer connections, control/admission.py).
+        after our Register: it made room for newer connections, control/wire/admission.py).
         `deadline_s` (a replacement: its recovery order's deadline) is how long instead, and
         then a handshake the listener did not answer in time is retried too: a replacement
         that gives up ends its recovery. A refusal is final. Through this node's agent first
@@ -272,7 +294,7 @@ class Processor:
         RECOVERY.reporter = self._report_ready
         self._set_conn(conn)
         self._sel.register(self._mail.reader, selectors.EVENT_READ, "wake")
-        self.running = True
+        self.machine.transition_to(RankState.TRAINING, "registered")
         self._thread = threading.Thread(target=self._loop, name=f"ttp-processor-{self.rank}",
                                         daemon=True)
         self._thread.start()
@@ -300,9 +322,8 @@ class Processor:
     def shutdown(self, timeout: float = 2.0) -> None:
         """Normal end of training: say goodbye so our disconnect is not taken for a fault."""
         authstore.detach(self)
-        if not self.running:
+        if not self.machine.move_from(RUNNING, RankState.STOPPED, "end of training"):
             return
-        self.running = False
         done = threading.Event()
         self._mail.put(self._say_goodbye, done)
         done.wait(timeout)
@@ -537,7 +558,7 @@ class Processor:
         self._mail.run_all()
 
     def _report_fault(self, kind: str, detail: str) -> None:
-        self._note_fault()
+        self._note_fault(f"{kind} reported")
         STATE.lock()
         (log.info if kind == "collective" else log.error)(
             "rank %d: reporting %s: %s", self.rank, kind, detail)
@@ -548,7 +569,6 @@ class Processor:
         self._send(P.StateReport(flow_id, 2, self.rank, step, updating))
 
     def _say_goodbye(self, done: threading.Event) -> None:
-        self._closing = True
         self._send(P.Goodbye(self.rank))
         done.set()
 
@@ -563,8 +583,8 @@ class Processor:
         """On a handler's thread: its result is sent from ours (only we touch the socket)."""
         self._mail.put(self.handlers.finished, job, ok, err)
 
-    def _note_fault(self) -> None:
-        self.fault_seen = True
+    def _note_fault(self, why: str) -> None:
+        self.machine.move_from(TRAINING_ONLY, RankState.FAULT, why)
         if self._fault_time is None:
             self._fault_time = time.monotonic()
 
@@ -595,12 +615,12 @@ class Processor:
         elif isinstance(m, P.Backups):
             self._backups = m.backups
         elif isinstance(m, P.Lock):
-            self._note_fault()
+            self._note_fault(f"lock of flow {m.flow_id}")
             step, updating = STATE.lock()
             self._send(P.StateReport(m.flow_id, 1, self.rank, step, updating))
             self.stopper.start(f"lock of flow {m.flow_id}")
         elif isinstance(m, P.AdvanceTo):
-            self._note_fault()
+            self._note_fault(f"advance of flow {m.flow_id}")
             if m.flow_id in self._advanced:
                 return  # already advancing for this flow: its report comes when done
             self._advanced[m.flow_id] = None
@@ -611,6 +631,7 @@ class Processor:
             threading.Thread(target=advance, name="ttp-advance", daemon=True).start()
         elif isinstance(m, P.SaveOrder):
             RECOVERY.abandon("the controller fell back to the dying checkpoint")
+            self.machine.move_from(RECOVERING_ONLY, RankState.FAULT, "save order")
             self.handlers.start_save(m)
         elif isinstance(m, P.RenameOrder):
             self.handlers.start_rename(m)
@@ -626,7 +647,7 @@ class Processor:
         elif isinstance(m, P.Closing):
             log.warning("rank %d: controller closed (%s); this rank is no longer protected",
                         self.rank, m.reason)
-            self._closing = True
+            self.machine.move_from(LIVE, RankState.UNPROTECTED, "the controller closed")
         elif isinstance(m, P.RegisterAck):
             self._backups = m.backups or self._backups
         else:
@@ -634,10 +655,12 @@ class Processor:
 
     # -- in-memory recovery (docs/recovery.md) --------------------------------------------------
     def _on_recover(self, m: P.RecoverOrder) -> None:
-        self._note_fault()
+        self._note_fault(f"recover order {m.recovery_id}")
         order = RecoveryOrder(m.recovery_id, m.flow_id, m.step, tuple(m.lost), m.rendezvous, "",
                               m.deadline)
         if RECOVERY.ordered(order):
+            self.machine.move_from(FAULT_ONLY, RankState.RECOVERING,
+                                   f"recover order {m.recovery_id}")
             STATE.stop()  # the training thread leaves the step at its next update, if not yet
             # TTP_OT counts again once the recovery's own bound has passed
             self._fault_time = time.monotonic() + m.deadline
@@ -660,7 +683,7 @@ class Processor:
     def _on_commit(self, m: P.RecoverCommit) -> None:
         RECOVERY.commit(m.recovery_id)
         self._fault_time = None
-        self.fault_seen = False
+        self.machine.move_from(IN_FAULT, RankState.TRAINING, f"recovery {m.recovery_id} committed")
         self.stopper.reset()
         order = RECOVERY.order
         if order is not None and order.recovery_id == m.recovery_id:
@@ -691,7 +714,7 @@ class Processor:
     def _upstream_lost(self, why: str) -> None:
         """The node agent lost its parent and fails over for the node: stop training until a
         controller decides, as on losing the controller ourselves; store calls in flight fail."""
-        self._note_fault()
+        self._note_fault("the node agent lost its parent")
         STATE.lock()
         self._calls.fail_all(ConnectionError(f"the connection to the TTP controller was lost "
                                              f"({why}; a new controller starts with an empty "
@@ -703,7 +726,7 @@ class Processor:
         fault: the controller keeps our place for a while (routes.py), training goes on."""
         self._agent = None
         self._drop_conn()
-        if self._closing or self._stop.is_set():
+        if not self.machine.protected or self._stop.is_set():
             self._stop.set()
             return
         log.warning("rank %d: node agent lost (%s); registering with the controller itself",
@@ -720,10 +743,10 @@ class Processor:
         if self._agent is not None:
             return self._agent_lost(why)
         self._drop_conn()
-        if self._closing or self._stop.is_set():
+        if not self.machine.protected or self._stop.is_set():
             self._stop.set()
             return
-        self._note_fault()
+        self._note_fault(f"controller lost: {why}"[:200])
         STATE.lock()  # no further updates until a controller decides
         self.stopper.start("controller lost")
         log.error("rank %d: controller lost (%s); failing over to %s", self.rank, why,
@@ -752,12 +775,15 @@ class Processor:
     def _exit(self, outcome: Outcome, step: Optional[int], ranks: List[int], reason: str,
               code: Optional[int] = None) -> None:
         code = outcome.exit_code if code is None else code
-        if self.cfg.run_dir:
-            where = checkpoint_location(step) if outcome is Outcome.SAVED else None
-            latest = latest_iteration() if outcome is Outcome.SAVED else None
-            record = FlowRecord(outcome, step, tuple(ranks), code, reason, self.rank,
-                                time.time(), where, latest)
-            write_flow_file(self.cfg.run_dir, record.to_dict())
+        if not self.machine.move_from(NOT_EXITING, RankState.EXITING, outcome.value):
+            log.warning("rank %d: a second exit (%s: %s) after the first: ignored", self.rank,
+                        outcome.value, reason)
+            return
+        if self.launcher is not None:  # the launcher's record of the flow (launch/desk.py)
+            saved = outcome is Outcome.SAVED
+            self.launcher.exiting(outcome, step, ranks, code, reason,
+                                  checkpoint_location(step) if saved else None,
+                                  latest_iteration() if saved else None)
         (log.warning if outcome is Outcome.SAVED else log.error)(
             "rank %d: exiting with code %d (%s): %s", self.rank, code, outcome.value, reason)
         for h in logging.getLogger("mindio_ttp").handlers:
@@ -768,48 +794,3 @@ class Processor:
         self.exited.set()
         self._stop.set()
         self.exit_fn(code)
-
-
-def checkpoint_location(step: Optional[int]) -> Optional[str]:
-    """Where the saved checkpoint of ``step`` is, from the rename handler's optional
-    ``checkpoint_location(step)``: every rank can answer (not only the one that renamed), so
-    whichever rank writes flow-finished.json last, ttprun can name the directory. Never raises:
-    this runs on the way out."""
-    locate = getattr(HANDLERS["rename"], "checkpoint_location", None)
-    if step is None or locate is None:
-        return None
-    try:
-        where = locate(step)
-    except Exception as exc:  # noqa: BLE001 - a broken locator must not stop the exit
-        log.warning("checkpoint_location(%s) failed: %s", step, exc)
-        return None
-    return None if where is None else str(where)
-
-
-def latest_iteration() -> Optional[int]:
-    """The iteration `latest` names after the save, from the rename handler's optional
-    ``latest_iteration()``; None when it has none or fails (never raises: the way out)."""
-    ask = getattr(HANDLERS["rename"], "latest_iteration", None)
-    if ask is None:
-        return None
-    try:
-        named = ask()
-    except Exception as exc:  # noqa: BLE001 - as checkpoint_location
-        log.warning("latest_iteration() failed: %s", exc)
-        return None
-    return named if isinstance(named, int) and not isinstance(named, bool) and named >= 0 \
-        else None
-
-
-def write_flow_file(run_dir: str, payload: dict) -> None:
-    """Atomically write $TTP_RUN_DIR/flow-finished.json (the launcher polls for it)."""
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        tmp = os.path.join(run_dir, f".{FLOW_FINISHED_FILE}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(run_dir, FLOW_FINISHED_FILE))
-    except OSError as exc:
-        log.error("cannot write %s in %s: %s", FLOW_FINISHED_FILE, run_dir, exc)
