@@ -11,6 +11,7 @@ All times are seconds as floats.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 import hashlib
@@ -80,9 +81,12 @@ CONTROLLER_PORT_RANGE = (1024, 65535)
 # would overflow the deadlines computed from them on some platforms.
 MAX_SECONDS = 7 * 24 * 3600.0
 KEY_BYTES = (16, 512)  # TTP_AUTH_KEY: at least 128 bits; at most what a key file may hold
-# TTP_SAVE_TIME_LIMIT, when unset: what TTP_OT leaves after collecting the ranks' state and
-# renaming, minus this margin for detection and the exit orders (90 s at the default TTP_OT).
+# TTP_SAVE_TIME_LIMIT, when unset: what TTP_OT leaves after every other wait of the flow
+# (Deadlines.flow_budget without the save), minus this margin for detection.
 SAVE_LIMIT_MARGIN_S = 5.0
+STORE_ANSWER_GRACE_S = 10.0  # an AuthStore call's answer, past the wait it asked for
+CONTROLLER_STOP_GRACE_S = 10.0  # past the goodbye wait, then rank 0 kills a hung controller
+AGENT_UNJOINED_GRACE_S = 10.0  # a node agent no rank ever reached, past TTP_CONNECT_TIMEOUT
 
 FLOW_FINISHED_FILE = "flow-finished.json"
 # The largest world the runtime accepts (the API's checks and the wire format's rank ranges).
@@ -345,11 +349,12 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting(ENV_UPDATE_GRACE, "seconds", "5", "(0, 604800]",
             "how long a rank inside its optimizer update may take to finish it", seconds, 5.0),
     Setting(ENV_SAVE_TIME_LIMIT, "seconds",
-            f"{ENV_OT} - {ENV_COLLECT_TIMEOUT} - {ENV_RENAME_TIME_LIMIT} - "
-            f"{SAVE_LIMIT_MARGIN_S:g}", "(0, 604800]",
+            f"{ENV_OT} - the flow's other waits - {SAVE_LIMIT_MARGIN_S:g}", "(0, 604800]",
             "limit of the save handler (writing the dying checkpoint)", seconds, None,
-            "90 s at the default TTP_OT, 330 s at the generated script's 360, never below "
-            "TTP_OT/4; a save past it fails (exit 85)"),
+            "the other waits are collect, advance, rename and the exit orders with their "
+            "slack (docs/design.md, \"Deadlines\"): 62 s at the defaults, 302 s at the "
+            "generated script's TTP_OT=360, never below TTP_OT/4; a save past it fails "
+            "(exit 85)"),
     Setting(ENV_RENAME_TIME_LIMIT, "seconds", "15", "(0, 604800]",
             "limit of the rename handler (moving the checkpoint into place)", seconds, 15.0),
     Setting(ENV_CONNECT_TIMEOUT, "seconds", "60", "(0, 604800]",
@@ -437,13 +442,18 @@ HEARTBEATS_PER_S = 8192.0  # the controller's heartbeat budget: interval >= worl
 REGISTRATIONS_PER_S = 4096.0  # handshake timeout >= world_size / this
 
 
+def heartbeat_timeout_for(interval: float) -> float:
+    """TTP_HEARTBEAT_TIMEOUT when unset: three intervals, never below the table's default."""
+    return max(BY_NAME[ENV_HEARTBEAT_TIMEOUT].value, 3 * interval)
+
+
 def scaled_defaults(world_size: Optional[int]) -> Dict[str, float]:
     """The defaults of the settings that depend on the job's size (without node agents: with
     them no connection serves more than a node's ranks or a relay's agents)."""
     interval = max(BY_NAME[ENV_HEARTBEAT_INTERVAL].value, (world_size or 0) / HEARTBEATS_PER_S)
     return {
         ENV_HEARTBEAT_INTERVAL: interval,
-        ENV_HEARTBEAT_TIMEOUT: max(BY_NAME[ENV_HEARTBEAT_TIMEOUT].value, 3 * interval),
+        ENV_HEARTBEAT_TIMEOUT: heartbeat_timeout_for(interval),
         ENV_HANDSHAKE_TIMEOUT: max(BY_NAME[ENV_HANDSHAKE_TIMEOUT].value,
                                    (world_size or 0) / REGISTRATIONS_PER_S),
     }
@@ -480,7 +490,7 @@ def _parse_all(env: Mapping[str, str],
         if raw is None:
             values[s.name] = s.value
             if s.name == ENV_HEARTBEAT_TIMEOUT and values.get(ENV_HEARTBEAT_INTERVAL):
-                values[s.name] = max(s.value, 3 * values[ENV_HEARTBEAT_INTERVAL])
+                values[s.name] = heartbeat_timeout_for(values[ENV_HEARTBEAT_INTERVAL])
             elif s.name in scaled:
                 values[s.name] = scaled[s.name]
             continue
@@ -569,10 +579,12 @@ def _char(c: str) -> str:
     return f"{c!r} ({unicodedata.name(c, hex(ord(c))).lower()})"
 
 
-def derived_save_limit(ot: float, collect: float, rename: float) -> float:
-    """TTP_SAVE_TIME_LIMIT when unset: the part of TTP_OT left to the save, never below a
-    quarter of TTP_OT (a short TTP_OT, e.g. in tests, still gives the save some time)."""
-    return max(ot - collect - rename - SAVE_LIMIT_MARGIN_S, ot / 4)
+def derived_save_limit(ot: float, others: float) -> float:
+    """TTP_SAVE_TIME_LIMIT when unset: the part of TTP_OT that every other wait of the flow
+    (`others`: Deadlines.flow_budget less the save's own limit) leaves to the save, never below
+    a quarter of TTP_OT (a short TTP_OT, e.g. in tests, still gives the save some time; the
+    start-up check then warns)."""
+    return max(ot - others - SAVE_LIMIT_MARGIN_S, ot / 4)
 
 
 def value(env: Mapping[str, str], name: str) -> Any:
@@ -727,14 +739,11 @@ class TTPConfig:
         assert key is not None
         v = values
         save_limit = v[ENV_SAVE_TIME_LIMIT]
-        if save_limit is None:
-            save_limit = derived_save_limit(v[ENV_OT], v[ENV_COLLECT_TIMEOUT],
-                                            v[ENV_RENAME_TIME_LIMIT])
         cfg = cls(
             ot=v[ENV_OT],
             heartbeat_interval=v[ENV_HEARTBEAT_INTERVAL],
             heartbeat_timeout=v[ENV_HEARTBEAT_TIMEOUT],
-            save_time_limit=save_limit,
+            save_time_limit=0.0 if save_limit is None else save_limit,
             rename_time_limit=v[ENV_RENAME_TIME_LIMIT],
             collect_timeout=v[ENV_COLLECT_TIMEOUT],
             update_grace=v[ENV_UPDATE_GRACE],
@@ -751,10 +760,14 @@ class TTPConfig:
             node_agent=v[ENV_NODE_AGENT],
             fanout=v[ENV_FANOUT],
         )
-        budget = Deadlines(cfg).limits_budget
+        if save_limit is None:
+            cfg = dataclasses.replace(cfg, save_time_limit=derived_save_limit(
+                cfg.ot, cfg.deadlines.flow_budget_without_save))
+        budget = cfg.deadlines.flow_budget
         if budget >= cfg.ot:
-            log.warning("%s=%g is shorter than collect + save + rename limits (%g s): processes "
-                        "may exit before the dying checkpoint is renamed", ENV_OT, cfg.ot, budget)
+            log.warning("%s=%g is not longer than the flow may wait (%g s: %s): processes may "
+                        "exit with no verdict before the dying checkpoint is renamed",
+                        ENV_OT, cfg.ot, budget, cfg.deadlines.flow_budget_terms())
         return cfg
 
     @property
@@ -764,11 +777,14 @@ class TTPConfig:
 
 @dataclass(frozen=True)
 class Deadlines:
-    """Every wait the control plane derives from the settings, each with the one reason for its
-    slack, so that what the flow waits for and what the start-up check adds up are the same."""
+    """Every wait derived from the settings, each with the one reason for its slack, so that
+    what the flow waits for and what the start-up check adds up are the same. Built from a
+    TTPConfig, or from a node agent's AgentSettings for the waits a node agent has (the
+    heartbeat, handshake, connect and TTP_OT ones)."""
 
-    cfg: TTPConfig
+    cfg: Any
 
+    # -- the flow (control/controller/flow.py) -------------------------------------------------
     @property
     def advance_wait(self) -> float:
         """Phase 2 (AdvanceTo): the update grace, one heartbeat for the reports to travel, and a
@@ -787,10 +803,39 @@ class Deadlines:
         return cfg.ot - spent - cfg.rename_time_limit - 4 * cfg.heartbeat_interval - 1.0
 
     @property
+    def exit_flush(self) -> float:
+        """How long the flow waits for every exit order to be written before its own rank's:
+        as long as a storm's handshakes may take (scaled without node agents), at least 2 s."""
+        return max(2.0, self.cfg.handshake_timeout)
+
+    @property
+    def flow_budget_without_save(self) -> float:
+        """Every wait of a flow but the save handler's own limit (TTP_SAVE_TIME_LIMIT, when
+        unset, is what TTP_OT leaves after this: config.derived_save_limit)."""
+        cfg = self.cfg
+        return (cfg.collect_timeout + self.advance_wait + self.order_wait(0.0)
+                + self.order_wait(cfg.rename_time_limit) + self.exit_flush)
+
+    @property
+    def flow_budget(self) -> float:
+        """The longest a flow may wait from the fault to its exit orders: collect, advance, the
+        save order and the rename order, each with its slack, and the exit orders' flush. The
+        start-up check warns when TTP_OT is not longer (a rank gives up TTP_OT after the fault)."""
+        return self.flow_budget_without_save + self.cfg.save_time_limit
+
+    def flow_budget_terms(self) -> str:
+        """The sum above in words, for the start-up warning."""
+        cfg = self.cfg
+        return (f"collect {cfg.collect_timeout:g} + advance {self.advance_wait:g} + save "
+                f"{self.order_wait(cfg.save_time_limit):g} + rename "
+                f"{self.order_wait(cfg.rename_time_limit):g} + exit orders {self.exit_flush:g}")
+
+    # -- failover ------------------------------------------------------------------------------
+    @property
     def failover_try(self) -> float:
         """How long a failover target gets to send its challenge (a hung process accepts TCP
         connections in the kernel): a heartbeat timeout, at most 5 s so a list of dead
-        targets is gone through quickly."""
+        targets is gone through quickly. Ranks and node agents alike."""
         return min(self.cfg.heartbeat_timeout, 5.0)
 
     @property
@@ -800,34 +845,62 @@ class Deadlines:
         return 2 * self.cfg.heartbeat_interval + 0.5
 
     @property
+    def failover_ceiling(self) -> float:
+        """...and this long at most: the floor, then a storm's handshakes (TTP_HANDSHAKE_TIMEOUT,
+        scaled with the job without node agents)."""
+        return self.failover_floor + self.cfg.handshake_timeout
+
+    @property
     def route_grace(self) -> float:
         """How long ranks whose node agent or relay was lost have to register another way
         before they count as dead (routes.py): their processors and agents re-register at once
         on EOF; a heartbeat interval and a second cover a busy node."""
         return self.cfg.heartbeat_interval + 1.0
 
+    # -- the loops ---------------------------------------------------------------------------
     @property
-    def exit_flush(self) -> float:
-        """How long the flow waits for every exit order to be written before its own rank's:
-        as long as a storm's handshakes may take (scaled without node agents), at least 2 s."""
-        return max(2.0, self.cfg.handshake_timeout)
+    def controller_tick(self) -> float:
+        """The longest the controller's loop sleeps: half a heartbeat interval, a quarter of
+        the timeout, so a silence is judged within a quarter of its limit."""
+        return min(self.cfg.heartbeat_interval / 2, self.cfg.heartbeat_timeout / 4)
 
     @property
-    def limits_budget(self) -> float:
-        """The settings' own limits a flow runs through: collect, save and rename (the start-up
-        check: TTP_OT must exceed it)."""
-        cfg = self.cfg
-        return cfg.collect_timeout + cfg.save_time_limit + cfg.rename_time_limit
+    def agent_tick(self) -> float:
+        """A node agent's: the controller's, at most half a second (it judges its local ranks,
+        whose death it should pass up at once)."""
+        return min(self.controller_tick, 0.5)
+
+    # -- the end of a job ----------------------------------------------------------------------
+    @property
+    def goodbye_wait(self) -> float:
+        """At the normal end of training, how long the controller waits for every rank's
+        goodbye: two heartbeat timeouts (a rank a heartbeat behind, and its frame's travel)
+        and a second."""
+        return 2 * self.cfg.heartbeat_timeout + 1.0
+
+    @staticmethod
+    def controller_stop(goodbye_wait: float) -> float:
+        """How long rank 0 waits for its controller process to stop before killing it."""
+        return goodbye_wait + CONTROLLER_STOP_GRACE_S
 
     @property
-    def flow_budget(self) -> float:
-        """The longest a flow may wait from the fault to its exit orders: collect, advance, the
-        save order and the rename order, each with its slack, and the exit orders' flush (at
-        the defaults, 143 s against TTP_OT's 120: the derived save limit leaves 5 s for what
-        is here 33 s of slack; docs/design.md)."""
-        cfg = self.cfg
-        return (cfg.collect_timeout + self.advance_wait + self.order_wait(cfg.save_time_limit)
-                + self.order_wait(cfg.rename_time_limit) + self.exit_flush)
+    def orders_drain(self) -> float:
+        """How long the controller process serves on after the exit orders, for every rank to
+        read its own: a storm's handshakes, at least 10 s, and never past TTP_OT (a rank still
+        connected then has stopped waiting for its verdict)."""
+        return max(10.0, self.cfg.handshake_timeout, self.cfg.ot)
+
+    @property
+    def agent_unjoined(self) -> float:
+        """A node agent that no rank reached exits after this: the ranks' own connect timeout
+        and a margin."""
+        return self.cfg.connect_timeout + AGENT_UNJOINED_GRACE_S
+
+    @staticmethod
+    def store_answer(wait_s: float) -> float:
+        """An AuthStore call asking the controller to wait `wait_s` gets its answer within
+        this, or fails (the store's own wait, and the travel of both frames on a busy node)."""
+        return wait_s + STORE_ANSWER_GRACE_S
 
 
 # -- the table, for people ----------------------------------------------------------------------

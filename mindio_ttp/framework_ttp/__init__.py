@@ -433,7 +433,7 @@ def ttp_shutdown() -> None:
     if proc is not None:
         proc.shutdown()
     if ctl is not None:
-        ctl.stop(wait_goodbyes=2 * ctl.cfg.heartbeat_timeout + 1.0)
+        ctl.stop(wait_goodbyes=ctl.cfg.deadlines.goodbye_wait)
     _hooks.STATE.reset()
 
 

@@ -3,6 +3,7 @@ worker starts and by the runtime, with the same code (issue 16, items 6 and 8)."
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -105,14 +106,36 @@ def test_help_names_the_values_of_the_recovery_mode() -> None:
 
 def test_save_limit_follows_ttp_ot_unless_set() -> None:
     """Before: 90 s whatever TTP_OT was, so the generated script's TTP_OT=360 still cut the
-    save at 90 s."""
+    save at 90 s. Then: TTP_OT - collect - rename - 5, which left the flow's other waits (the
+    advance, each order's travel, the exit orders' flush: 28 s at the defaults) out, so a save
+    that used its whole limit ended after the ranks' TTP_OT. Now every wait counts."""
     def limit(**env: str) -> float:
         return TTPConfig.from_env({"TTP_AUTH_KEY": KEY, **env}).save_time_limit
 
-    assert limit() == 90.0  # 120 - 10 (collect) - 15 (rename) - 5
-    assert limit(TTP_OT="360") == 330.0
+    # collect 10; advance: grace 5 + interval 2 + 1; the save order's travel 2 x 2 + 1; rename
+    # 15 + 2 x 2 + 1; the exit orders' flush max(2, handshake 10); the margin 5
+    others = 10 + (5 + 2 + 1) + (2 * 2 + 1) + (15 + 2 * 2 + 1) + 10
+    assert limit() == 120 - others - 5 == 62.0
+    assert limit(TTP_OT="360") == 360 - others - 5 == 302.0
     assert limit(TTP_OT="360", TTP_SAVE_TIME_LIMIT="42") == 42.0
     assert limit(TTP_OT="20") == 5.0  # never below TTP_OT / 4
+
+
+def test_the_start_up_check_adds_up_what_the_flow_waits_for(caplog) -> None:
+    """The check warns when TTP_OT is not longer than every wait of the flow (Deadlines.
+    flow_budget): the same terms the flow awaits, not only the three limits."""
+    def budget(**env: str) -> float:
+        with caplog.at_level(logging.WARNING, logger="mindio_ttp"):
+            caplog.clear()
+            cfg = TTPConfig.from_env({"TTP_AUTH_KEY": KEY, **env})
+        return cfg.deadlines.flow_budget
+
+    assert budget() == 115.0 and not caplog.records  # the defaults fit TTP_OT=120
+    # 10 + 15 + 90 = 115 < 120 passed the old check; with the waits around them it is 143
+    assert budget(TTP_SAVE_TIME_LIMIT="90") == 143.0
+    said = caplog.records[0].getMessage()
+    assert "TTP_OT=120 is not longer than the flow may wait (143 s" in said
+    assert "exit orders 10" in said
 
 
 def test_docs_list_every_setting_exactly_as_the_table_does() -> None:

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from mindio_ttp.config import Deadlines
 from mindio_ttp.control.agent import uplink
 from mindio_ttp.control.agent.gate import Gate
 from mindio_ttp.control.relay.role import RelayRole
@@ -262,7 +263,7 @@ class NodeAgent:
 
     def _loop(self) -> None:
         self._clock = LookingClock()
-        tick = min(self.s.heartbeat_interval / 2, self.s.heartbeat_timeout / 4, 0.5)
+        tick = Deadlines(self.s).agent_tick
         next_check = time.monotonic() + tick
         while not self._stop.is_set():
             now = time.monotonic()
@@ -453,7 +454,7 @@ class NodeAgent:
         fallback = standbys if lost_relay else None
         deadline = time.monotonic() + (self.s.ot if failover else self.s.connect_timeout)
         children = len(self.relay.children)
-        per_try = min(self.s.heartbeat_timeout, 5.0)
+        per_try = Deadlines(self.s).failover_try
 
         def register(local_ip: str, redirected: bool) -> T.NodeRegister:
             port = self._relay_port(local_ip)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from mindio_ttp.config import ENV_AUTH_KEY, ENV_AUTH_KEY_FILE
+from mindio_ttp.config import ENV_AUTH_KEY, ENV_AUTH_KEY_FILE, Deadlines
 from mindio_ttp.control.agent.node import AgentSettings, NodeAgent
 from mindio_ttp.log import setup_logging
 
@@ -47,7 +47,7 @@ def settings_from_env(world_size: int, env: Optional[Dict[str, str]] = None) -> 
     interval = v[C.ENV_HEARTBEAT_INTERVAL]
     timeout = v[C.ENV_HEARTBEAT_TIMEOUT]
     if not C._raw(env, C.ENV_HEARTBEAT_TIMEOUT):
-        timeout = max(timeout, 3 * interval)  # the table's rule for an unset timeout
+        timeout = C.heartbeat_timeout_for(interval)  # the table's rule for an unset timeout
     local = env.get("LOCAL_WORLD_SIZE", "0")
     return AgentSettings(world_size, interval, timeout, v[C.ENV_HANDSHAKE_TIMEOUT],
                          v[C.ENV_CONNECT_TIMEOUT], v[C.ENV_OT],
@@ -131,7 +131,7 @@ def serve(fd: int) -> int:
 def run(agent: NodeAgent, s: AgentSettings) -> int:
     """Serve until the node has had no rank and no agent below for a while."""
     idle_s = IDLE_EXIT_S
-    never_s = s.connect_timeout + 10.0
+    never_s = Deadlines(s).agent_unjoined
     while agent._thread is not None and agent._thread.is_alive():
         time.sleep(0.2)
         now = time.monotonic()

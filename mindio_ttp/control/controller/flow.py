@@ -231,7 +231,7 @@ class Flow:
         TTP_HANDSHAKE_TIMEOUT (scaled with the job) past the floor."""
         floor = self.cfg.deadlines.failover_floor
         t0 = time.monotonic()
-        deadline = t0 + floor + self.cfg.handshake_timeout
+        deadline = t0 + self.cfg.deadlines.failover_ceiling
         with self._cond:
             while self._ranks.n_alive < self.world_size - 1:
                 now = time.monotonic()

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from mindio_ttp.config import TTPConfig
+from mindio_ttp.config import Deadlines, TTPConfig
 from mindio_ttp.faulttime import claim as C
 from mindio_ttp.hooks import TTPError
 from mindio_ttp.log import setup_logging
@@ -49,7 +49,6 @@ from mindio_ttp.recovery.rank import NO_HOOKS, RECOVERY
 log = logging.getLogger("mindio_ttp.controller")
 
 START_TIMEOUT_S = 60.0  # interpreter start and imports on a busy node, then the bind
-STOP_GRACE_S = 10.0  # past the goodbye wait, before rank 0 kills a controller that hangs
 POLL_S = 0.2
 
 
@@ -174,7 +173,7 @@ class ControllerProcess:
             return
         self._chan.send(stop=wait_goodbyes)
         try:
-            self.proc.wait(wait_goodbyes + STOP_GRACE_S)
+            self.proc.wait(Deadlines.controller_stop(wait_goodbyes))
         except subprocess.TimeoutExpired:
             log.warning("the TTP controller process (pid %d) did not stop: killing it",
                         self.proc.pid)
@@ -268,7 +267,7 @@ def _run(ctl: Any, chan: _Channel, cfg: TTPConfig) -> int:
             # their ranks would wait out TTP_OT for a verdict. At 16k+ ranks on a busy node
             # the orders take longer than a handshake timeout to write; a rank still connected
             # after TTP_OT has stopped waiting for its verdict anyway.
-            deadline = time.monotonic() + max(10.0, cfg.handshake_timeout, cfg.ot)
+            deadline = time.monotonic() + cfg.deadlines.orders_drain
             while ctl.registered and time.monotonic() < deadline:
                 time.sleep(POLL_S)
             ctl.stop()

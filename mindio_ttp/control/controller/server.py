@@ -312,7 +312,7 @@ class Controller:
     # -- I/O thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
         self._clock = LookingClock()  # from the first turn: starting up is not a stall
-        tick = min(self.cfg.heartbeat_interval / 2, self.cfg.heartbeat_timeout / 4)
+        tick = self.cfg.deadlines.controller_tick
         next_check = time.monotonic() + tick
         next_backups = 0.0
         while not self._stop.is_set():

@@ -42,12 +42,12 @@ from typing import Any, List, Optional, Protocol, Sequence, Union
 
 import torch.distributed as dist
 
+from mindio_ttp.config import Deadlines
 from mindio_ttp.control.wire import protocol as P
 
 # Past the operation's own timeout, how long a call waits for the controller's answer (the
 # controller answers a timed-out wait itself; this covers a controller that stopped answering,
 # until the processor declares it lost and fails the call).
-ANSWER_GRACE_S = 10.0
 Seconds = Union[float, timedelta]
 _alive: List[AuthStore] = []  # see the module docstring: torch does not keep them alive
 
@@ -139,7 +139,7 @@ class AuthStore(dist.Store):
         if bad:  # a key too long, too many keys, a value over 1 MiB: say so here
             raise ValueError(f"AuthStore {self.namespace!r}: {bad}")
         try:
-            reply = self._channel.store_call(request, wait_s + ANSWER_GRACE_S)
+            reply = self._channel.store_call(request, Deadlines.store_answer(wait_s))
         except (ConnectionError, TimeoutError) as exc:
             raise dist.DistStoreError(f"TTP store {self.namespace!r}: {op} {_keys(keys)}: "
                                       f"{exc}") from None
