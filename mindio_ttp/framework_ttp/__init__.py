@@ -1,7 +1,8 @@
 """Open replacement for MindIO TTP's `mindio_ttp.framework_ttp` (the RC2 `ttp_*` API).
 
 Only the public functions the guide calls live here, each validating its arguments with a
-ValueError that says what to pass; the work is in controller.py / processor.py / hooks.py.
+ValueError that says what to pass; the work is in control/ (controller/server.py,
+rank/processor.py) and hooks.py.
 Handler contract: the save handler is `fn(step, save_ranks, ckpt_args)`, run in a
 processor-owned thread on exactly the chosen ranks (concurrently); the rename handler is
 `fn(step, ckpt_args)`, run on one rank after every save succeeded. Raise on failure. A rename

@@ -236,7 +236,7 @@ class Routes:
             ctl._after_registration()
 
     def _late(self, child: Child, regs: List[P.Register]) -> None:
-        """Ranks that come after the verdict get it (controller.py's `_late`)."""
+        """Ranks that come after the verdict get it (server.py's `_late`)."""
         ctl = self.ctl
         ranks = [r.rank for r in regs]
         log.warning("%s: %d rank(s) registered through node agent %s after the verdict; "

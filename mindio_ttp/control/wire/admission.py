@@ -25,8 +25,8 @@ checkpoint. Now the policy is:
 
 A connection that gives way is closed before or during its handshake; a processor retries a
 handshake closed before its challenge until TTP_CONNECT_TIMEOUT, and a replacement retries its
-registration until its order's deadline (processor.py), so an outsider has to outrun the
-listener forever, from more addresses than a node has, to keep a rank out.
+registration until its order's deadline (control/rank/processor.py), so an outsider has to
+outrun the listener forever, from more addresses than a node has, to keep a rank out.
 
 Pure bookkeeping, no sockets: the controller's I/O thread owns it and says which connections
 have bytes waiting (`idle`), so each decision costs at most a few system calls.
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Generic, Iterator, List, Mapping, Optional, Tuple, TypeVar
 
-PENDING_CAP = 512  # connections accepted and not registered, at most (controller.py)
+PENDING_CAP = 512  # connections accepted and not registered, at most (control/controller/server.py)
 PER_SOURCE_PENDING = 64  # of them from one source address
 EVICT_AFTER_S = 1.0  # a connection has had its chance after this long with nothing unread
 CANDIDATES = 8  # connections of one source looked at per eviction (their idleness is a syscall)
