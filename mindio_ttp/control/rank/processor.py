@@ -26,7 +26,6 @@ import logging
 import os
 import random
 import selectors
-import signal
 import socket
 import threading
 import time
@@ -37,12 +36,14 @@ from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control.agent import client as agent_client
 from mindio_ttp.control.controller.server import Controller
 from mindio_ttp.control.rank import authstore, failover
+from mindio_ttp.control.rank.calls import PendingCalls
 from mindio_ttp.control.rank.handlers import (
     Handlers,
     Job,
     checkpoint_location,
     latest_iteration,
 )
+from mindio_ttp.control.rank.preemption import SigtermWatch
 from mindio_ttp.control.rank.release import Outcome as StopOutcome
 from mindio_ttp.control.rank.release import Stopper
 from mindio_ttp.control.rank.state import LIVE, RankMachine, RankState
@@ -75,41 +76,6 @@ class HandshakeFailed(Exception):
     def __init__(self, text: str, again: str = "") -> None:
         super().__init__(text)
         self.again = again
-
-
-class PendingCalls:
-    """Store calls in flight: each caller waits on its own event; the processor's thread
-    answers them, or fails them all at once when the connection is lost."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next = 0
-        self._calls: Dict[int, Tuple[threading.Event, List[Any]]] = {}
-
-    def open(self) -> Tuple[int, threading.Event, List[Any]]:
-        with self._lock:
-            self._next += 1
-            call: Tuple[threading.Event, List[Any]] = (threading.Event(), [])
-            self._calls[self._next] = call
-            return self._next, call[0], call[1]
-
-    def close(self, req: int, outcome: Any) -> bool:
-        """Deliver `outcome` (a StoreReply, or an exception to raise) to call `req`."""
-        with self._lock:
-            call = self._calls.pop(req, None)
-        if call is None:
-            return False  # it gave up already
-        call[1].append(outcome)
-        call[0].set()
-        return True
-
-    def fail_all(self, error: BaseException) -> int:
-        with self._lock:
-            calls, self._calls = list(self._calls.values()), {}
-        for ev, slot in calls:
-            slot.append(error)
-            ev.set()
-        return len(calls)
 
 
 S = RankState
@@ -148,8 +114,7 @@ class Processor:
         self._clock = LookingClock()
         self.handlers = Handlers(rank, self._send, self._handler_done, channel=self)
         self._preempted = False
-        self._sig_r: Optional[socket.socket] = None
-        self._sig_w: Optional[socket.socket] = None
+        self._sigterm = SigtermWatch()
         # the fault-time stop (release.py): abort off the main thread, on every survivor
         self.stopper = Stopper(lambda outcome: self._mail.put(self._on_stopped, outcome))
         # through this node's agent (control/agent/): what it accepts from it; None: direct
@@ -333,7 +298,7 @@ class Processor:
             self._thread.join(timeout)
         if self.standby is not None:
             self.standby.stop()
-        self._restore_signals()
+        self._sigterm.restore()
 
     # -- called from the training thread -------------------------------------------------------
     def report_exception(self, exc: BaseException, kind: str = "") -> None:
@@ -354,29 +319,11 @@ class Processor:
         return self.exited.wait(timeout)
 
     def install_sigterm(self) -> None:
-        """SIGTERM = preemption. The wakeup fd reports it to our thread even while the main
-        thread sits in a long C call; the Python handler covers the case where the wakeup fd
-        already belongs to someone else (e.g. an asyncio loop)."""
-        def handler(signum: int, frame: Any) -> None:
-            self.report_preempted()
-        signal.signal(signal.SIGTERM, handler)
-        r, w = socket.socketpair()
-        r.setblocking(False)
-        w.setblocking(False)
-        old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-        if old != -1:
-            signal.set_wakeup_fd(old)
-            r.close()
-            w.close()
-            return
-        self._sig_r, self._sig_w = r, w
-        self._sel.register(r, selectors.EVENT_READ, "signal")
-
-    def _restore_signals(self) -> None:
-        if self._sig_r is None or threading.current_thread() is not threading.main_thread():
-            return
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        """SIGTERM = preemption (preemption.py): reported to this thread even while the main
+        thread sits in a long C call."""
+        self._sigterm.install(self.report_preempted)
+        if self._sigterm.reader is not None:
+            self._sel.register(self._sigterm.reader, selectors.EVENT_READ, "signal")
 
     # -- connection ------------------------------------------------------------------------------
     def _register_msg(self, host: str, failover: bool) -> P.Register:
@@ -546,12 +493,7 @@ class Processor:
             self._handle(m)
 
     def _on_signal_fd(self) -> None:
-        assert self._sig_r is not None
-        try:
-            data = self._sig_r.recv(64)
-        except OSError:
-            return
-        if signal.SIGTERM in data:
+        if self._sigterm.fired():
             self.report_preempted()
 
     def _on_mail(self) -> None:
