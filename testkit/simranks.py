@@ -529,8 +529,8 @@ def _real_rank_main(conn: Any, env: Dict[str, str], rank: int, dp: List[int], wo
     os.environ.update(env)
     from mindio_ttp import hooks
     from mindio_ttp.config import TTPConfig
-    from mindio_ttp.control.rank.handlers import HANDLERS
     from mindio_ttp.control.rank.processor import Processor
+    from mindio_ttp.handlers import HANDLERS
     from mindio_ttp.log import setup_logging
 
     setup_logging(rank)  # its own handler on its own stderr (a forked parent's may be gone)

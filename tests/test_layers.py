@@ -30,7 +30,7 @@ LAYERS: List[List[str]] = [
     ["mindio_ttp.control.wire"],
     ["mindio_ttp.recovery"],
     ["mindio_ttp.drill"],
-    ["mindio_ttp.hooks"],
+    ["mindio_ttp.hooks", "mindio_ttp.handlers"],
     ["mindio_ttp.faulttime"],
     ["mindio_ttp.cpu_adaptor", "mindio_ttp.compat"],
     ["mindio_ttp.config", "mindio_ttp.log", "mindio_ttp.statemachine", "mindio_ttp.control"],

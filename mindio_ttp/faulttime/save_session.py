@@ -38,7 +38,7 @@ class SaveSession:
     time_limit: float
     channel: Any = field(default=None, compare=False, repr=False)  # the processor
     # what opens the order's store: the control plane's AuthStore, handed down by the order's
-    # handler (control/rank/handlers.py), so the fault-time path does not import the control plane
+    # handler (mindio_ttp/handlers.py), so the fault-time path does not import the control plane
     opener: Any = field(default=None, compare=False, repr=False)
     _store: list = field(default_factory=list, compare=False, repr=False)
 

@@ -41,13 +41,13 @@ from mindio_ttp.config import (
 )
 from mindio_ttp.config import value as _config_value
 from mindio_ttp.control.controller.host import ControllerProcess
-from mindio_ttp.control.rank.handlers import HANDLERS
 from mindio_ttp.control.rank.processor import Processor
 from mindio_ttp.faulttime import claim as _claim
 from mindio_ttp.faulttime import device as _device
 from mindio_ttp.faulttime import device_copy as _device_copy
 from mindio_ttp.faulttime.save_session import SaveSession
 from mindio_ttp.faulttime.save_session import current as _current_session
+from mindio_ttp.handlers import HANDLERS
 from mindio_ttp.hooks import TTPError, TTPForceStop
 from mindio_ttp.launch.desk import LauncherDesk
 from mindio_ttp.log import setup_logging

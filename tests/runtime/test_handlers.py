@@ -1,4 +1,4 @@
-"""A rank's save and rename handlers (control/rank/handlers.py) on their own: no processor.
+"""A rank's save and rename handlers (mindio_ttp/handlers.py) on their own: no processor.
 
 `Handlers` gets a fresh HotState, its own handler registry, a list for what it sends and a
 queue for the handlers' ends, which the test hands back to `finished` as the processor's
@@ -11,19 +11,19 @@ import threading
 import time
 from typing import Any, Dict, List, Tuple
 
-from mindio_ttp.control.rank.handlers import Handlers, Job
 from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.faulttime import save_session
 from mindio_ttp.faulttime.device import NO_DEVICE
+from mindio_ttp.handlers import Handlers, Job, Result
 from mindio_ttp.hooks import HotState
 
 
-def make(step: int, **handlers: Any) -> Tuple[Handlers, List[P.Message], queue.Queue, HotState]:
+def make(step: int, **handlers: Any) -> Tuple[Handlers, List[Result], queue.Queue, HotState]:
     state = HotState()
     state.state = (step, False)
     state.ckpt_args = ("model", "optimizer")
     registry: Dict[str, Any] = {"save": None, "rename": None, "device": NO_DEVICE, **handlers}
-    sent: List[P.Message] = []
+    sent: List[Result] = []
     ends: queue.Queue[Tuple[Job, bool, str]] = queue.Queue()
     h = Handlers(1, sent.append, lambda job, ok, err: ends.put((job, ok, err)), state, registry)
     return h, sent, ends, state
@@ -54,8 +54,7 @@ def test_save_then_rename_run_in_the_order_session_and_report_success() -> None:
     hand_back(h, ends)
     h.start_rename(P.RenameOrder(1, 7, 5.0))
     hand_back(h, ends)
-    assert [(type(m).__name__, m.ok, m.rank) for m in sent] == [("SaveResult", True, 1),
-                                                                ("RenameResult", True, 1)]
+    assert [(m.kind, m.ok, m.rank) for m in sent] == [("save", True, 1), ("rename", True, 1)]
     (k1, a1, s1), (k2, a2, s2) = seen
     assert a1 == (7, [0, 1], ("model", "optimizer")) and a2 == (7, ("model", "optimizer"))
     assert s1 is not None and (s1.flow_id, s1.step) == (1, 7)
@@ -104,5 +103,5 @@ def test_no_registered_handler_is_a_failed_result_naming_the_call() -> None:
     t0 = time.monotonic()
     h.start_rename(P.RenameOrder(4, 2, 5.0))
     assert time.monotonic() - t0 < 1.0
-    assert len(sent) == 1 and isinstance(sent[0], P.RenameResult) and not sent[0].ok
+    assert len(sent) == 1 and sent[0].kind == "rename" and not sent[0].ok
     assert "call ttp_register_rename_handler" in sent[0].error

@@ -11,8 +11,8 @@ import pytest
 from mindio_ttp import hooks
 from mindio_ttp.config import Outcome, TTPConfig
 from mindio_ttp.control.controller.server import Controller
-from mindio_ttp.control.rank.handlers import HANDLERS
 from mindio_ttp.control.rank.processor import Processor
+from mindio_ttp.handlers import HANDLERS
 from mindio_ttp.launch.desk import LauncherDesk
 
 from .fakes import KEY, FakeRank

@@ -37,12 +37,6 @@ from mindio_ttp.control.agent import client as agent_client
 from mindio_ttp.control.controller.server import Controller
 from mindio_ttp.control.rank import authstore, failover
 from mindio_ttp.control.rank.calls import PendingCalls
-from mindio_ttp.control.rank.handlers import (
-    Handlers,
-    Job,
-    checkpoint_location,
-    latest_iteration,
-)
 from mindio_ttp.control.rank.preemption import SigtermWatch
 from mindio_ttp.control.rank.release import Outcome as StopOutcome
 from mindio_ttp.control.rank.release import Stopper
@@ -52,6 +46,7 @@ from mindio_ttp.control.wire import tier as T
 from mindio_ttp.control.wire.liveness import LookingClock
 from mindio_ttp.control.wire.session import RankHandshake
 from mindio_ttp.control.wire.transport import Conn, ConnClosed, Mailbox, connect, recv_messages
+from mindio_ttp.handlers import Handlers, Job, Result, checkpoint_location, latest_iteration
 from mindio_ttp.hooks import STATE, TTPError, fault_kind
 from mindio_ttp.recovery.rank import RECOVERY, RecoveryOrder
 
@@ -112,7 +107,8 @@ class Processor:
         # the controller's silence is measured on the time this thread ran (liveness.py): a GC
         # pause or a GIL-holding call in training must not look like a lost controller
         self._clock = LookingClock()
-        self.handlers = Handlers(rank, self._send, self._handler_done, channel=self)
+        self.handlers = Handlers(rank, self._send_result, self._handler_done, channel=self,
+                                 opener=authstore.AuthStore)
         self._preempted = False
         self._sigterm = SigtermWatch()
         # the fault-time stop (release.py): abort off the main thread, on every survivor
@@ -520,6 +516,10 @@ class Processor:
                 "no connection to a TTP controller (failing over)"))
         else:
             self._send(request)
+
+    def _send_result(self, r: Result) -> None:
+        cls = P.SaveResult if r.kind == "save" else P.RenameResult
+        self._send(cls(r.flow_id, r.rank, r.ok, r.error, r.seconds))
 
     def _handler_done(self, job: Job, ok: bool, err: str) -> None:
         """On a handler's thread: its result is sent from ours (only we touch the socket)."""

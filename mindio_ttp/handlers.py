@@ -2,11 +2,14 @@
 deadline the processor's loop enforces (a handler cannot be killed; past its limit it is
 reported as failed and the exit order ends the process).
 
-`Handlers` is owned by the processor and given only what it uses, so it runs (and is tested)
-without one: the rank, `send` (a result to the controller, called on the processor's thread)
-and `done` (a handler's end, called on the handler's thread: it must hand over to the
-processor's thread, which then calls `finished`). The processor's loop asks it for `deadline()`
-and calls `expire(now)`; orders arrive through `start_save` and `start_rename`.
+Not the control plane: it knows no message and no connection. `Handlers` is owned by the
+processor (control/rank/processor.py) and given only what it uses, so it runs (and is tested)
+without one: the rank, `send` (a `Result`, called on the processor's thread, which turns it
+into the controller's message), `done` (a handler's end, called on the handler's thread: it
+must hand over to the processor's thread, which then calls `finished`) and `opener` (how a save
+session opens the store its savers meet through: the processor's AuthStore). The processor's
+loop asks it for `deadline()` and calls `expire(now)`; orders arrive through `start_save` and
+`start_rename`, read by their fields.
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, List, Mapping, Optional, Protocol, Tuple
 
-from mindio_ttp.control.rank.authstore import AuthStore
-from mindio_ttp.control.wire import protocol as P
 from mindio_ttp.faulttime import save_session
 from mindio_ttp.faulttime.device import NO_DEVICE
 from mindio_ttp.hooks import STATE, HotState
@@ -26,6 +28,33 @@ log = logging.getLogger("mindio_ttp.processor")
 
 # "device": the DeviceBinding captured when the save handler was registered (device.py)
 HANDLERS: dict = {"save": None, "rename": None, "device": NO_DEVICE}
+
+
+class SaveOrder(Protocol):
+    """What a save order says (protocol.SaveOrder, validated by the wire layer)."""
+    flow_id: int
+    step: int
+    save_ranks: List[int]
+    time_limit: float
+    store: str
+    tag: str
+
+
+class RenameOrder(Protocol):
+    flow_id: int
+    step: int
+    time_limit: float
+
+
+@dataclass(frozen=True)
+class Result:
+    """A handler's answer: `kind` "save" or "rename"."""
+    kind: str
+    flow_id: int
+    rank: int
+    ok: bool
+    error: str
+    seconds: float
 
 
 class Job:
@@ -39,11 +68,13 @@ class Job:
 
 
 class Handlers:
-    def __init__(self, rank: int, send: Callable[[P.Message], None],
+    def __init__(self, rank: int, send: Callable[[Result], None],
                  done: Callable[[Job, bool, str], None], state: HotState = STATE,
-                 registry: Mapping[str, Any] = HANDLERS, channel: Any = None) -> None:
+                 registry: Mapping[str, Any] = HANDLERS, channel: Any = None,
+                 opener: Any = None) -> None:
         self.rank = rank
         self._channel = channel  # what the order's AuthStore talks through (the processor)
+        self._opener = opener  # the store class a save session opens (the AuthStore)
         self._send = send
         self._done = done
         self._state = state  # this rank's step, and the ckpt_args the handlers get
@@ -53,7 +84,7 @@ class Handlers:
         self._session: Optional[save_session.SaveSession] = None  # of the last save order
 
     # -- orders (on the processor's thread) ------------------------------------------------------
-    def start_save(self, m: P.SaveOrder) -> None:
+    def start_save(self, m: SaveOrder) -> None:
         step, updating = self._state.snapshot()
         problem = ""
         if step != m.step or updating:
@@ -63,17 +94,17 @@ class Handlers:
             problem = f"rank {self.rank} is not in save_ranks {m.save_ranks[:8]}"
         if problem:
             log.error("rank %d: refusing save order: %s", self.rank, problem)
-            self._send(P.SaveResult(m.flow_id, self.rank, False, problem, 0.0))
+            self._send(Result("save", m.flow_id, self.rank, False, problem, 0.0))
             return
         # the order's fields were validated by the protocol layer (store namespace, tag)
         session = save_session.SaveSession(m.flow_id, m.step, tuple(m.save_ranks), m.store,
                                            m.tag, m.time_limit, channel=self._channel,
-                                           opener=AuthStore)
+                                           opener=self._opener)
         self._session = session
         self._start_job("save", m.flow_id, m.time_limit, self._registry["save"],
                         (m.step, list(m.save_ranks), self._state.ckpt_args), session)
 
-    def start_rename(self, m: P.RenameOrder) -> None:
+    def start_rename(self, m: RenameOrder) -> None:
         """The rename runs in the session of this flow's save order (its staging directory)."""
         session = self._session
         if session is not None and (session.flow_id, session.step) != (m.flow_id, m.step):
@@ -139,11 +170,10 @@ class Handlers:
 
     def _result(self, job: Job, ok: bool, err: str) -> None:
         secs = time.monotonic() - job.t0
-        cls = P.SaveResult if job.kind == "save" else P.RenameResult
         (log.info if ok else log.error)("rank %d: %s handler %s in %.3f s%s", self.rank, job.kind,
                                         "succeeded" if ok else "FAILED", secs,
                                         f": {err}" if err else "")
-        self._send(cls(job.fid, self.rank, ok, err, secs))
+        self._send(Result(job.kind, job.fid, self.rank, ok, err, secs))
 
 
 def checkpoint_location(step: Optional[int]) -> Optional[str]:
