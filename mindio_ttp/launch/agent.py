@@ -72,7 +72,7 @@ from mindio_ttp.control.agent.process import settings_from_env
 from mindio_ttp.control.wire.keys import hop_key
 from mindio_ttp.drill import DrillSpec
 from mindio_ttp.faulttime import collective_env
-from mindio_ttp.launch import drill, gloo_iface, preflight, takeover
+from mindio_ttp.launch import drill, gloo_iface, preflight, takeover, torch_private
 from mindio_ttp.launch.outcome import (
     CheckpointArgs,
     Ending,
@@ -781,6 +781,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.run import run
 
     global RDZV_WAIT_NOTICE_S
+    drift = torch_private.problems()
+    if drift:  # before torch's own parser: that may be what drifted
+        print(f"ttprun: error: {torch_refusal(drift)}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.warm_spares is not None:
         os.environ[ENV_WARM_SPARES] = str(args.warm_spares)
@@ -835,6 +839,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         found = drill.verdict(args.drill, run_dir, ending) if args.drill else None
         os.environ.pop(drill.ENV, None)
         return _close(ending, ckpt, args.outcome_file, found)
+
+
+def torch_refusal(drift: Sequence[str]) -> str:
+    """What ttprun says (after "ttprun: error: ") before it exits 2 on a torch whose private
+    names it overrides or reads have drifted (launch/torch_private.py)."""
+    import torch
+
+    lines = "\n".join(f"  - {line}" for line in drift)
+    return (f"torch {torch.__version__} is not what ttprun is built on: ttprun is torch's "
+            f"launcher with one class replaced, and this torch differs where it matters:\n"
+            f"{lines}\nnothing was started; ttprun supports torch >= 2.1 (README, supported "
+            "stacks); `python -m mindio_ttp.launch.torch_private` repeats this check")
 
 
 def _close(ending: Ending, ckpt: CheckpointArgs, outcome_file: Optional[str],

@@ -175,6 +175,15 @@ def test_a_restart_gets_its_own_store_only_where_the_workers_use_the_launchers(b
     assert agent._workers_use_agent_store(handler) is expected
 
 
+def test_ttprun_refuses_a_drifted_torch_at_start_naming_what_drifted(monkeypatch, capsys):
+    monkeypatch.delattr(torch_run, "_parse_rendezvous_config")
+    assert agent.main(["--nproc-per-node=1", "never_started.py"]) == 2
+    err = capsys.readouterr().err
+    assert "ttprun: error: torch " in err
+    assert "  - torch.distributed.run._parse_rendezvous_config is gone: ttprun --check" in err
+    assert "nothing was started" in err
+
+
 def test_the_check_runs_as_a_command_for_the_stack_bench():
     out = subprocess.run([sys.executable, "-m", "mindio_ttp.launch.torch_private"],
                          capture_output=True, text=True, timeout=120)
