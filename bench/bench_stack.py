@@ -13,7 +13,11 @@ For each torch version it makes (or reuses) ``DIR/torch-X`` with ``pip install t
   run checks the losses and the final checkpoint bit for bit (``RESULT: MATCH``);
 * ``cuda tree``: a ``--device cuda`` tree imports Megatron and reads a checkpoint with nothing
   of the CPU adaptor (testkit/cuda_tree_probe.py: what a CPU can exercise of a CUDA tree);
-* ``compat``: which drift fixes that torch needed (``python -m mindio_ttp.compat``).
+* ``compat``: which drift fixes that torch needed (``python -m mindio_ttp.compat``);
+* ``private names``: whether that torch has every private name ttprun overrides or reads as it
+  uses them (``python -m mindio_ttp.launch.torch_private``: what drifted, or "all there" with
+  the differences ttprun accepts), and ``tests/runtime/test_torch_private.py`` run by that
+  venv's pytest.
 
 It prints a Markdown table, one row per torch, and writes the rows as JSON with ``--json``.
 Each ``pip install torch==X`` other than the local CPU build pulls a CUDA build (GBs); the CUDA
@@ -44,7 +48,8 @@ DEFAULT_TORCH = ("1.13.1", "2.1.2", "2.13.0", "2.14.1")
 NUMPY_1 = ("1.", "2.0.", "2.1.", "2.2.")
 # The package's own imports and Megatron-LM 285068c's on CPU (setup.cfg, extras "test").
 DEPS = ("libcst>=1.1,<2", "gitpython>=3.1", "unidiff>=0.7", "xxhash>=3.0", "blake3>=0.4",
-        "psutil>=5", "pybind11>=2.10", "regex", "six")
+        "psutil>=5", "pybind11>=2.10", "regex", "six",
+        "pytest", "pytest-timeout")  # tests/runtime/test_torch_private.py in each venv
 PIP_TIMEOUT_S = 3600
 DEMO_TIMEOUT_S = 1800
 
@@ -99,9 +104,28 @@ def describe(python: Path, row: Row) -> None:
         _run([str(python), "-c", code], 300, check=True).stdout)
     done = _run([str(python), "-m", "mindio_ttp.compat"], 300, check=True)
     row.compat = json.loads(done.stdout)["applied"]
+    row.torch_names = private_names(python)
+
+
+def private_names(python: Path) -> str:
+    """launch/torch_private.py's verdict in that venv, then its test file's."""
     done = _run([str(python), "-m", "mindio_ttp.launch.torch_private"], 300)
-    row.torch_names = "all there" if done.returncode == 0 else \
-        "; ".join(done.stdout.strip().splitlines())[:200] or f"exit {done.returncode}"
+    lines = done.stdout.strip().splitlines()
+    # an accepted difference reads "accepted: WHAT: WHY": the table names WHAT
+    accepted = [ln[len("accepted: "):].split(": ")[0] for ln in lines
+                if ln.startswith("accepted: ")]
+    drifted = [ln for ln in lines if not ln.startswith("accepted: ")]
+    if done.returncode == 0:
+        said = "all there" + (f" (accepted: {'; '.join(accepted)})" if accepted else "")
+    else:
+        said = "DRIFT: " + ("; ".join(drifted) or f"exit {done.returncode}")
+    test = _run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                 "tests/runtime/test_torch_private.py"], 600, cwd=REPO)
+    tail = (test.stdout.strip().splitlines() or [f"exit {test.returncode}"])[-1]
+    counts = re.sub(r"\s*in [0-9.]+s.*$", "", tail.strip("= "))
+    failed = re.findall(r"^FAILED \S+::(\w+)", test.stdout, flags=re.M)
+    return f"{said}; test_torch_private: {counts}" + (f" ({', '.join(failed)})" if failed
+                                                       else "")
 
 
 def cuda_tree(python: Path, megatron: Path, work: Path) -> str:
@@ -167,7 +191,7 @@ def measure(version: str, venvs: Path, megatron: Path, work: Path) -> Row:
 
 def table(rows: List[Row]) -> str:
     lines = ["| torch | Python | numpy | build | drift fixes applied (compat) | private names "
-             "ttprun overrides | `--device cuda` tree on CPU | kill rank 1, dying checkpoint, "
+             "ttprun uses | `--device cuda` tree on CPU | kill rank 1, dying checkpoint, "
              "resume (real Megatron, 4 CPU ranks) | s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
