@@ -7,13 +7,21 @@ For each torch version it makes (or reuses) ``DIR/torch-X`` with ``pip install t
 ``numpy<2`` for builds compiled against numpy 1.x), installs this checkout into it (editable,
 ``--no-deps``, so the version under test is the one that runs) and Megatron's CPU imports, then:
 
-* ``rehearsal``: ``ttp-demo --megatron`` in that venv: a ``--device cpu`` tree trains the tiny
-  GPT on 4 CPU ranks under ttprun, rank 1 gets SIGKILL after iteration 4 is logged, the
-  survivors write the dying checkpoint, the same command resumes from it, and an uninterrupted
-  run checks the losses and the final checkpoint bit for bit (``RESULT: MATCH``);
+* ``rehearsal``: ``ttp-demo --megatron --recovery dying-checkpoint`` in that venv: a
+  ``--device cpu`` tree trains the tiny GPT on 4 CPU ranks under ttprun, rank 1 gets SIGKILL
+  after iteration 4 is logged, the survivors write the dying checkpoint, the same command
+  resumes from it, and an uninterrupted run checks the losses and the final checkpoint bit for
+  bit (``RESULT: MATCH``);
+* ``in memory``: ``ttp-demo --megatron --recovery in-memory`` (ttprun's default): the same
+  fault, rank 1 replaced by a new process refilled from its replica partner, no restart, the
+  same bit-for-bit check;
 * ``cuda tree``: a ``--device cuda`` tree imports Megatron and reads a checkpoint with nothing
   of the CPU adaptor (testkit/cuda_tree_probe.py: what a CPU can exercise of a CUDA tree);
-* ``compat``: which drift fixes that torch needed (``python -m mindio_ttp.compat``).
+* ``compat``: which drift fixes that torch needed (``python -m mindio_ttp.compat``);
+* ``private names``: whether that torch has every private name ttprun overrides or reads as it
+  uses them (``python -m mindio_ttp.launch.torch_private``: what drifted, or "all there" with
+  the differences ttprun accepts), and ``tests/runtime/test_torch_private.py`` run by that
+  venv's pytest.
 
 It prints a Markdown table, one row per torch, and writes the rows as JSON with ``--json``.
 Each ``pip install torch==X`` other than the local CPU build pulls a CUDA build (GBs); the CUDA
@@ -32,7 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -44,7 +52,8 @@ DEFAULT_TORCH = ("1.13.1", "2.1.2", "2.13.0", "2.14.1")
 NUMPY_1 = ("1.", "2.0.", "2.1.", "2.2.")
 # The package's own imports and Megatron-LM 285068c's on CPU (setup.cfg, extras "test").
 DEPS = ("libcst>=1.1,<2", "gitpython>=3.1", "unidiff>=0.7", "xxhash>=3.0", "blake3>=0.4",
-        "psutil>=5", "pybind11>=2.10", "regex", "six")
+        "psutil>=5", "pybind11>=2.10", "regex", "six",
+        "pytest", "pytest-timeout")  # tests/runtime/test_torch_private.py in each venv
 PIP_TIMEOUT_S = 3600
 DEMO_TIMEOUT_S = 1800
 
@@ -59,11 +68,16 @@ class Row:
     compat: List[str] = field(default_factory=list)
     cuda_tree: str = "not run"
     torch_names: str = "not run"  # launch/torch_private.py: the private names ttprun uses
-    rehearsal: str = "not run"
+    rehearsal: str = "not run"  # --recovery dying-checkpoint
     saved: Optional[int] = None
     seconds: float = 0.0
     note: str = ""
     log: str = ""  # the rehearsal's output, when it failed (said on stderr, not in the table)
+    in_memory: str = "not run"  # --recovery in-memory
+    recovered_at: Optional[int] = None
+    in_memory_seconds: float = 0.0
+    in_memory_note: str = ""
+    in_memory_log: str = ""
 
 
 def _run(cmd: List[str], timeout: float, **kw) -> subprocess.CompletedProcess:
@@ -99,9 +113,28 @@ def describe(python: Path, row: Row) -> None:
         _run([str(python), "-c", code], 300, check=True).stdout)
     done = _run([str(python), "-m", "mindio_ttp.compat"], 300, check=True)
     row.compat = json.loads(done.stdout)["applied"]
+    row.torch_names = private_names(python)
+
+
+def private_names(python: Path) -> str:
+    """launch/torch_private.py's verdict in that venv, then its test file's."""
     done = _run([str(python), "-m", "mindio_ttp.launch.torch_private"], 300)
-    row.torch_names = "all there" if done.returncode == 0 else \
-        "; ".join(done.stdout.strip().splitlines())[:200] or f"exit {done.returncode}"
+    lines = done.stdout.strip().splitlines()
+    # an accepted difference reads "accepted: WHAT: WHY": the table names WHAT
+    accepted = [ln[len("accepted: "):].split(": ")[0] for ln in lines
+                if ln.startswith("accepted: ")]
+    drifted = [ln for ln in lines if not ln.startswith("accepted: ")]
+    if done.returncode == 0:
+        said = "all there" + (f" (accepted: {'; '.join(accepted)})" if accepted else "")
+    else:
+        said = "DRIFT: " + ("; ".join(drifted) or f"exit {done.returncode}")
+    test = _run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                 "tests/runtime/test_torch_private.py"], 600, cwd=REPO)
+    tail = (test.stdout.strip().splitlines() or [f"exit {test.returncode}"])[-1]
+    counts = re.sub(r"\s*in [0-9.]+s.*$", "", tail.strip("= "))
+    failed = re.findall(r"^FAILED \S+::(\w+)", test.stdout, flags=re.M)
+    return f"{said}; test_torch_private: {counts}" + (f" ({', '.join(failed)})" if failed
+                                                       else "")
 
 
 def cuda_tree(python: Path, megatron: Path, work: Path) -> str:
@@ -124,10 +157,13 @@ def cuda_tree(python: Path, megatron: Path, work: Path) -> str:
     return "imports, loads" if ok else f"FAIL {got}"
 
 
-def rehearsal(python: Path, megatron: Path, work: Path, row: Row) -> None:
-    log = work / "ttp-demo.log"
+def rehearsal(python: Path, megatron: Path, work: Path, recovery: str
+              ) -> Tuple[str, Optional[int], float, str, str]:
+    """``ttp-demo --megatron --recovery RECOVERY``: (verdict, the iteration saved or recovered
+    at, seconds, note, log path when it failed)."""
+    log = work / f"ttp-demo-{recovery}.log"
     cmd = [str(python), "-m", "mindio_ttp.demo", "--megatron", str(megatron), "--quiet",
-           "--keep", str(work / "demo")]
+           "--recovery", recovery, "--keep", str(work / f"demo-{recovery}")]
     t0 = time.monotonic()
     try:
         done = _run(cmd, DEMO_TIMEOUT_S, cwd=work)
@@ -135,19 +171,21 @@ def rehearsal(python: Path, megatron: Path, work: Path, row: Row) -> None:
     except subprocess.TimeoutExpired as exc:
         text = f"timed out after {DEMO_TIMEOUT_S} s\n{exc.stdout or ''}"
         done = None
-    row.seconds = time.monotonic() - t0
+    seconds = time.monotonic() - t0
     log.write_text(text)
     result = re.findall(r"^RESULT: (.*)$", text, flags=re.M)
-    saved = re.findall(r"resumed from the dying checkpoint of iteration (\d+)", text)
-    row.saved = int(saved[-1]) if saved else None
+    # the demo wraps its lines: any whitespace between the words
+    at = re.findall(r"(?:resumed\s+from\s+the\s+dying\s+checkpoint\s+of|recovered\s+in\s+"
+                    r"memory\s+at)\s+iteration\s+(\d+)", text)
+    iteration = int(at[-1]) if at else None
     if done is not None and done.returncode == 0 and result and result[-1].startswith("MATCH"):
-        row.rehearsal = "MATCH"
+        return "MATCH", iteration, seconds, "", ""
+    if "ttprun: error: torch " in text:
+        note = "ttprun refused this torch at start (exit 2: see the private-names column)"
     else:
-        row.rehearsal = "FAIL"
         errors = re.findall(r"^\s*\|?\s*(\w+(?:Error|Exception): .*)$", text, flags=re.M)
-        last = (errors or result or text.strip().splitlines() or ["no output"])[-1]
-        row.note = last.strip()[:160]
-        row.log = str(log)
+        note = (errors or result or text.strip().splitlines() or ["no output"])[-1].strip()
+    return "FAIL", iteration, seconds, note[:160], str(log)
 
 
 def measure(version: str, venvs: Path, megatron: Path, work: Path) -> Row:
@@ -161,24 +199,37 @@ def measure(version: str, venvs: Path, megatron: Path, work: Path) -> Row:
     row.installs = True
     describe(python, row)
     row.cuda_tree = cuda_tree(python, megatron, work)
-    rehearsal(python, megatron, work, row)
+    row.rehearsal, row.saved, row.seconds, row.note, row.log = rehearsal(
+        python, megatron, work, "dying-checkpoint")
+    (row.in_memory, row.recovered_at, row.in_memory_seconds, row.in_memory_note,
+     row.in_memory_log) = rehearsal(python, megatron, work, "in-memory")
     return row
+
+
+def _verdict(verdict: str, iteration: Optional[int], seconds: float, note: str,
+             what: str) -> str:
+    if verdict == "MATCH":
+        return f"MATCH: bit-exact, {what} {iteration} ({seconds:.0f} s)"
+    if verdict == "not run":
+        return verdict
+    return f"{verdict} {note} ({seconds:.0f} s)".strip()
 
 
 def table(rows: List[Row]) -> str:
     lines = ["| torch | Python | numpy | build | drift fixes applied (compat) | private names "
-             "ttprun overrides | `--device cuda` tree on CPU | kill rank 1, dying checkpoint, "
-             "resume (real Megatron, 4 CPU ranks) | s |",
+             "ttprun uses | `--device cuda` tree on CPU | kill rank 1, dying checkpoint, "
+             "resume (real Megatron, 4 CPU ranks) | kill rank 1, in-memory recovery (the "
+             "same) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         build = "CPU" if r.cuda == "cpu" else f"CUDA {r.cuda}"
         fixes = ", ".join(r.compat) or "none needed"
-        what = (f"{r.rehearsal}: bit-exact from iteration {r.saved}" if r.rehearsal == "MATCH"
-                else f"{r.rehearsal} {r.note}".strip())
+        dying = _verdict(r.rehearsal, r.saved, r.seconds, r.note, "from iteration")
+        memory = _verdict(r.in_memory, r.recovered_at, r.in_memory_seconds, r.in_memory_note,
+                          "recovered at iteration")
         lines.append(f"| {r.torch} | {r.python} | {r.numpy} | {build if r.installs else '-'} | "
                      f"{fixes if r.installs else '-'} | {r.torch_names} | {r.cuda_tree} | "
-                     f"{what} | "
-                     f"{r.seconds:.0f} |")
+                     f"{dying} | {memory} |")
     return "\n".join(lines)
 
 
@@ -200,8 +251,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for version in [v.strip() for v in args.torch.split(",") if v.strip()]:
         print(f"bench_stack: torch {version} ...", file=sys.stderr, flush=True)
         row = measure(version, args.venvs, args.megatron.resolve(), work / f"torch-{version}")
-        print(f"bench_stack: torch {version}: {row.rehearsal}, cuda tree {row.cuda_tree}, "
-              f"{row.seconds:.0f} s {row.note} {row.log}", file=sys.stderr, flush=True)
+        print(f"bench_stack: torch {version}: dying checkpoint {row.rehearsal} "
+              f"({row.seconds:.0f} s) {row.note} {row.log}; in memory {row.in_memory} "
+              f"({row.in_memory_seconds:.0f} s) {row.in_memory_note} {row.in_memory_log}; "
+              f"cuda tree {row.cuda_tree}", file=sys.stderr, flush=True)
         rows.append(row)
     print(f"bench_stack: work in {work}", file=sys.stderr)
     print(f"Measured {env_note['date']} on {env_note['cores']} cores by "
@@ -210,7 +263,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({**env_note, "rows": [asdict(r) for r in rows]},
                                         indent=2))
-    return 0 if all(r.rehearsal == "MATCH" for r in rows) else 1
+    return 0 if all(r.rehearsal == r.in_memory == "MATCH" for r in rows) else 1
 
 
 if __name__ == "__main__":

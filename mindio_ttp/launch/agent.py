@@ -72,7 +72,7 @@ from mindio_ttp.control.agent.process import settings_from_env
 from mindio_ttp.control.wire.keys import hop_key
 from mindio_ttp.drill import DrillSpec
 from mindio_ttp.faulttime import collective_env
-from mindio_ttp.launch import drill, gloo_iface, preflight, takeover
+from mindio_ttp.launch import drill, gloo_iface, preflight, takeover, torch_private
 from mindio_ttp.launch.outcome import (
     CheckpointArgs,
     Ending,
@@ -83,7 +83,7 @@ from mindio_ttp.launch.outcome import (
     record,
     write_outcome_file,
 )
-from mindio_ttp.launch.procstate import read_proc_state
+from mindio_ttp.launch.procstate import read_proc_state, signal_worker
 from mindio_ttp.launch.replace import ReplacementDesk, cold_start
 from mindio_ttp.launch.siblings import Siblings
 from mindio_ttp.launch.spares import pool_from_spec
@@ -122,12 +122,6 @@ def _is_stopped(pid: int) -> bool:
     return read_proc_state(pid) in ("T", "t")
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    """Signal the worker's process group (torch starts each worker in its own session)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-
-
 @contextlib.contextmanager
 def _close_deferred(pcontext: SubprocessContext) -> Iterator[None]:
     """Make ``pcontext.close`` a no-op while torch polls, so a failure does not kill siblings."""
@@ -162,7 +156,7 @@ class TTPElasticAgent(LocalElasticAgent):
         self._takeover: Optional[takeover.NodeTakeover] = None
         if spec.rdzv_handler.get_backend() != "static":
             takeover.republish_bootstrap(spec.rdzv_handler)
-        if takeover.wanted(spec.rdzv_handler, os.environ):
+        if takeover.wanted(spec.rdzv_handler, os.environ) and takeover.available():
             self._takeover = takeover.NodeTakeover(
                 spec.rdzv_handler, lambda requests: takeover.member_of(
                     self._worker_group, spec.max_restarts - self._remaining_restarts,
@@ -262,17 +256,26 @@ class TTPElasticAgent(LocalElasticAgent):
         restart = spec.max_restarts - self._remaining_restarts
         if restart == 0:
             return  # the first attempt uses torch's store
+        if not _workers_use_agent_store(spec.rdzv_handler):
+            return  # their rank 0 hosts their store, on the port torch's rank 0 just chose
+        # torch 2.2 on hands the workers the worker group's master_addr/port; torch 2.1's group
+        # has neither: its _start_workers reads the round store's MASTER_ADDR/MASTER_PORT keys
+        on_group = hasattr(worker_group, "master_addr")
+        master_addr = (worker_group.master_addr if on_group
+                       else self._get_master_addr_port(worker_group.store)[0])
         key = f"ttprun/attempt{restart}/store_port"
         if worker_group.group_rank == 0:
             self._attempt_store = None  # closes the previous attempt's: its port may be reused
-            fresh = _restart_store(worker_group.master_addr,
+            fresh = _restart_store(master_addr,
                                    config.value(os.environ, config.ENV_RESTART_STORE_PORTS))
+            if not on_group:  # before the key: every node reads it once it sees the key
+                worker_group.store.set("MASTER_PORT", str(fresh.port))
             worker_group.store.set(key, str(fresh.port))
             self._attempt_store = fresh  # the previous attempt's store closes with its object
         port = int(worker_group.store.get(key).decode())
-        logger.info("ttprun: restart %d uses its own store %s:%d", restart,
-                    worker_group.master_addr, port)
-        worker_group.master_port = port
+        logger.info("ttprun: restart %d uses its own store %s:%d", restart, master_addr, port)
+        if on_group:
+            worker_group.master_port = port
 
     def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec):
         taking = self._takeover.assignment if self._takeover else None
@@ -425,7 +428,7 @@ class TTPElasticAgent(LocalElasticAgent):
             if handler.proc.poll() is None:
                 logger.warning("ttprun: killing worker %s (pid %s): still running %.0f s after "
                                "the job completed", rank, handler.proc.pid, POST_FLOW_EXIT_S)
-                _signal_group(handler.proc.pid, signal.SIGKILL)
+                signal_worker(handler.proc.pid, signal.SIGKILL)
                 with contextlib.suppress(Exception):
                     handler.proc.wait(timeout=10)
         # torch's success names every worker (its return value: none for a command)
@@ -464,11 +467,14 @@ class TTPElasticAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.SUCCEEDED)
         return result
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
+        # torch passes on what it has: 2.1 has no `timeout` (`_shutdown(death_sig)`), later
+        # releases add it (`_shutdown(sig, timeout=...)`); handing on exactly what torch gave
+        # serves both (launch/torch_private.py accepts both shapes)
         self._spares.close()
         if self._siblings is not None:
             self._siblings.close()
-        super()._shutdown(death_sig, timeout)
+        super()._shutdown(death_sig, *args, **kwargs)
         self._stop_node_agent()
 
     def _invoke_run(self, role: str = "default") -> RunResult:
@@ -483,7 +489,7 @@ class TTPElasticAgent(LocalElasticAgent):
                     self._ot_s,
                 )
                 for pid in pcontext.pids().values():
-                    _signal_group(pid, signal.SIGTERM)
+                    signal_worker(pid, signal.SIGTERM)
                 self._hold_survivors(pcontext)
             raise
         finally:
@@ -528,7 +534,7 @@ class TTPElasticAgent(LocalElasticAgent):
                     for rank, pid in alive.items():
                         if _is_stopped(pid):
                             logger.warning("ttprun: killing stopped worker %s (pid %s)", rank, pid)
-                            _signal_group(pid, signal.SIGKILL)
+                            signal_worker(pid, signal.SIGKILL)
                     if now - flow_done_at > POST_FLOW_EXIT_S:
                         reason = f"still running {POST_FLOW_EXIT_S:.0f} s after the flow finished"
                         break
@@ -542,11 +548,19 @@ class TTPElasticAgent(LocalElasticAgent):
                 logger.warning(
                     "ttprun: killing worker %s (pid %s): %s", rank, handler.proc.pid, reason
                 )
-                _signal_group(handler.proc.pid, signal.SIGKILL)
+                signal_worker(handler.proc.pid, signal.SIGKILL)
         for handler in pcontext.subprocess_handlers.values():
             with contextlib.suppress(Exception):
                 handler.proc.wait(timeout=10)
         return False
+
+
+def _workers_use_agent_store(handler) -> bool:
+    """Whether the workers' env:// store is the launcher's (TORCHELASTIC_USE_AGENT_STORE): a
+    handler with `use_agent_store` says so (2.13's c10d shares its store unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1); torch 2.1 shares only the static rendezvous's."""
+    shared = getattr(handler, "use_agent_store", None)
+    return bool(shared) if shared is not None else handler.get_backend() == "static"
 
 
 def _restart_store(host: str, ports: Optional[Tuple[int, int]]):
@@ -767,6 +781,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.run import run
 
     global RDZV_WAIT_NOTICE_S
+    drift = torch_private.problems()
+    if drift:  # before torch's own parser: that may be what drifted
+        print(f"ttprun: error: {torch_refusal(drift)}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.warm_spares is not None:
         os.environ[ENV_WARM_SPARES] = str(args.warm_spares)
@@ -821,6 +839,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         found = drill.verdict(args.drill, run_dir, ending) if args.drill else None
         os.environ.pop(drill.ENV, None)
         return _close(ending, ckpt, args.outcome_file, found)
+
+
+def torch_refusal(drift: Sequence[str]) -> str:
+    """What ttprun says (after "ttprun: error: ") before it exits 2 on a torch whose private
+    names it overrides or reads have drifted (launch/torch_private.py)."""
+    import torch
+
+    lines = "\n".join(f"  - {line}" for line in drift)
+    return (f"torch {torch.__version__} is not what ttprun is built on: ttprun is torch's "
+            f"launcher with one class replaced, and this torch differs where it matters:\n"
+            f"{lines}\nnothing was started; ttprun supports torch >= 2.1 (README, supported "
+            "stacks); `python -m mindio_ttp.launch.torch_private` repeats this check")
 
 
 def _close(ending: Ending, ckpt: CheckpointArgs, outcome_file: Optional[str],

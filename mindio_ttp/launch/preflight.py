@@ -96,7 +96,8 @@ EXIT_CODES = (
     ("1", "a worker failed (also after a saved dying checkpoint, so a scheduler restarts the "
           "job); the last lines say what was saved and whether the same command resumes from "
           "it, --outcome-file PATH writes the same as JSON"),
-    ("2", "bad setting, no key on a multi-node start, or an unsafe key file: nothing started"),
+    ("2", "bad setting, no key on a multi-node start, an unsafe key file, or a torch whose "
+          "private names ttprun uses have drifted: nothing started"),
     ("128+N", "stopped by signal N (143: SIGTERM), after the survivors' grace period"),
 )
 RANK_CODES = {

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence
 
+from mindio_ttp.launch.procstate import signal_worker
+
 logger = logging.getLogger("ttprun")
 
 REPLACE_DIR = "replace"
@@ -141,10 +143,10 @@ class AdoptedHandler:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL a worker's process group (a hung process does not exit on anything else)."""
+    """SIGKILL a worker with its process group (a hung process does not exit on anything
+    else); torch 2.1's workers share the launcher's group: the worker alone there."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        signal_worker(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(KILL_WAIT_S)
 

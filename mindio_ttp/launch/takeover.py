@@ -296,9 +296,11 @@ def is_spare(handler) -> bool:
     try:
         state = handler._state_holder.state
         node = handler._this_node
+        waiting = state.wait_list
     except AttributeError:
         return False
-    return state.complete and (node in state.redundancy_list or node in state.wait_list)
+    # torch 2.1 has no redundancy list: a node that finds the round full is on no list there
+    return state.complete and (node in getattr(state, "redundancy_list", ()) or node in waiting)
 
 
 def spares_known(handler) -> Optional[bool]:
@@ -309,6 +311,19 @@ def spares_known(handler) -> Optional[bool]:
         return bool(state.redundancy_list or state.wait_list)
     except AttributeError:
         return None
+
+
+def available() -> bool:
+    """Whether the installed torch has what a takeover needs (launch/torch_private.py); when it
+    has not, say so once: a lost node's ranks then go to the dying checkpoint."""
+    from mindio_ttp.launch.torch_private import takeover_missing
+
+    missing = takeover_missing()
+    if missing:
+        logger.warning("ttprun: no node takeover on this torch (it lacks %s): a spare node "
+                       "cannot take a lost node's ranks; the recovery of such a loss falls "
+                       "back to the dying checkpoint", "; ".join(missing))
+    return not missing
 
 
 def wanted(handler, env: Mapping[str, str]) -> bool:
@@ -510,7 +525,10 @@ def republish_bootstrap(handler) -> None:
     from an earlier round (a survivor, or a node restarting its workers) skips that, so a node
     new to the job (a spare, or one a scheduler started after a loss) would wait forever.
     Wrap the handler's next_rendezvous so such a rank 0 publishes it again."""
-    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+    try:
+        from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+    except ImportError:  # torch 2.1: every round's rank 0 publishes MASTER_ADDR/PORT anew
+        return
 
     next_rendezvous = handler.next_rendezvous
 

@@ -270,6 +270,10 @@ def test_multi_node_start_without_a_key_is_refused(tmp_path: Path, free_port: in
 @pytest.mark.slow
 def test_two_nodes_use_the_given_key_and_none_is_in_the_store(tmp_path: Path,
                                                               free_port: int) -> None:
+    from torch.distributed import TCPStore
+
+    if not hasattr(TCPStore, "list_keys"):  # torch 2.1 has no way to list a store's keys
+        pytest.skip("this torch's TCPStore cannot list its keys")
     script = tmp_path / "key.py"
     # What an outsider does: a plain TCPStore client at the rendezvous endpoint and at
     # MASTER_PORT lists every key and reads every value (the first ttprun put the key there).
