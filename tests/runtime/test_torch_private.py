@@ -188,3 +188,13 @@ def test_the_check_runs_as_a_command_for_the_stack_bench():
     out = subprocess.run([sys.executable, "-m", "mindio_ttp.launch.torch_private"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "every private name ttprun uses is there" in out.stdout
+
+
+def test_the_list_of_ttpruns_own_helpers_is_the_agents_own():
+    """The check reads a list, not the class (the agent runs the check at start: no import
+    circle); the list must be the class's private helpers that override nothing of torch's."""
+    from mindio_ttp.launch.agent import TTPElasticAgent
+
+    ours = {n for n, v in vars(TTPElasticAgent).items()
+            if callable(v) and n.startswith("_") and not n.startswith("__")}
+    assert set(torch_private.OWN_HELPERS) == ours - set(torch_private.OVERRIDDEN)
