@@ -81,7 +81,13 @@ def test_survivors_held_at_the_gate_save_the_step_they_hold(tmp_path):
     assert [res.codes[r] for r in (2, 3)] == [SAVED] * 2, res.all_logs()
     assert "worker 2: locked=True before its update" in res.logs[2], res.all_logs()
     assert "worker 3: locked=True before its update" in res.logs[3], res.all_logs()
-    check_saved(res, 4, [2, 3])
+    if res.codes[1] == -9:  # rank 1 did its update of 5 and died, as planned
+        check_saved(res, 4, [2, 3])
+    else:  # node 0's loss reached rank 1 first (rank 0 does not wait for it: it cannot wait
+        # for 2 and 3, held before their update): held at its gate with 4 as well, it saves 4
+        # for its shard (CI's clean-clone run met it once in 1457 tests)
+        assert res.codes[1] == SAVED and "worker 1: injecting" not in res.logs[1], res.all_logs()
+        check_saved(res, 4, [1, 2])
 
 
 def test_rank0_hung_its_controller_declares_it_hung(tmp_path):
